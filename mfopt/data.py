@@ -1,0 +1,988 @@
+"""Datasets and deterministic per-worker batching.
+
+Three pieces:
+
+* **Sources.** A *source* (:class:`Source`) is anything with ``__len__`` and
+  ``get(indices, rng) -> {"x": ..., "y": ...}``: random access to examples by
+  index, with training augmentation drawn from ``rng`` when one is given and no
+  augmentation when ``rng is None`` (evaluation). :class:`ArraySource` holds
+  in-memory NumPy arrays; :class:`TFDSSource` reads a prepared TFDS dataset
+  through ``tfds.data_source`` (ArrayRecord random access, no TensorFlow).
+* **Datasets.** :func:`load` builds a :class:`Dataset` (a train and a test
+  source plus shapes and JSON-serialisable ``meta``) by name from a registry.
+  ``digits``, ``mnist1d``, ``synthetic`` and ``textcorpus`` ship offline;
+  ``mnist``, ``cifar10``, ``cifar100``, ``imagenet2012`` and ``tiny_shakespeare``
+  need a prepared TFDS data dir.
+* **Batching.** :class:`WorkerBatcher` gives every worker its own
+  deterministic stream. ``batcher.batch(step)`` is a pure function of
+  ``(seed, step)``: a run resumes exactly from a step number, and at equal global
+  batch every worker count processes the same examples with the same
+  augmentation. :func:`eval_batches` walks a whole source in fixed order.
+
+Example:
+
+>>> ds = load("digits")
+>>> batcher = WorkerBatcher(ds.train, num_workers=4, per_worker_batch=8, seed=0)
+>>> batch = batcher.batch(0)
+>>> batch["x"].shape, batch["y"].shape
+((4, 8, 8, 8, 1), (4, 8))
+
+This module uses NumPy only (plus scikit-learn, mnist1d, TFDS and PIL, each
+imported when a dataset needs it); it never imports JAX or TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import os
+import pathlib
+import random
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+Augment = Callable[[np.ndarray, np.random.Generator], np.ndarray]
+Preprocess = Callable[[Mapping[str, Any], "np.random.Generator | None"], Batch]
+
+TASKS = ("classification", "language_model")
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  return int(value)
+
+
+def _check_nonnegative_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+  return int(value)
+
+
+# ------------------------------------------------------------------------------
+# Sources.
+# ------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Source(Protocol):
+  """Random access to the examples of one split.
+
+  ``get(indices, rng)`` returns ``{"x": ..., "y": ...}`` with a leading axis of
+  ``len(indices)``, in the order of ``indices``. With a generator ``rng`` it
+  applies training augmentation drawn from it; with ``rng=None`` (evaluation)
+  the result is a deterministic function of ``indices``.
+  """
+
+  def __len__(self) -> int:
+    ...
+
+  def get(self, indices: np.ndarray, rng: np.random.Generator | None) -> Batch:
+    ...
+
+
+class ArraySource:
+  """A source over in-memory arrays, gathered with fancy indexing.
+
+  Args:
+    x: inputs, shape ``(N, *input_shape)``.
+    y: targets, shape ``(N, ...)``.
+    augment: optional ``augment(x_batch, rng) -> x_batch`` applied to the
+      gathered inputs when :meth:`get` is given a generator.
+  """
+
+  def __init__(self, x: np.ndarray, y: np.ndarray, augment: Augment | None = None):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.ndim == 0 or y.ndim == 0:
+      raise ValueError(f"x and y need a leading example axis, got shapes {x.shape} and {y.shape}")
+    if len(x) != len(y):
+      raise ValueError(f"x and y must hold the same number of examples, got len(x)={len(x)} "
+                       f"and len(y)={len(y)}")
+    self.x, self.y, self.augment = x, y, augment
+
+  def __len__(self) -> int:
+    return len(self.x)
+
+  def get(self, indices: np.ndarray, rng: np.random.Generator | None = None) -> Batch:
+    indices = np.asarray(indices)
+    x = self.x[indices]
+    if rng is not None and self.augment is not None:
+      x = self.augment(x, rng)
+    return {"x": x, "y": self.y[indices]}
+
+  def __repr__(self) -> str:
+    return (f"ArraySource(x={self.x.dtype}{list(self.x.shape)}, y={self.y.dtype}{list(self.y.shape)}, "
+            f"augment={getattr(self.augment, '__name__', self.augment)})")
+
+
+class DatasetNotPreparedError(FileNotFoundError):
+  """A TFDS dataset is not prepared (in a random-access format) in the data dir."""
+
+
+# How to obtain each dataset, beyond `tfds build`.
+_PREPARE_HINTS = {
+    "imagenet2012": ("ImageNet needs a manual download: put ILSVRC2012_img_train.tar and "
+                     "ILSVRC2012_img_val.tar in {data_dir}/downloads/manual first. "),
+}
+
+
+def tfds_data_dir(data_dir: str | os.PathLike | None = None) -> str:
+  """``data_dir`` if given, else ``$TFDS_DATA_DIR``, else ``~/tensorflow_datasets``."""
+  if data_dir is None:
+    data_dir = os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
+  return os.path.expanduser(os.fspath(data_dir))
+
+
+def _not_prepared_message(name: str, data_dir: str, why: str) -> str:
+  hint = _PREPARE_HINTS.get(name, "").format(data_dir=data_dir)
+  return (f"TFDS dataset {name!r} {why} (data_dir={data_dir!r}, searched "
+          f"{os.path.join(data_dir, name)}). {hint}To prepare it, run `tfds build {name} "
+          f"--data_dir {data_dir} --file_format=array_record` on a machine with internet access, "
+          f"or copy a prepared {name}/ directory (array_record format) into {data_dir}; "
+          f"or pass data_dir= / set $TFDS_DATA_DIR to a directory that holds one.")
+
+
+def open_tfds(name: str, *, split: str, data_dir: str | os.PathLike | None = None):
+  """``tfds.data_source(name, split=split, data_dir=data_dir, download=False)``.
+
+  Never downloads. Failures to open are diagnosed: a dataset that is not
+  prepared in ``data_dir``, or is prepared only as TFRecord (which has no random
+  access), raises :class:`DatasetNotPreparedError` naming the dataset, the
+  directory searched, and how to prepare it. (TFDS itself reports a missing
+  registered dataset as ``NotImplementedError: Random access data source for
+  file format FileFormat.TFRECORD is not supported``.) An unknown name raises
+  TFDS's own ``DatasetNotFoundError``, which lists the known names.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  data_dir = tfds_data_dir(data_dir)
+  try:
+    return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+  except Exception as err:  # pylint: disable=broad-except
+    try:
+      builder = tfds.builder(name, data_dir=data_dir)
+      prepared = builder.is_prepared()
+      file_format = str(getattr(builder.info, "file_format", "") or "")
+    except Exception:  # pylint: disable=broad-except
+      raise err from None  # Not a TFDS name (TFDS lists the known ones), or worse.
+    if not prepared:
+      raise DatasetNotPreparedError(_not_prepared_message(name, data_dir, "is not prepared")) from err
+    if "TFRECORD" in file_format.upper():
+      raise DatasetNotPreparedError(_not_prepared_message(
+          name, data_dir, "is prepared only as TFRecord, which has no random access")) from err
+    raise
+
+
+class TFDSSource:
+  """A source reading one split of a prepared TFDS dataset, one example at a time.
+
+  Built on ``tfds.data_source`` (random access over ArrayRecord files; works
+  without TensorFlow). Each example (a dict of NumPy values as TFDS decodes it)
+  goes through ``preprocess(example, rng) -> {"x": ..., "y": ...}``, with
+  ``rng=None`` at evaluation; the per-example results are stacked. Examples are
+  read one by one with ``__getitem__`` (``tfds.testing.mock_data`` does not
+  support the batched ``__getitems__``).
+
+  Args:
+    name: TFDS name, e.g. ``"cifar10"``.
+    split: TFDS split, e.g. ``"train"``.
+    preprocess: per-example ``preprocess(example, rng)``.
+    data_dir: TFDS data dir; see :func:`tfds_data_dir`.
+  """
+
+  def __init__(self, name: str, *, split: str, preprocess: Preprocess,
+               data_dir: str | os.PathLike | None = None):
+    self.name, self.split, self.preprocess = name, split, preprocess
+    self.data_dir = tfds_data_dir(data_dir)
+    self._source = open_tfds(name, split=split, data_dir=self.data_dir)
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def get(self, indices: np.ndarray, rng: np.random.Generator | None = None) -> Batch:
+    indices = np.asarray(indices).reshape(-1)
+    if indices.size == 0:
+      raise ValueError(f"indices must be non-empty, got {indices!r}")
+    examples = [self.preprocess(self._source[int(i)], rng) for i in indices]
+    return {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
+
+  def __repr__(self) -> str:
+    return f"TFDSSource({self.name!r}, split={self.split!r}, data_dir={self.data_dir!r})"
+
+
+# ------------------------------------------------------------------------------
+# Datasets and the registry.
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """A train and a test source with what a model and a report need to know.
+
+  Attributes:
+    name: registry name.
+    train: training source.
+    test: test (or validation) source.
+    num_classes: number of classes; the vocabulary size for a language model.
+    input_shape: shape of one example's ``x``, e.g. ``(40, 1)`` for mnist1d,
+      ``(8, 8, 1)`` for digits, ``(32, 32, 3)`` for CIFAR, ``(seq_len,)`` for text.
+    task: ``"classification"`` or ``"language_model"`` (``y`` is then the next
+      token at every position, shape ``(seq_len,)``).
+    meta: JSON-serialisable facts for reports: sizes, description, source.
+  """
+
+  name: str
+  train: Source
+  test: Source
+  num_classes: int
+  input_shape: tuple[int, ...]
+  task: str = "classification"
+  meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.task not in TASKS:
+      raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+
+
+_LOADERS: dict[str, Callable[..., Dataset]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., Dataset]], Callable[..., Dataset]]:
+  """Decorator adding ``loader(**kwargs) -> Dataset`` to the :func:`load` registry."""
+
+  def decorator(loader: Callable[..., Dataset]) -> Callable[..., Dataset]:
+    if name in _LOADERS:
+      raise ValueError(f"dataset name {name!r} is already registered")
+    _LOADERS[name] = loader
+    return loader
+
+  return decorator
+
+
+def registered() -> tuple[str, ...]:
+  """The names :func:`load` knows, sorted."""
+  return tuple(sorted(_LOADERS))
+
+
+def load(name: str, **kwargs: Any) -> Dataset:
+  """Builds the dataset registered as ``name``, passing ``kwargs`` to its loader.
+
+  Args:
+    name: one of :func:`registered`: ``cifar10``, ``cifar100``, ``digits``,
+      ``imagenet2012``, ``mnist``, ``mnist1d``, ``synthetic``, ``textcorpus``,
+      ``tiny_shakespeare``.
+    **kwargs: loader options (see the loader functions of the same name in
+      this module, e.g. :func:`load_mnist1d`).
+
+  Returns:
+    A :class:`Dataset`.
+  """
+  try:
+    loader = _LOADERS[name]
+  except (KeyError, TypeError):
+    raise ValueError(f"unknown dataset name {name!r}; known names: {', '.join(registered())}") from None
+  return loader(**kwargs)
+
+
+def cache_dir() -> pathlib.Path:
+  """``$MFOPT_CACHE`` if set, else ``~/.cache/mfopt`` (not created here)."""
+  return pathlib.Path(os.environ.get("MFOPT_CACHE") or "~/.cache/mfopt").expanduser()
+
+
+def _save_npz_atomic(path: pathlib.Path, **arrays: np.ndarray) -> None:
+  """Writes ``arrays`` to ``path`` via a temporary file and ``os.replace``."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      np.savez(f, **arrays)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+# --- digits -------------------------------------------------------------------
+
+DIGITS_NUM_TEST = 360
+
+
+@register("digits")
+def load_digits() -> Dataset:
+  """scikit-learn's bundled 8x8 handwritten digits (1,797 images; no download).
+
+  The split is fixed and uses no random numbers: the last 360 images (about
+  20%, 33-37 per class) are the test set, the first 1,437 the training set.
+  ``x`` is float32 in ``[0, 1]`` (pixel counts 0..16 divided by 16), shape
+  ``(N, 8, 8, 1)``; ``y`` is int32.
+  """
+  from sklearn import datasets as sk_datasets  # pylint: disable=g-import-not-at-top
+
+  digits = sk_datasets.load_digits()
+  x = (digits.images / 16.0).astype(np.float32)[..., None]
+  y = digits.target.astype(np.int32)
+  n_train = len(y) - DIGITS_NUM_TEST
+  return Dataset(
+      name="digits",
+      train=ArraySource(x[:n_train], y[:n_train]),
+      test=ArraySource(x[n_train:], y[n_train:]),
+      num_classes=10,
+      input_shape=(8, 8, 1),
+      meta={"num_train": n_train, "num_test": DIGITS_NUM_TEST,
+            "description": "UCI optical handwritten digits, 8x8 grey levels 0..16, scaled to [0, 1]",
+            "source": "sklearn.datasets.load_digits (bundled with scikit-learn)",
+            "split": f"first {n_train} train, last {DIGITS_NUM_TEST} test (sklearn order)"},
+  )
+
+
+# --- mnist1d ------------------------------------------------------------------
+
+
+def _generate_mnist1d(args: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+  """Runs ``mnist1d.data.make_dataset`` and returns all ``(x, y)`` in its order.
+
+  ``make_dataset`` seeds NumPy's and Python's global generators; their state is
+  restored afterwards so loading data does not perturb the caller's randomness.
+  """
+  from mnist1d import data as mnist1d_data  # pylint: disable=g-import-not-at-top
+  from mnist1d import utils as mnist1d_utils  # pylint: disable=g-import-not-at-top
+
+  np_state, py_state = np.random.get_state(), random.getstate()
+  try:
+    full = mnist1d_data.get_dataset_args(as_dict=True)
+    full.update(args)
+    data = mnist1d_data.make_dataset(mnist1d_utils.ObjectView(full))
+  finally:
+    np.random.set_state(np_state)
+    random.setstate(py_state)
+  x = np.concatenate([data["x"], data["x_test"]]).astype(np.float32)
+  y = np.concatenate([data["y"], data["y_test"]]).astype(np.int32)
+  return x, y
+
+
+@register("mnist1d")
+def load_mnist1d(num_train: int = 4000, num_test: int = 1000, seed: int = 42,
+                 cache: bool = True) -> Dataset:
+  """MNIST-1D (Greydanus, 2020), generated locally by ``mnist1d.data.make_dataset``.
+
+  The generator's arguments are ``mnist1d.data.get_dataset_args()`` with
+  ``num_samples``, ``train_split`` and ``seed`` overridden; the dataset is
+  never downloaded (``mnist1d.data.get_dataset`` would). The defaults, 4000
+  train / 1000 test with seed 42 (``num_samples=5000, train_split=0.8``), are
+  the paper's dataset. ``make_dataset`` makes ``num_samples // 10`` examples per
+  class, so ``num_samples`` is ``num_train + num_test`` rounded up to a multiple
+  of 10 and the extra (shuffled) examples are dropped. The first ``num_train``
+  of the generator's shuffled order are the training set.
+
+  ``x`` is float32, shape ``(N, 40, 1)`` (a 1-D signal with a channel axis),
+  standardised with the scalar mean and standard deviation of the training
+  set; ``y`` is int32.
+
+  Generation is single-threaded Python: 5,000 examples take about 1.1 s and
+  100,000 about 24 s (measured on one core of this project's CPU machine), so
+  the raw arrays are cached as ``mnist1d_<hash>.npz`` under :func:`cache_dir`,
+  keyed by the generator arguments and written atomically (temporary file +
+  ``os.replace``); a cache hit takes milliseconds.
+
+  Args:
+    num_train: training examples.
+    num_test: test examples.
+    seed: generator seed (the paper's is 42).
+    cache: read and write the ``.npz`` cache.
+  """
+  num_train = _check_positive_int("num_train", num_train)
+  num_test = _check_positive_int("num_test", num_test)
+  seed = _check_nonnegative_int("seed", seed)
+  total = num_train + num_test
+  num_samples = 10 * math.ceil(total / 10)
+  # `train_split` only moves the split point inside make_dataset; we split the
+  # concatenated output ourselves, so it stays out of the cache key.
+  gen_args = {"num_samples": num_samples, "seed": seed}
+  from mnist1d import data as mnist1d_data  # pylint: disable=g-import-not-at-top
+
+  key_args = mnist1d_data.get_dataset_args(as_dict=True)
+  key_args.pop("url", None)
+  key_args.pop("train_split", None)
+  key_args.update(gen_args)
+  key = hashlib.sha256(json.dumps(key_args, sort_keys=True).encode()).hexdigest()[:16]
+  path = cache_dir() / f"mnist1d_{key}.npz"
+
+  if cache and path.exists():
+    with np.load(path) as f:
+      x, y = f["x"], f["y"]
+  else:
+    x, y = _generate_mnist1d({**gen_args, "train_split": num_train / num_samples})
+    if cache:
+      _save_npz_atomic(path, x=x, y=y)
+
+  x, y = x[:total, :, None], y[:total]
+  mean, std = float(x[:num_train].mean(dtype=np.float64)), float(x[:num_train].std(dtype=np.float64))
+  x = ((x - mean) / std).astype(np.float32)
+  return Dataset(
+      name="mnist1d",
+      train=ArraySource(x[:num_train], y[:num_train]),
+      test=ArraySource(x[num_train:], y[num_train:]),
+      num_classes=10,
+      input_shape=(40, 1),
+      meta={"num_train": num_train, "num_test": num_test,
+            "description": "MNIST-1D: 1-D signals of length 40 made from 10 digit templates "
+                           "(Greydanus 2020), standardised with training statistics",
+            "source": "mnist1d.data.make_dataset, generated locally",
+            "generator_args": key_args, "train_mean": mean, "train_std": std,
+            "cache_file": str(path) if cache else None},
+  )
+
+
+# --- synthetic ----------------------------------------------------------------
+
+
+@register("synthetic")
+def load_synthetic(num_train: int = 1024, num_test: int = 256,
+                   input_shape: Sequence[int] | None = None, num_classes: int = 10,
+                   seed: int = 0, task: str = "classification") -> Dataset:
+  """Random arrays of any shape, for throughput work (nothing to learn).
+
+  Classification: ``x`` standard normal float32 of shape ``input_shape``
+  (default ``(32, 32, 3)``), ``y`` uniform int32 labels in ``[0, num_classes)``.
+  Language model: random int32 token sequences in ``[0, num_classes)`` of
+  length ``seq_len + 1`` with ``input_shape=(seq_len,)`` (default ``(64,)``),
+  ``x = tokens[:-1]``, ``y = tokens[1:]``. Train and test use the generators
+  ``default_rng([seed, 0])`` and ``default_rng([seed, 1])``.
+  """
+  num_train = _check_positive_int("num_train", num_train)
+  num_test = _check_positive_int("num_test", num_test)
+  num_classes = _check_positive_int("num_classes", num_classes)
+  seed = _check_nonnegative_int("seed", seed)
+  if task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+  lm = task == "language_model"
+  if input_shape is None:
+    input_shape = (64,) if lm else (32, 32, 3)
+  try:
+    input_shape = tuple(_check_positive_int("input_shape entries", d) for d in input_shape)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"input_shape must be a sequence of positive integers, got {input_shape!r}") from None
+  if lm and len(input_shape) != 1:
+    raise ValueError(f"input_shape must be (seq_len,) for task='language_model', got {input_shape!r}")
+
+  def make(n, stream):
+    rng = np.random.default_rng([seed, stream])
+    if lm:
+      tokens = rng.integers(0, num_classes, size=(n, input_shape[0] + 1), dtype=np.int32)
+      return ArraySource(tokens[:, :-1], tokens[:, 1:])
+    x = rng.standard_normal((n, *input_shape), dtype=np.float32)
+    return ArraySource(x, rng.integers(0, num_classes, size=n, dtype=np.int32))
+
+  return Dataset(
+      name="synthetic", train=make(num_train, 0), test=make(num_test, 1),
+      num_classes=num_classes, input_shape=input_shape, task=task,
+      meta={"num_train": num_train, "num_test": num_test, "seed": seed,
+            "description": f"random {'tokens' if lm else 'Gaussian inputs and labels'} "
+                           "for throughput measurements",
+            "source": "numpy.random.default_rng"},
+  )
+
+
+# --- character-level text -----------------------------------------------------
+
+
+def char_vocabulary(text: str) -> str:
+  """The sorted distinct characters of ``text``; token ``i`` is ``vocab[i]``."""
+  return "".join(sorted(set(text)))
+
+
+def encode_chars(text: str, vocab: str) -> np.ndarray:
+  """Maps every character of ``text`` to its index in ``vocab`` (int32)."""
+  codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+  table = np.frombuffer(vocab.encode("utf-32-le"), dtype=np.uint32)
+  tokens = np.searchsorted(table, codes)
+  found = table[np.minimum(tokens, len(table) - 1)] == codes if len(table) else np.zeros_like(codes, bool)
+  if not found.all():
+    missing = sorted(set(text) - set(vocab))
+    raise ValueError(f"text has characters outside vocab: {''.join(missing)!r}")
+  return tokens.astype(np.int32)
+
+
+def char_sequences(tokens: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Cuts a token stream into ``(x, y)`` next-token pairs of shape ``(N, seq_len)``.
+
+  Sequence ``i`` covers ``tokens[i*seq_len : (i+1)*seq_len + 1]`` (consecutive
+  sequences share one boundary token); ``x`` is its first ``seq_len`` tokens,
+  ``y`` its last ``seq_len``, so ``y[i, t] = x[i, t + 1]`` and every token after
+  the first is a target exactly once. The incomplete tail is dropped.
+  """
+  seq_len = _check_positive_int("seq_len", seq_len)
+  n = (len(tokens) - 1) // seq_len
+  if n < 1:
+    raise ValueError(f"seq_len={seq_len} leaves no complete sequence in {len(tokens)} tokens")
+  stream = np.asarray(tokens, dtype=np.int32)[: n * seq_len + 1]
+  return stream[:-1].reshape(n, seq_len), stream[1:].reshape(n, seq_len)
+
+
+# Modules whose docstrings make up `textcorpus` (sorted; ~347k characters on
+# CPython 3.11). Chosen for long, well-written English prose and no import-time
+# side effects.
+TEXTCORPUS_MODULES = (
+    "argparse", "ast", "calendar", "collections", "configparser", "contextlib", "csv",
+    "dataclasses", "difflib", "doctest", "email.message", "enum", "functools", "http.client",
+    "inspect", "itertools", "json", "logging", "os", "pathlib", "random", "re", "shutil",
+    "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading",
+    "typing", "unittest.case", "unittest.mock", "urllib.parse", "zipfile",
+)
+
+
+def _own_doc(obj: Any) -> str | None:
+  doc = getattr(obj, "__doc__", None)
+  return inspect.cleandoc(doc) if isinstance(doc, str) and doc.strip() else None
+
+
+def _module_docs(module_name: str) -> list[str]:
+  """Own docstrings of a module, its public classes and functions and their methods."""
+  module = importlib.import_module(module_name)
+  docs = [_own_doc(module)]
+  for name in sorted(vars(module)):
+    obj = vars(module)[name]
+    if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
+      continue
+    if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+      continue
+    docs.append(_own_doc(obj))
+    if inspect.isclass(obj):
+      for member_name in sorted(vars(obj)):
+        member = vars(obj)[member_name]
+        if member_name.startswith("_"):
+          continue
+        if isinstance(member, (staticmethod, classmethod)):
+          member = member.__func__
+        if inspect.isfunction(member) or isinstance(member, property):
+          docs.append(_own_doc(member))
+  return [d for d in docs if d]
+
+
+@functools.cache
+def textcorpus_text() -> str:
+  """The ``textcorpus`` text: docstrings of :data:`TEXTCORPUS_MODULES`, in order.
+
+  Per module: the module docstring, then for each public class or function
+  defined there (sorted by name) its own docstring (``inspect.cleandoc``; no
+  inherited ones) followed, for classes, by its public methods' and properties'
+  docstrings (sorted by name). Documents are joined by a blank line. The text
+  is deterministic for a given Python version; docstrings change between
+  CPython releases, so ``meta`` records the version and a SHA-256.
+  """
+  docs: list[str] = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # e.g. typing.io on 3.11
+    for module_name in TEXTCORPUS_MODULES:
+      docs.extend(_module_docs(module_name))
+  return "\n\n".join(docs)
+
+
+def _char_lm_dataset(name: str, train_text: str, test_text: str, vocab: str, seq_len: int,
+                     meta: dict[str, Any]) -> Dataset:
+  x_train, y_train = char_sequences(encode_chars(train_text, vocab), seq_len)
+  x_test, y_test = char_sequences(encode_chars(test_text, vocab), seq_len)
+  return Dataset(
+      name=name,
+      train=ArraySource(x_train, y_train),
+      test=ArraySource(x_test, y_test),
+      num_classes=len(vocab),
+      input_shape=(seq_len,),
+      task="language_model",
+      meta={"num_train": len(x_train), "num_test": len(x_test), "seq_len": seq_len,
+            "vocab_size": len(vocab), "vocab": vocab, "train_chars": len(train_text),
+            "test_chars": len(test_text), **meta},
+  )
+
+
+@register("textcorpus")
+def load_textcorpus(seq_len: int = 64) -> Dataset:
+  """Character-level English corpus built offline from Python's own documentation.
+
+  The default corpus for the LSTM language-model experiment: tiny_shakespeare
+  cannot be downloaded on this project's machines, while this text ships with
+  every Python. It is :func:`textcorpus_text` (the docstrings of 35 standard
+  library modules, :data:`TEXTCORPUS_MODULES`; 346,933 characters and 100
+  distinct ones on CPython 3.11), split contiguously into the first 90% of
+  characters for training and the last 10% for validation (the ``test``
+  source). The vocabulary is the sorted characters of the whole text and is in
+  ``meta["vocab"]``. Each split is cut by :func:`char_sequences`:
+  ``x = tokens[:-1]``, ``y = tokens[1:]`` per sequence, both ``(N, seq_len)``
+  int32.
+
+  Args:
+    seq_len: characters per input sequence.
+  """
+  seq_len = _check_positive_int("seq_len", seq_len)
+  text = textcorpus_text()
+  cut = int(0.9 * len(text))
+  return _char_lm_dataset(
+      "textcorpus", text[:cut], text[cut:], char_vocabulary(text), seq_len,
+      meta={"description": "character-level English prose: docstrings of "
+                           f"{len(TEXTCORPUS_MODULES)} Python standard-library modules",
+            "source": f"inspect over CPython {sys.version.split()[0]} standard library",
+            "modules": list(TEXTCORPUS_MODULES),
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "split": "first 90% of characters train, last 10% validation"},
+  )
+
+
+# --- image preprocessing (NumPy + PIL) ----------------------------------------
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def random_crop_flip(image: np.ndarray, rng: np.random.Generator, padding: int = 4) -> np.ndarray:
+  """Zero-pads ``padding`` pixels per side, crops back to the input size at a
+  uniformly random offset, and flips horizontally with probability 1/2.
+
+  ``image`` is ``(H, W, C)``; torchvision's ``RandomCrop(32, padding=4)`` +
+  ``RandomHorizontalFlip()`` on CIFAR.
+  """
+  h, w = image.shape[:2]
+  padded = np.pad(image, ((padding, padding), (padding, padding), (0, 0)))
+  top, left = rng.integers(0, 2 * padding + 1, size=2)
+  out = padded[top:top + h, left:left + w]
+  if rng.random() < 0.5:
+    out = out[:, ::-1]
+  return out
+
+
+def _resize(image: np.ndarray, size_hw: tuple[int, int],
+            box: tuple[int, int, int, int] | None = None) -> np.ndarray:
+  """Bilinear resize of a uint8 ``(H, W, C)`` image (optionally of the crop
+  ``box = (left, top, right, bottom)``) to ``size_hw`` with PIL."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  squeeze = image.ndim == 3 and image.shape[-1] == 1
+  pil = Image.fromarray(np.ascontiguousarray(image[..., 0] if squeeze else image))
+  out = np.asarray(pil.resize((size_hw[1], size_hw[0]), Image.BILINEAR, box=box))
+  return out[..., None] if squeeze else out
+
+
+def random_resized_crop(image: np.ndarray, rng: np.random.Generator, size: int = 224,
+                        scale: tuple[float, float] = (0.08, 1.0),
+                        ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> np.ndarray:
+  """Inception-style crop: a random area fraction and aspect ratio, resized to ``size``.
+
+  torchvision's ``RandomResizedCrop`` algorithm: up to 10 tries of an area
+  fraction ``U(scale)`` of the image and a log-uniform aspect ratio in
+  ``ratio``; if no try fits, a center crop with the ratio clamped to ``ratio``.
+  Bilinear resampling (PIL). Returns uint8 ``(size, size, C)``.
+  """
+  h, w = image.shape[:2]
+  area = h * w
+  log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+  for _ in range(10):
+    target_area = area * rng.uniform(scale[0], scale[1])
+    aspect = math.exp(rng.uniform(*log_ratio))
+    cw = int(round(math.sqrt(target_area * aspect)))
+    ch = int(round(math.sqrt(target_area / aspect)))
+    if 0 < cw <= w and 0 < ch <= h:
+      top = int(rng.integers(0, h - ch + 1))
+      left = int(rng.integers(0, w - cw + 1))
+      break
+  else:
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+      cw, ch = w, int(round(w / ratio[0]))
+    elif in_ratio > ratio[1]:
+      ch, cw = h, int(round(h * ratio[1]))
+    else:
+      cw, ch = w, h
+    top, left = (h - ch) // 2, (w - cw) // 2
+  return _resize(image, (size, size), box=(left, top, left + cw, top + ch))
+
+
+def resize_center_crop(image: np.ndarray, size: int = 224, resize_size: int = 256) -> np.ndarray:
+  """Resizes the shorter side to ``resize_size`` (bilinear), then center-crops ``size``.
+
+  The standard ImageNet evaluation transform. Returns uint8 ``(size, size, C)``.
+  """
+  h, w = image.shape[:2]
+  if h <= w:
+    nh, nw = resize_size, max(resize_size, int(round(w * resize_size / h)))
+  else:
+    nh, nw = max(resize_size, int(round(h * resize_size / w))), resize_size
+  resized = _resize(image, (nh, nw))
+  top, left = int(round((nh - size) / 2.0)), int(round((nw - size) / 2.0))
+  return resized[top:top + size, left:left + size]
+
+
+def _normalize(image: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+  x = image.astype(np.float32) / 255.0
+  return (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+
+
+def mnist_preprocess(example: Mapping[str, Any], rng: np.random.Generator | None = None) -> Batch:
+  """TFDS MNIST example -> ``x`` float32 ``(28, 28, 1)`` in ``[0, 1]``, ``y`` int32. No augmentation."""
+  del rng
+  return {"x": np.asarray(example["image"], np.float32) / 255.0,
+          "y": np.asarray(example["label"], np.int32)}
+
+
+def make_cifar_preprocess(mean: Sequence[float], std: Sequence[float],
+                          augment: bool = True) -> Preprocess:
+  """CIFAR example -> normalised float32 ``(32, 32, 3)``; training: pad-4 crop + flip."""
+
+  def preprocess(example: Mapping[str, Any], rng: np.random.Generator | None = None) -> Batch:
+    image = np.asarray(example["image"])
+    if rng is not None and augment:
+      image = random_crop_flip(image, rng, padding=4)
+    return {"x": _normalize(image, mean, std), "y": np.asarray(example["label"], np.int32)}
+
+  return preprocess
+
+
+def make_imagenet_preprocess(size: int = 224, resize_size: int = 256) -> Preprocess:
+  """ImageNet example -> normalised float32 ``(size, size, 3)``.
+
+  Training (``rng`` given): :func:`random_resized_crop` with scale
+  ``(0.08, 1)`` and ratio ``(3/4, 4/3)``, then a horizontal flip with
+  probability 1/2. Evaluation: :func:`resize_center_crop` (shorter side to
+  ``resize_size``, center ``size`` crop). Both normalise with the ImageNet
+  channel mean and standard deviation.
+  """
+
+  def preprocess(example: Mapping[str, Any], rng: np.random.Generator | None = None) -> Batch:
+    image = np.asarray(example["image"])
+    if rng is not None:
+      image = random_resized_crop(image, rng, size=size)
+      if rng.random() < 0.5:
+        image = image[:, ::-1]
+    else:
+      image = resize_center_crop(image, size=size, resize_size=resize_size)
+    return {"x": _normalize(image, IMAGENET_MEAN, IMAGENET_STD),
+            "y": np.asarray(example["label"], np.int32)}
+
+  return preprocess
+
+
+# --- TFDS datasets ------------------------------------------------------------
+
+
+def _tfds_meta(name: str, train: TFDSSource, test: TFDSSource, description: str,
+               preprocessing: str) -> dict[str, Any]:
+  return {"num_train": len(train), "num_test": len(test), "description": description,
+          "source": f"tfds.data_source({name!r}) from {train.data_dir}",
+          "splits": [train.split, test.split], "preprocessing": preprocessing}
+
+
+@register("mnist")
+def load_mnist(data_dir: str | None = None) -> Dataset:
+  """MNIST from a prepared TFDS data dir: ``x`` in ``[0, 1]``, ``(28, 28, 1)``; no augmentation."""
+  train = TFDSSource("mnist", split="train", preprocess=mnist_preprocess, data_dir=data_dir)
+  test = TFDSSource("mnist", split="test", preprocess=mnist_preprocess, data_dir=data_dir)
+  return Dataset("mnist", train, test, num_classes=10, input_shape=(28, 28, 1),
+                 meta=_tfds_meta("mnist", train, test, "MNIST handwritten digits",
+                                 "scale to [0, 1]"))
+
+
+def _load_cifar(name: str, num_classes: int, mean, std, data_dir, augment) -> Dataset:
+  preprocess = make_cifar_preprocess(mean, std, augment=augment)
+  train = TFDSSource(name, split="train", preprocess=preprocess, data_dir=data_dir)
+  test = TFDSSource(name, split="test", preprocess=preprocess, data_dir=data_dir)
+  steps = "pad-4 random crop 32 + horizontal flip (train), " if augment else ""
+  return Dataset(name, train, test, num_classes=num_classes, input_shape=(32, 32, 3),
+                 meta=_tfds_meta(name, train, test, f"{name.upper()} 32x32 colour images",
+                                 f"{steps}per-channel normalisation mean={mean} std={std}"))
+
+
+@register("cifar10")
+def load_cifar10(data_dir: str | None = None, augment: bool = True) -> Dataset:
+  """CIFAR-10 from a prepared TFDS data dir; see :func:`make_cifar_preprocess`."""
+  return _load_cifar("cifar10", 10, CIFAR10_MEAN, CIFAR10_STD, data_dir, augment)
+
+
+@register("cifar100")
+def load_cifar100(data_dir: str | None = None, augment: bool = True) -> Dataset:
+  """CIFAR-100 (fine labels) from a prepared TFDS data dir; see :func:`make_cifar_preprocess`."""
+  return _load_cifar("cifar100", 100, CIFAR100_MEAN, CIFAR100_STD, data_dir, augment)
+
+
+@register("imagenet2012")
+def load_imagenet2012(data_dir: str | None = None, image_size: int = 224,
+                      resize_size: int = 256) -> Dataset:
+  """ImageNet-1k from a prepared TFDS data dir (validation split as test).
+
+  See :func:`make_imagenet_preprocess`. Decoding and resizing run per example
+  in Python; feed a large run from several host processes.
+  """
+  preprocess = make_imagenet_preprocess(image_size, resize_size)
+  train = TFDSSource("imagenet2012", split="train", preprocess=preprocess, data_dir=data_dir)
+  test = TFDSSource("imagenet2012", split="validation", preprocess=preprocess, data_dir=data_dir)
+  return Dataset("imagenet2012", train, test, num_classes=1000,
+                 input_shape=(image_size, image_size, 3),
+                 meta=_tfds_meta("imagenet2012", train, test, "ImageNet ILSVRC-2012, 1000 classes",
+                                 f"train: random-resized-crop {image_size} (scale (0.08, 1), ratio "
+                                 f"(3/4, 4/3)) + flip; eval: resize {resize_size} + center crop "
+                                 f"{image_size}; ImageNet mean/std normalisation"))
+
+
+def _tfds_text(name: str, split: str, data_dir: str | None) -> str:
+  source = open_tfds(name, split=split, data_dir=data_dir)
+  texts = [source[i]["text"] for i in range(len(source))]
+  return "".join(t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in texts)
+
+
+@register("tiny_shakespeare")
+def load_tiny_shakespeare(data_dir: str | None = None, seq_len: int = 64,
+                          test_split: str = "test") -> Dataset:
+  """Tiny Shakespeare (Karpathy's char-rnn corpus) from a prepared TFDS data dir.
+
+  Each split is one example whose ``text`` feature is the whole text (the texts
+  of all examples of a split are concatenated in order). The character
+  vocabulary is the sorted characters of the train and ``test_split`` texts
+  (``meta["vocab"]``); sequences are cut like ``textcorpus``
+  (:func:`char_sequences`).
+  """
+  seq_len = _check_positive_int("seq_len", seq_len)
+  train_text = _tfds_text("tiny_shakespeare", "train", data_dir)
+  test_text = _tfds_text("tiny_shakespeare", test_split, data_dir)
+  return _char_lm_dataset(
+      "tiny_shakespeare", train_text, test_text, char_vocabulary(train_text + test_text), seq_len,
+      meta={"description": "Tiny Shakespeare, character level",
+            "source": f"tfds.data_source('tiny_shakespeare') from {tfds_data_dir(data_dir)}",
+            "splits": ["train", test_split]})
+
+
+# ------------------------------------------------------------------------------
+# Batching.
+# ------------------------------------------------------------------------------
+
+
+class WorkerBatcher:
+  """Deterministic, step-addressable batches for ``num_workers`` workers.
+
+  ``batch(step)`` depends only on ``(seed, step)`` and the source: with
+  ``G = num_workers * per_worker_batch`` and ``S = len(source) // G`` steps per
+  epoch (the remainder of each epoch is dropped),
+
+  * ``epoch = step // S``; the epoch's order is
+    ``np.random.default_rng([seed, epoch]).permutation(len(source))``
+    (``arange`` when ``shuffle=False``);
+  * the step takes the slice ``[(step % S) * G, (step % S + 1) * G)`` of that
+    order and splits it into ``num_workers`` contiguous chunks, worker ``w``
+    getting chunk ``w``;
+  * augmentation (``train=True``) draws from
+    ``np.random.default_rng([seed, step, 1])`` over the whole global batch.
+
+  So a run resumes exactly from a step number, every example is seen exactly
+  once per epoch (minus the dropped remainder) across all workers, and two
+  worker counts with equal global batch process the same examples, with the
+  same augmentation, at every step.
+
+  Args:
+    source: a :class:`Source`.
+    num_workers: workers ``W``.
+    per_worker_batch: examples per worker per step ``B``.
+    seed: non-negative integer.
+    train: apply the source's augmentation.
+    shuffle: permute each epoch (else fixed index order).
+  """
+
+  def __init__(self, source: Source, *, num_workers: int, per_worker_batch: int, seed: int,
+               train: bool = True, shuffle: bool = True):
+    self.source = source
+    self.num_workers = _check_positive_int("num_workers", num_workers)
+    self.per_worker_batch = _check_positive_int("per_worker_batch", per_worker_batch)
+    self.seed = _check_nonnegative_int("seed", seed)
+    self.train, self.shuffle = bool(train), bool(shuffle)
+    self.num_examples = len(source)
+    if self.num_examples <= 0:
+      raise ValueError(f"source must be non-empty, got len(source)={self.num_examples}")
+    if self.global_batch > self.num_examples:
+      raise ValueError(
+          f"global batch num_workers * per_worker_batch = {self.num_workers} * "
+          f"{self.per_worker_batch} = {self.global_batch} exceeds the dataset size "
+          f"{self.num_examples}")
+    self._cached_epoch: int | None = None
+    self._cached_order: np.ndarray | None = None
+
+  @property
+  def global_batch(self) -> int:
+    """``num_workers * per_worker_batch``."""
+    return self.num_workers * self.per_worker_batch
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """``len(source) // global_batch`` (the remainder is dropped)."""
+    return self.num_examples // self.global_batch
+
+  def epoch_of(self, step: int) -> int:
+    """The epoch ``step`` belongs to."""
+    return _check_nonnegative_int("step", step) // self.steps_per_epoch
+
+  def epoch_order(self, epoch: int) -> np.ndarray:
+    """The example order of ``epoch``, a permutation of ``range(len(source))``."""
+    epoch = _check_nonnegative_int("epoch", epoch)
+    if epoch != self._cached_epoch:
+      if self.shuffle:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+      else:
+        order = np.arange(self.num_examples)
+      self._cached_epoch, self._cached_order = epoch, order
+    return self._cached_order
+
+  def indices(self, step: int) -> np.ndarray:
+    """Example indices of ``step``, int array ``(num_workers, per_worker_batch)``."""
+    step = _check_nonnegative_int("step", step)
+    epoch, position = divmod(step, self.steps_per_epoch)
+    start = position * self.global_batch
+    order = self.epoch_order(epoch)
+    return order[start:start + self.global_batch].reshape(self.num_workers, self.per_worker_batch)
+
+  def batch(self, step: int) -> Batch:
+    """The batch of ``step``: each array has shape ``(num_workers, per_worker_batch, ...)``."""
+    idx = self.indices(step)
+    rng = np.random.default_rng([self.seed, int(step), 1]) if self.train else None
+    flat = self.source.get(idx.reshape(-1), rng)
+    return {k: v.reshape((self.num_workers, self.per_worker_batch) + v.shape[1:])
+            for k, v in flat.items()}
+
+  def __repr__(self) -> str:
+    return (f"WorkerBatcher({self.source!r}, num_workers={self.num_workers}, "
+            f"per_worker_batch={self.per_worker_batch}, seed={self.seed}, train={self.train}, "
+            f"shuffle={self.shuffle})")
+
+
+def eval_batches(source: Source, batch_size: int) -> Iterator[Batch]:
+  """Every example of ``source`` once, in index order, in batches of fixed shape.
+
+  Yields ``{"x", "y", "mask"}`` with leading axis ``batch_size``, without
+  augmentation (``rng=None``). The last batch is padded with zeros up to
+  ``batch_size`` so a jitted evaluation compiles once; ``mask`` (bool,
+  ``(batch_size,)``) is ``True`` exactly on real examples, so weight
+  per-example sums by it (``sum(mask)`` over all batches is ``len(source)``).
+  """
+  batch_size = _check_positive_int("batch_size", batch_size)
+  n = len(source)
+  for start in range(0, n, batch_size):
+    stop = min(start + batch_size, n)
+    batch = source.get(np.arange(start, stop), None)
+    pad = batch_size - (stop - start)
+    if pad:
+      batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+               for k, v in batch.items()}
+    mask = np.zeros(batch_size, dtype=bool)
+    mask[: stop - start] = True
+    batch["mask"] = mask
+    yield batch

@@ -1,0 +1,487 @@
+"""Tests for mfopt.data: datasets, sources, batching, preprocessing.
+
+TFDS datasets are tested two ways, both without TensorFlow and offline:
+``tfds.testing.mock_data(policy=MockPolicy.USE_CODE)`` (random examples from
+the builder's feature spec; ``tfds.data_source`` and ``__getitem__`` work under
+it, its ``__getitems__`` does not), and a real ArrayRecord ``tiny_shakespeare``
+prepared in a temporary directory from a few lines of text.
+"""
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from mfopt import data
+
+
+def _json_ok(meta):
+  return json.loads(json.dumps(meta)) == meta
+
+
+# --- registry -----------------------------------------------------------------
+
+
+def test_registry_names_and_unknown_name():
+  assert set(data.registered()) == {
+      "cifar10", "cifar100", "digits", "imagenet2012", "mnist", "mnist1d", "synthetic",
+      "textcorpus", "tiny_shakespeare"}
+  with pytest.raises(ValueError, match=r"unknown dataset name 'nope'.*digits.*mnist1d"):
+    data.load("nope")
+
+
+def test_register_rejects_duplicate_name():
+  with pytest.raises(ValueError, match="'digits' is already registered"):
+    data.register("digits")(lambda: None)
+
+
+# --- digits -------------------------------------------------------------------
+
+
+def test_digits_shapes_split_and_determinism():
+  from sklearn.datasets import load_digits
+  ds = data.load("digits")
+  assert (ds.name, ds.num_classes, ds.input_shape, ds.task) == ("digits", 10, (8, 8, 1), "classification")
+  assert ds.train.x.shape == (1437, 8, 8, 1) and ds.test.x.shape == (360, 8, 8, 1)
+  assert ds.train.x.dtype == np.float32 and ds.train.y.dtype == np.int32
+  assert ds.train.x.min() == 0.0 and ds.train.x.max() == 1.0
+  # The split is a partition of sklearn's order: first 1437 train, last 360 test.
+  ref = load_digits()
+  np.testing.assert_array_equal(ds.train.x[..., 0], ref.images[:1437] / 16.0)
+  np.testing.assert_array_equal(ds.test.x[..., 0], ref.images[1437:] / 16.0)
+  np.testing.assert_array_equal(np.concatenate([ds.train.y, ds.test.y]), ref.target)
+  np.testing.assert_array_equal(np.bincount(ds.test.y), [35, 36, 35, 37, 37, 37, 37, 36, 33, 37])
+  again = data.load("digits")
+  np.testing.assert_array_equal(again.test.x, ds.test.x)
+  assert ds.meta["num_train"] == 1437 and ds.meta["num_test"] == 360 and _json_ok(ds.meta)
+
+
+# --- mnist1d ------------------------------------------------------------------
+
+
+def test_mnist1d_defaults_match_paper_and_cache_round_trip(tmp_path, monkeypatch):
+  monkeypatch.setenv("MFOPT_CACHE", str(tmp_path))
+  np.random.seed(123)
+  random.seed(123)
+  before = np.random.random(), random.random()
+  np.random.seed(123)
+  random.seed(123)
+
+  ds = data.load("mnist1d")
+  # Loading does not disturb the global generators that make_dataset seeds.
+  assert (np.random.random(), random.random()) == before
+  assert (len(ds.train), len(ds.test), ds.input_shape, ds.num_classes) == (4000, 1000, (40, 1), 10)
+  assert ds.train.x.shape == (4000, 40, 1) and ds.test.x.shape == (1000, 40, 1)
+  assert ds.train.x.dtype == np.float32 and ds.train.y.dtype == np.int32
+  assert abs(float(ds.train.x.mean())) < 1e-5 and abs(float(ds.train.x.std()) - 1) < 1e-5
+  assert ds.meta["generator_args"]["num_samples"] == 5000 and ds.meta["generator_args"]["seed"] == 42
+  assert _json_ok(ds.meta)
+
+  # Same examples as the paper's split (make_dataset's own 0.8 split), up to
+  # the affine re-standardisation.
+  from mnist1d.data import get_dataset_args, make_dataset
+  ref = make_dataset(get_dataset_args())
+  np.testing.assert_array_equal(ds.train.y, ref["y"])
+  np.testing.assert_array_equal(ds.test.y, ref["y_test"])
+  m, s = ds.meta["train_mean"], ds.meta["train_std"]
+  np.testing.assert_allclose(ds.train.x[..., 0] * s + m, ref["x"], atol=1e-5)
+  np.testing.assert_allclose(ds.test.x[..., 0] * s + m, ref["x_test"], atol=1e-5)
+
+  files = sorted(os.listdir(tmp_path))
+  assert len(files) == 1 and files[0].startswith("mnist1d_") and files[0].endswith(".npz"), files
+
+  def fail(*args, **kwargs):
+    raise AssertionError("mnist1d regenerated despite the cache")
+
+  monkeypatch.setattr(data, "_generate_mnist1d", fail)
+  cached = data.load("mnist1d")
+  for a, b in [(cached.train.x, ds.train.x), (cached.train.y, ds.train.y),
+               (cached.test.x, ds.test.x), (cached.test.y, ds.test.y)]:
+    np.testing.assert_array_equal(a, b)
+  # Another split of the same 5000 generated examples hits the same cache file.
+  resplit = data.load("mnist1d", num_train=4500, num_test=500)
+  np.testing.assert_array_equal(resplit.train.y[:4000], ds.train.y)
+  np.testing.assert_array_equal(resplit.test.y, ds.test.y[500:])
+  # Other generator arguments are another key.
+  with pytest.raises(AssertionError, match="regenerated"):
+    data.load("mnist1d", num_train=90, num_test=12)
+
+
+def test_mnist1d_custom_sizes(tmp_path, monkeypatch):
+  monkeypatch.setenv("MFOPT_CACHE", str(tmp_path))
+  ds = data.load("mnist1d", num_train=95, num_test=12, seed=3)  # 107 -> 110 generated
+  assert ds.train.x.shape == (95, 40, 1) and ds.test.x.shape == (12, 40, 1)
+  assert ds.meta["generator_args"]["num_samples"] == 110
+  assert [f for f in os.listdir(tmp_path) if not f.endswith(".npz")] == []  # no temp files left
+  uncached = data.load("mnist1d", num_train=95, num_test=12, seed=3, cache=False)
+  np.testing.assert_array_equal(uncached.train.x, ds.train.x)
+  other_seed = data.load("mnist1d", num_train=95, num_test=12, seed=4, cache=False)
+  assert not np.array_equal(other_seed.train.x, ds.train.x)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"num_train": 0}, "num_train"),
+                                           ({"num_test": -5}, "num_test"),
+                                           ({"seed": -1}, "seed")])
+def test_mnist1d_bad_arguments(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    data.load("mnist1d", **kwargs)
+
+
+# --- synthetic ----------------------------------------------------------------
+
+
+def test_synthetic_classification_and_language_model():
+  ds = data.load("synthetic", num_train=20, num_test=6, input_shape=(5, 4, 2), num_classes=3, seed=1)
+  assert ds.train.x.shape == (20, 5, 4, 2) and ds.train.x.dtype == np.float32
+  assert ds.test.y.shape == (6,) and ds.test.y.dtype == np.int32
+  assert set(np.unique(ds.train.y)) <= {0, 1, 2} and ds.input_shape == (5, 4, 2)
+  np.testing.assert_array_equal(
+      data.load("synthetic", num_train=20, num_test=6, input_shape=(5, 4, 2), seed=1).train.x,
+      ds.train.x)
+  assert not np.array_equal(
+      data.load("synthetic", num_train=20, num_test=6, input_shape=(5, 4, 2), seed=2).train.x,
+      ds.train.x)
+
+  lm = data.load("synthetic", task="language_model", num_train=8, num_test=2, num_classes=7,
+                 input_shape=(12,))
+  assert lm.task == "language_model" and lm.input_shape == (12,) and lm.num_classes == 7
+  assert lm.train.x.shape == lm.train.y.shape == (8, 12) and lm.train.x.dtype == np.int32
+  np.testing.assert_array_equal(lm.train.x[:, 1:], lm.train.y[:, :-1])
+  assert lm.train.x.max() < 7 and lm.train.x.min() >= 0
+  assert _json_ok(lm.meta)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"input_shape": (4, 0)}, "input_shape"),
+    ({"input_shape": 5}, "input_shape"),
+    ({"task": "regression"}, "task"),
+    ({"task": "language_model", "input_shape": (4, 4)}, "input_shape"),
+    ({"num_classes": 0}, "num_classes"),
+    ({"num_train": 1.5}, "num_train"),
+])
+def test_synthetic_bad_arguments(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    data.load("synthetic", **kwargs)
+
+
+# --- textcorpus ---------------------------------------------------------------
+
+
+def test_textcorpus_sequences_shift_by_one_and_decode_to_the_text():
+  ds = data.load("textcorpus", seq_len=64)
+  text = data.textcorpus_text()
+  vocab = ds.meta["vocab"]
+  assert len(text) >= 300_000 and len(data.TEXTCORPUS_MODULES) >= 30
+  assert ds.task == "language_model" and ds.input_shape == (64,) and ds.num_classes == len(vocab)
+  assert vocab == "".join(sorted(set(text)))
+  cut = int(0.9 * len(text))
+  assert ds.meta["train_chars"] == cut and ds.meta["test_chars"] == len(text) - cut
+  assert len(ds.train) == (cut - 1) // 64 and len(ds.test) == (len(text) - cut - 1) // 64
+  x, y = ds.train.x, ds.train.y
+  assert x.shape == y.shape == (len(ds.train), 64) and x.dtype == y.dtype == np.int32
+  np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+  np.testing.assert_array_equal(y[:-1, -1], x[1:, 0])  # consecutive sequences share a token
+  decode = lambda t: "".join(vocab[i] for i in t)
+  assert decode(x[0]) + decode(y[0][-1:]) == text[:65]
+  assert decode(x[3]) == text[3 * 64:4 * 64]
+  assert decode(ds.test.x[0]) == text[cut:cut + 64]
+  assert "Return" in text and _json_ok(ds.meta)
+  short = data.load("textcorpus", seq_len=16)
+  assert short.train.x.shape == ((cut - 1) // 16, 16)
+
+
+def test_char_helpers():
+  x, y = data.char_sequences(np.arange(10), 3)
+  np.testing.assert_array_equal(x, [[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+  np.testing.assert_array_equal(y, [[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+  np.testing.assert_array_equal(data.encode_chars("abca", "abc"), [0, 1, 2, 0])
+  with pytest.raises(ValueError, match="outside vocab: 'z'"):
+    data.encode_chars("abz", "abc")
+  with pytest.raises(ValueError, match="seq_len"):
+    data.char_sequences(np.arange(3), 5)
+  with pytest.raises(ValueError, match="seq_len"):
+    data.load("textcorpus", seq_len=0)
+
+
+# --- sources ------------------------------------------------------------------
+
+
+def test_array_source_gathers_and_augments_only_with_rng():
+  x = np.arange(12, dtype=np.float32).reshape(6, 2)
+  src = data.ArraySource(x, np.arange(6), augment=lambda xb, rng: xb + rng.normal(size=xb.shape))
+  assert isinstance(src, data.Source) and len(src) == 6
+  out = src.get(np.array([4, 1]), None)
+  np.testing.assert_array_equal(out["x"], x[[4, 1]])
+  np.testing.assert_array_equal(out["y"], [4, 1])
+  aug = src.get(np.array([4, 1]), np.random.default_rng(0))
+  assert not np.allclose(aug["x"], x[[4, 1]])
+  with pytest.raises(ValueError, match=r"len\(x\)=3 and len\(y\)=2"):
+    data.ArraySource(np.zeros(3), np.zeros(2))
+
+
+# --- batching -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits():
+  return data.load("digits")
+
+
+def test_batcher_shapes_and_contents(digits):
+  b = data.WorkerBatcher(digits.train, num_workers=4, per_worker_batch=32, seed=0)
+  assert (b.global_batch, b.steps_per_epoch) == (128, 11)  # 1437 // 128
+  assert [b.epoch_of(s) for s in (0, 10, 11, 22, 23)] == [0, 0, 1, 2, 2]
+  batch = b.batch(5)
+  assert set(batch) == {"x", "y"}
+  assert batch["x"].shape == (4, 32, 8, 8, 1) and batch["y"].shape == (4, 32)
+  idx = b.indices(5)
+  np.testing.assert_array_equal(batch["x"], digits.train.x[idx])
+  np.testing.assert_array_equal(batch["y"], digits.train.y[idx])
+  # Workers get contiguous chunks of the step's slice of the epoch order.
+  np.testing.assert_array_equal(idx.reshape(-1), b.epoch_order(0)[5 * 128:6 * 128])
+
+
+def test_batcher_is_deterministic_and_stateless_in_the_step(digits):
+  kw = dict(num_workers=2, per_worker_batch=16, seed=7)
+  a = data.WorkerBatcher(digits.train, **kw)
+  later = [a.batch(s)["y"] for s in (30, 3, 100)]  # out of order, across epochs
+  fresh = data.WorkerBatcher(digits.train, **kw)
+  for s, y in zip((30, 3, 100), later):
+    np.testing.assert_array_equal(fresh.batch(s)["y"], y)
+    np.testing.assert_array_equal(fresh.indices(s), a.indices(s))
+  other = data.WorkerBatcher(digits.train, num_workers=2, per_worker_batch=16, seed=8)
+  assert not np.array_equal(other.indices(3), a.indices(3))
+  assert not np.array_equal(a.indices(3), a.indices(4))
+
+
+def test_batcher_sees_every_example_once_per_epoch(digits):
+  b = data.WorkerBatcher(digits.train, num_workers=4, per_worker_batch=32, seed=1)
+  spe = b.steps_per_epoch
+  for epoch in range(2):
+    seen = np.concatenate([b.indices(s).reshape(-1) for s in range(epoch * spe, (epoch + 1) * spe)])
+    assert len(seen) == spe * 128 == 1408
+    assert len(np.unique(seen)) == len(seen)  # no example twice
+    assert seen.min() >= 0 and seen.max() < len(digits.train)
+  e0 = np.concatenate([b.indices(s).reshape(-1) for s in range(spe)])
+  e1 = np.concatenate([b.indices(s).reshape(-1) for s in range(spe, 2 * spe)])
+  assert not np.array_equal(e0, e1)  # reshuffled each epoch
+  unshuffled = data.WorkerBatcher(digits.train, num_workers=4, per_worker_batch=32, seed=1,
+                                  shuffle=False)
+  np.testing.assert_array_equal(unshuffled.indices(1).reshape(-1), np.arange(128, 256))
+
+
+def test_batcher_equal_global_batch_sees_same_samples_and_augmentation():
+  x = np.random.default_rng(0).normal(size=(200, 3)).astype(np.float32)
+  src = data.ArraySource(x, np.arange(200), augment=lambda xb, rng: xb + rng.normal(size=xb.shape))
+  batchers = [data.WorkerBatcher(src, num_workers=w, per_worker_batch=48 // w, seed=3)
+              for w in (1, 2, 8, 16)]
+  for step in (0, 3, 9):  # 4 steps per epoch: epochs 0, 0 and 2
+    flat = [bt.batch(step) for bt in batchers]
+    for bt, got in zip(batchers[1:], flat[1:]):
+      assert got["x"].shape == (bt.num_workers, 48 // bt.num_workers, 3)
+      np.testing.assert_array_equal(got["y"].reshape(-1), flat[0]["y"].reshape(-1))
+      np.testing.assert_array_equal(got["x"].reshape(-1, 3), flat[0]["x"].reshape(-1, 3))
+  # Augmentation is on for train=True and off for train=False.
+  b = batchers[1]
+  idx = b.indices(0)
+  assert not np.allclose(b.batch(0)["x"], x[idx])
+  ev = data.WorkerBatcher(src, num_workers=2, per_worker_batch=24, seed=3, train=False)
+  np.testing.assert_array_equal(ev.batch(0)["x"], x[idx])
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"num_workers": 0}, "num_workers must be a positive integer, got 0"),
+    ({"per_worker_batch": -2}, "per_worker_batch must be a positive integer, got -2"),
+    ({"per_worker_batch": 2.5}, "per_worker_batch"),
+    ({"seed": -1}, "seed"),
+    ({"num_workers": 8, "per_worker_batch": 200}, r"global batch .* = 1600 exceeds the dataset size 1437"),
+])
+def test_batcher_bad_arguments(digits, kwargs, pattern):
+  kw = dict(num_workers=2, per_worker_batch=4, seed=0) | kwargs
+  with pytest.raises(ValueError, match=pattern):
+    data.WorkerBatcher(digits.train, **kw)
+
+
+def test_batcher_bad_step(digits):
+  b = data.WorkerBatcher(digits.train, num_workers=2, per_worker_batch=4, seed=0)
+  with pytest.raises(ValueError, match="step must be a non-negative integer, got -1"):
+    b.batch(-1)
+
+
+def test_eval_batches_cover_the_source_in_order_with_a_mask(digits):
+  batches = list(data.eval_batches(digits.test, 100))
+  assert len(batches) == 4
+  assert all(bt["x"].shape == (100, 8, 8, 1) and bt["mask"].shape == (100,) for bt in batches)
+  assert [int(bt["mask"].sum()) for bt in batches] == [100, 100, 100, 60]
+  mask = np.concatenate([bt["mask"] for bt in batches])
+  x = np.concatenate([bt["x"] for bt in batches])
+  y = np.concatenate([bt["y"] for bt in batches])
+  np.testing.assert_array_equal(x[mask], digits.test.x)
+  np.testing.assert_array_equal(y[mask], digits.test.y)
+  assert not x[~mask].any() and not y[~mask].any()  # zero padding
+  assert len(list(data.eval_batches(digits.test, 360))) == 1
+  with pytest.raises(ValueError, match="batch_size"):
+    next(data.eval_batches(digits.test, 0))
+
+
+# --- TFDS ---------------------------------------------------------------------
+
+
+def _mock(n):
+  return tfds.testing.mock_data(policy=tfds.testing.MockPolicy.USE_CODE, num_examples=n)
+
+
+def test_tfds_mnist_mock():
+  with _mock(12):
+    ds = data.load("mnist", data_dir="/nonexistent")
+    raw = ds.test._source[3]["image"]
+    out = ds.test.get(np.array([3, 0, 5]), None)
+  assert (len(ds.train), len(ds.test), ds.input_shape, ds.num_classes) == (12, 12, (28, 28, 1), 10)
+  assert out["x"].shape == (3, 28, 28, 1) and out["x"].dtype == np.float32
+  assert out["y"].dtype == np.int32 and out["y"].shape == (3,)
+  np.testing.assert_allclose(out["x"][0], raw / 255.0, rtol=1e-6)
+  assert 0.0 <= out["x"].min() and out["x"].max() <= 1.0 and _json_ok(ds.meta)
+
+
+def test_tfds_cifar10_mock_augmentation_and_batcher():
+  with _mock(10):
+    ds = data.load("cifar10", data_dir="/nonexistent")
+    raw = np.asarray(ds.train._source[2]["image"])
+    ev = ds.train.get(np.array([2]), None)["x"][0]
+    aug1 = ds.train.get(np.array([2, 2]), np.random.default_rng(0))["x"]
+    aug2 = ds.train.get(np.array([2, 2]), np.random.default_rng(0))["x"]
+    batch = data.WorkerBatcher(ds.train, num_workers=2, per_worker_batch=3, seed=0).batch(1)
+  mean, std = np.array(data.CIFAR10_MEAN), np.array(data.CIFAR10_STD)
+  np.testing.assert_allclose(ev, (raw / 255.0 - mean) / std, rtol=1e-5, atol=1e-5)
+  assert aug1.shape == (2, 32, 32, 3) and aug1.dtype == np.float32
+  np.testing.assert_array_equal(aug1, aug2)  # deterministic in the generator
+  assert not np.allclose(aug1[0], ev)
+  assert batch["x"].shape == (2, 3, 32, 32, 3) and batch["y"].shape == (2, 3)
+
+
+def test_tfds_tiny_shakespeare_mock():
+  with _mock(6):
+    ds = data.load("tiny_shakespeare", data_dir="/nonexistent", seq_len=8)
+    raw = data.open_tfds("tiny_shakespeare", split="train")
+    text = "".join(raw[i]["text"] for i in range(len(raw)))
+  vocab = ds.meta["vocab"]
+  assert ds.task == "language_model" and ds.input_shape == (8,) and ds.num_classes == len(vocab)
+  assert set(vocab) <= set(" abcdefghij")  # the mock's random strings
+  assert ds.train.x.shape == ((len(text) - 1) // 8, 8)
+  assert "".join(vocab[i] for i in ds.train.x[0]) == text[:8]
+  np.testing.assert_array_equal(ds.train.x[:, 1:], ds.train.y[:, :-1])
+
+
+def _prepare_tiny_shakespeare(data_dir, texts):
+  """A real (not mocked) ArrayRecord tiny_shakespeare, prepared without TensorFlow."""
+  from tensorflow_datasets.datasets.tiny_shakespeare import tiny_shakespeare_dataset_builder as tsb
+
+  class LocalTinyShakespeare(tsb.Builder, skip_registration=True):
+    name = "tiny_shakespeare"
+
+    def _info(self):
+      return tfds.core.DatasetInfo(
+          builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+      return {split: self._generate_examples(split, text) for split, text in texts.items()}
+
+  LocalTinyShakespeare(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+
+
+def test_tfds_tiny_shakespeare_from_prepared_array_record_files(tmp_path):
+  train = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 4
+  test = "All:\nSpeak, speak.\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n"
+  _prepare_tiny_shakespeare(tmp_path, {"train": train, "validation": test, "test": test})
+  ds = data.load("tiny_shakespeare", data_dir=str(tmp_path), seq_len=10)
+  vocab = ds.meta["vocab"]
+  assert vocab == "".join(sorted(set(train + test)))
+  assert len(ds.train) == (len(train) - 1) // 10 and len(ds.test) == (len(test) - 1) // 10
+  decode = lambda t: "".join(vocab[i] for i in t)
+  assert decode(ds.train.x[1]) == train[10:20] and decode(ds.train.y[1]) == train[11:21]
+  assert decode(ds.test.x[0]) == test[:10]
+  assert str(tmp_path) in ds.meta["source"] and _json_ok(ds.meta)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "mnist", "imagenet2012"])
+def test_tfds_missing_dataset_error_names_dataset_and_dir(tmp_path, name):
+  with pytest.raises(data.DatasetNotPreparedError) as info:
+    data.load(name, data_dir=str(tmp_path))
+  msg = str(info.value)
+  assert repr(name) in msg and str(tmp_path) in msg and f"tfds build {name}" in msg
+  assert isinstance(info.value, FileNotFoundError)
+  if name == "imagenet2012":
+    assert "downloads/manual" in msg
+
+
+def test_tfds_data_dir_default(monkeypatch):
+  monkeypatch.setenv("TFDS_DATA_DIR", "/data/tfds")
+  assert data.tfds_data_dir() == "/data/tfds" and data.tfds_data_dir("/x") == "/x"
+  monkeypatch.delenv("TFDS_DATA_DIR")
+  assert data.tfds_data_dir() == os.path.expanduser("~/tensorflow_datasets")
+
+
+# --- image preprocessing ------------------------------------------------------
+
+
+def _ramp(h, w):
+  """uint8 image whose red channel encodes the column and green the row."""
+  cols = np.broadcast_to(np.linspace(0, 255, w), (h, w))
+  rows = np.broadcast_to(np.linspace(0, 255, h)[:, None], (h, w))
+  return np.stack([cols, rows, np.full((h, w), 128.0)], -1).round().astype(np.uint8)
+
+
+def test_random_resized_crop():
+  image = _ramp(300, 500)
+  out = data.random_resized_crop(image, np.random.default_rng(0))
+  assert out.shape == (224, 224, 3) and out.dtype == np.uint8
+  other = data.random_resized_crop(image, np.random.default_rng(1))
+  assert not np.array_equal(out, other)
+  # Within a crop, red grows left to right and green top to bottom.
+  assert out[112, -1, 0] >= out[112, 0, 0] and out[-1, 112, 1] >= out[0, 112, 1]
+  # Full-image crop at the same size is the identity.
+  square = _ramp(224, 224)
+  np.testing.assert_array_equal(
+      data.random_resized_crop(square, np.random.default_rng(0), scale=(1, 1), ratio=(1, 1)), square)
+  # Extreme aspect ratio: no try fits, the fallback center crop still gives 224x224.
+  thin = data.random_resized_crop(_ramp(8, 600), np.random.default_rng(0))
+  assert thin.shape == (224, 224, 3)
+
+
+def test_resize_center_crop_and_imagenet_preprocess():
+  image = _ramp(300, 500)
+  out = data.resize_center_crop(image)
+  assert out.shape == (224, 224, 3) and out.dtype == np.uint8
+  # Shorter side 300 -> 256, longer 500 -> 427; the crop is centered.
+  assert abs(int(out[112, 112, 0]) - 128) <= 2 and abs(int(out[112, 112, 1]) - 128) <= 2
+  assert abs(int(out[112, 0, 0]) - round(255 * (101.5 / 426))) <= 3
+  assert data.resize_center_crop(_ramp(500, 300)).shape == (224, 224, 3)
+  grey = data.resize_center_crop(np.full((40, 60, 1), 7, np.uint8), size=16, resize_size=20)
+  assert grey.shape == (16, 16, 1) and (grey == 7).all()
+
+  preprocess = data.make_imagenet_preprocess()
+  example = {"image": image, "label": np.int64(417)}
+  ev = preprocess(example, None)
+  tr = preprocess(example, np.random.default_rng(0))
+  for got in (ev, tr):
+    assert got["x"].shape == (224, 224, 3) and got["x"].dtype == np.float32 and got["y"] == 417
+  mean, std = np.array(data.IMAGENET_MEAN), np.array(data.IMAGENET_STD)
+  np.testing.assert_allclose(ev["x"], (out / 255.0 - mean) / std, rtol=1e-5, atol=1e-5)
+
+
+def test_random_crop_flip_is_a_shifted_window():
+  image = np.random.default_rng(0).integers(1, 256, size=(32, 32, 3), dtype=np.uint8)
+  padded = np.pad(image, ((4, 4), (4, 4), (0, 0)))
+  windows = [padded[t:t + 32, l:l + 32] for t in range(9) for l in range(9)]
+  flips = 0
+  for seed in range(20):
+    out = data.random_crop_flip(image, np.random.default_rng(seed))
+    assert out.shape == (32, 32, 3)
+    plain = any(np.array_equal(out, w) for w in windows)
+    flipped = any(np.array_equal(out[:, ::-1], w) for w in windows)
+    assert plain or flipped
+    flips += flipped and not plain
+  assert 0 < flips < 20
