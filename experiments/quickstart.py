@@ -1,0 +1,185 @@
+"""quickstart: every mfopt algorithm on main, 8 workers, two embedded datasets, one table.
+
+Command: ``python -m experiments quickstart [--quick] [--workdir DIR] [key=value ...]``
+
+Every algorithm trains the same model from the same initialisation on the same
+per-worker data streams for the same number of steps (equal samples processed),
+under a cosine-decaying learning rate. The 8 workers run as virtual workers
+(``vmap``) on however many local devices there are (one on a plain CPU machine).
+The report gives final test accuracy, final train loss, and the all-reduces and
+bytes each worker sent as counted by the transforms themselves.
+
+Hardware/runtime: the default preset is sized to finish in under 5 minutes on 2
+CPU cores (``--quick``: well under 1 minute); steps are trimmed, never
+algorithms, and the report says how many steps each run had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+import optax
+
+import mfopt
+from mfopt import data as data_lib
+from mfopt import models as models_lib
+from mfopt import parallel, report, runner, train
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What an algorithm factory may use to build its transform."""
+
+  axis_name: Any
+  num_workers: int
+  num_steps: int
+  steps_per_epoch: int
+  schedule: Callable[[float], optax.Schedule]
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """One row of the quickstart table: a transform factory and its peak learning rate."""
+
+  make: Callable[[Context, float], optax.GradientTransformation]
+  learning_rate: float
+  note: str = ""
+
+
+def _sync(inner: Callable[[optax.Schedule], optax.GradientTransformation]):
+  def make(ctx: Context, lr: float) -> optax.GradientTransformation:
+    return optax.chain(mfopt.sync_gradients(ctx.axis_name), inner(ctx.schedule(lr)))
+  return make
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "sync SGD m=0.9 (optax)": Algorithm(
+        _sync(lambda s: optax.sgd(s, momentum=0.9)), 0.1,
+        "all-reduce of gradients every step, optax.sgd momentum 0.9 (lr outside the buffer)"),
+    "sync SGD m=0.99 (optax)": Algorithm(
+        _sync(lambda s: optax.sgd(s, momentum=0.99)), 0.1,
+        "same lr as m=0.9, so 10x the effective step lr/(1-m)"),
+    "sync Adam (optax)": Algorithm(
+        _sync(lambda s: optax.adam(s)), 1e-3, "optax.adam, b1=0.9, b2=0.999"),
+    # [issue 3: MF rows]
+    # [issue 4: averaging rows]
+    # [issue 5: simulator rows]
+    # [issue 6: hybrid rows]
+}
+
+
+def get_config(quick: bool = False) -> ml_collections.ConfigDict:
+  """Quickstart config.
+
+  Command: ``python -m experiments quickstart`` (``--quick`` for the CI preset).
+  Hardware: any; sized for 2 CPU cores. Runtime: < 5 min (quick: < 1 min) there.
+  Expected: test accuracy ~0.95 on digits and ~0.6+ on mnist1d for the SGD rows.
+  """
+  c = ml_collections.ConfigDict()
+  c.datasets = ("digits", "mnist1d")
+  c.models = ("mlp", "cnn")  # one per dataset, same order
+  c.num_workers = 8
+  c.global_batch = 128  # 16 per worker
+  c.num_steps = 60 if quick else 400
+  c.log_every = 10 if quick else 25
+  c.seed = 0
+  c.algorithms = tuple(ALGORITHMS)
+  c.progress = True
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  runner.require_positive(c, "num_workers", "global_batch", "num_steps", "log_every")
+  try:
+    train.split_batch(c.global_batch, c.num_workers)
+  except ValueError as e:
+    raise runner.ConfigError(str(e)) from e
+  runner.require_choice(c, "datasets", ("digits", "mnist1d"))
+  runner.require_choice(c, "algorithms", tuple(ALGORITHMS))
+  runner.require_choice(c, "models", tuple(models_lib.MODELS))
+  if len(c.models) != len(c.datasets):
+    raise runner.ConfigError(
+        f"config field 'models' needs one model per dataset ({len(c.datasets)}), got {c.models!r}")
+
+
+def _model_for(name: str, dataset: data_lib.Dataset):
+  return models_lib.get_model(name, num_classes=dataset.num_classes)
+
+
+def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  mesh = parallel.make_mesh()
+  parallel.local_workers(c.num_workers, mesh)
+  per_worker_batch = train.split_batch(c.global_batch, c.num_workers)
+  metrics_log = report.JsonlWriter(workdir / "metrics.jsonl")
+  rows, curves, sizes = [], {}, {}
+  for dataset_name, model_name in zip(c.datasets, c.models):
+    dataset = data_lib.load(dataset_name)
+    sizes[dataset_name] = {"train": len(dataset.train), "test": len(dataset.test)}
+    model = _model_for(model_name, dataset)
+    steps_per_epoch = len(dataset.train) // c.global_batch
+
+    def schedule(peak: float) -> optax.Schedule:
+      return optax.cosine_decay_schedule(peak, decay_steps=c.num_steps)
+
+    ctx = Context(axis_name=parallel.WORKER_AXES, num_workers=c.num_workers,
+                  num_steps=c.num_steps, steps_per_epoch=steps_per_epoch, schedule=schedule)
+    curves[dataset_name] = {}
+    for algo_name in c.algorithms:
+      algo = ALGORITHMS[algo_name]
+      tx = algo.make(ctx, algo.learning_rate)
+
+      def on_log(row, algo_name=algo_name, dataset_name=dataset_name):
+        metrics_log({"dataset": dataset_name, "algorithm": algo_name, **row})
+
+      result = train.fit(
+          model=model, tx=tx, dataset=dataset, num_workers=c.num_workers,
+          per_worker_batch=per_worker_batch, num_steps=c.num_steps, mesh=mesh, seed=c.seed,
+          log_every=c.log_every, learning_rate=schedule(algo.learning_rate),
+          progress=c.progress, desc=f"{dataset_name}/{algo_name}", on_log=on_log)
+      s = result.summary
+      rows.append({"dataset": dataset_name, "model": model_name, "algorithm": algo_name,
+                   "peak_lr": algo.learning_rate, **s})
+      curves[dataset_name][algo_name] = ([r["step"] for r in result.history],
+                                         [r["train_loss"] for r in result.history])
+      print(f"{dataset_name:8s} {algo_name:32s} test acc {s['test_accuracy']:.4f}  "
+            f"train loss {s['final_train_loss']:.4f}  all-reduces {s['all_reduces']}")
+
+  report.plot_curves(workdir / "loss_curves.png", curves, xlabel="step",
+                     ylabel="train loss (mean over workers, log scale)", logy=True,
+                     title=f"quickstart: {c.num_workers} workers, cosine-decayed lr")
+  _write_report(c, workdir, rows, sizes)
+  return {"rows": rows, "dataset_sizes": sizes}
+
+
+def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
+  env = report.environment()
+  lines = [
+      "# quickstart: mfopt algorithms on embedded datasets\n",
+      report.environment_markdown(env),
+      f"- Workers: {c.num_workers} (virtual workers, {env['device_count']} device(s)); "
+      f"per-worker batch {c.global_batch // c.num_workers}, global batch {c.global_batch}",
+      f"- Steps: {c.num_steps} per run for every algorithm (equal samples processed); "
+      "cosine-decayed learning rate from the peak shown; seed "
+      f"{c.seed}; one seed (this is a tour, not a paper table).",
+      "- Datasets: " + "; ".join(
+          f"{k}: {v['train']:,} train / {v['test']:,} test examples" for k, v in sizes.items()),
+      "- Models: " + ", ".join(f"{d} -> {m}" for d, m in zip(c.datasets, c.models)),
+      "- Times are measured on this machine (compile excluded). All-reduces and bytes are "
+      "per worker, counted by the transforms (payload in the exchanged dtype).\n",
+      report.markdown_table(
+          rows,
+          ["dataset", "algorithm", "peak_lr", "test_accuracy", "final_train_loss", "all_reduces",
+           "payload_bytes", "train_s"],
+          ["dataset", "algorithm", "peak lr", "test acc", "final train loss", "all-reduces/worker",
+           "bytes sent/worker", "train time (s)"]),
+      "\n## Notes\n",
+  ]
+  for name in c.algorithms:
+    if ALGORITHMS[name].note:
+      lines.append(f"- **{name}**: {ALGORITHMS[name].note}")
+  lines.append("\n![loss curves](loss_curves.png)\n")
+  (workdir / "report.md").write_text("\n".join(lines) + "\n")

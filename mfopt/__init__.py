@@ -1,0 +1,16 @@
+"""mfopt: distributed-training optimizers as Optax transformations.
+
+Public API (SPEC.md): transforms compose with ``optax.chain``; every
+communicating transform takes an ``axis_name`` (``None`` = one worker).
+"""
+
+from mfopt import comm, data, models, parallel, report, train
+from mfopt.comm import CommStats, comm_totals, sync_gradients
+from mfopt.parallel import DATA_AXIS, LOCAL_AXIS, WORKER_AXES, make_mesh
+
+# [issue 3: MF exports]
+# [issue 4: averaging exports]
+# [issue 5: simulator exports]
+# [issue 6: adabound exports]
+
+__version__ = "0.1.0"

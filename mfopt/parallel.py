@@ -1,0 +1,119 @@
+"""The worker mesh: worker-stacked state, virtual workers, and the per-worker map.
+
+Layout (ARCHITECTURE.md). Every per-worker quantity (parameters, optimizer state,
+BatchNorm statistics, batches) carries a leading worker axis of size ``W``,
+sharded over the 1-D mesh axis :data:`DATA_AXIS`. When ``W`` exceeds the number
+of devices ``D`` (``W`` must be a multiple of ``D``), each device holds ``W / D``
+*virtual workers*, mapped with ``jax.vmap(axis_name=LOCAL_AXIS)`` inside
+``jax.shard_map`` over ``DATA_AXIS``. A collective over all workers therefore
+names both axes, :data:`WORKER_AXES`; transforms receive that tuple as their
+``axis_name``.
+
+Two facts of JAX 0.10/0.11 this module respects:
+
+* ``shard_map`` runs with ``check_vma=False``: with the default check, any
+  collective naming the ``vmap`` axis inside ``shard_map`` is rejected.
+* ``jax.make_mesh`` defaults to Explicit axis types, under which host-side
+  indexing of a worker-stacked array fails; the mesh here uses Auto axis types,
+  and inputs are ``device_put`` with the ``NamedSharding`` ``shard_map`` expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA_AXIS = "data"
+LOCAL_AXIS = "local"
+WORKER_AXES = (DATA_AXIS, LOCAL_AXIS)
+
+
+def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A 1-D mesh named :data:`DATA_AXIS` over ``devices`` (default: all devices of all processes)."""
+  devices = list(jax.devices() if devices is None else devices)
+  if not devices:
+    raise ValueError("devices must be a non-empty sequence, got []")
+  return jax.make_mesh((len(devices),), (DATA_AXIS,),
+                       axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+
+
+def local_workers(num_workers: int, mesh: Mesh) -> int:
+  """Virtual workers per device; raises unless ``num_workers`` is a positive multiple of the device count."""
+  num_devices = mesh.shape[DATA_AXIS]
+  if not isinstance(num_workers, (int, np.integer)) or num_workers <= 0:
+    raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+  if num_workers % num_devices:
+    raise ValueError(
+        f"num_workers must be a multiple of the device count {num_devices} "
+        f"(workers are split evenly over the '{DATA_AXIS}' mesh axis), got {num_workers}")
+  return num_workers // num_devices
+
+
+def worker_sharding(mesh: Mesh) -> NamedSharding:
+  """Sharding of a worker-stacked array: leading axis over :data:`DATA_AXIS`."""
+  return NamedSharding(mesh, P(DATA_AXIS))
+
+
+def shard_workers(tree: Any, mesh: Mesh) -> Any:
+  """Places a worker-stacked tree on the mesh (leading axis sharded over workers).
+
+  In a multi-process run each process passes only the rows of *its* workers
+  (the workers on its addressable devices, in mesh order), and the global array
+  is assembled with ``jax.make_array_from_process_local_data``.
+  """
+  sharding = worker_sharding(mesh)
+  if jax.process_count() == 1:
+    return jax.device_put(tree, sharding)
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+
+
+def process_worker_slice(num_workers: int, mesh: Mesh) -> slice:
+  """The rows of the worker axis that this process feeds (all of them in one process)."""
+  per_device = local_workers(num_workers, mesh)
+  devices = list(mesh.devices.flat)
+  mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+  if mine != list(range(mine[0], mine[-1] + 1)):
+    raise ValueError("this process's devices must be contiguous in the mesh")
+  return slice(mine[0] * per_device, (mine[-1] + 1) * per_device)
+
+
+def stack_workers(tree: Any, num_workers: int) -> Any:
+  """Replicates a single-worker tree into a worker-stacked one (identical replicas)."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers,) + jnp.shape(x)), tree)
+
+
+def per_worker(fn: Callable[..., Any], mesh: Mesh, num_workers: int) -> Callable[..., Any]:
+  """Maps ``fn`` over the worker axis of its (worker-stacked) arguments.
+
+  ``fn`` sees one worker's slice of every argument and may call collectives over
+  :data:`WORKER_AXES` (or over either axis alone). Arguments and results are
+  worker-stacked and sharded over :data:`DATA_AXIS`. The result is not jitted;
+  wrap it in ``jax.jit``.
+  """
+  local_workers(num_workers, mesh)  # validates before anything is traced
+
+  def on_device(*args):
+    return jax.vmap(fn, axis_name=LOCAL_AXIS)(*args)
+
+  return jax.shard_map(on_device, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(DATA_AXIS),
+                       check_vma=False)
+
+
+def unstack_worker(tree: Any, index: int = 0) -> Any:
+  """Worker ``index``'s slice of a worker-stacked tree, fetched to the host."""
+  return jax.tree.map(lambda x: np.asarray(jax.device_get(x[index])), tree)
+
+
+def worker_mean(tree: Any) -> Any:
+  """Mean over the worker axis (in float32 for floating leaves), as a jnp tree."""
+  def one(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.mean(x.astype(jnp.float32), axis=0).astype(x.dtype)
+    return x[0]
+  return jax.tree.map(one, tree)

@@ -1,0 +1,144 @@
+"""Writing results as data (JSONL/JSON), markdown tables and PNG plots.
+
+Experiments call these; every report states the device, the software versions
+and the date it was produced on, so figures can be traced to a run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def environment() -> dict[str, Any]:
+  """Device, process and version facts for a report header."""
+  import flax
+  import jax
+  import optax
+
+  devices = jax.devices()
+  return {
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "backend": jax.default_backend(),
+      "device_kind": devices[0].device_kind,
+      "device_count": jax.device_count(),
+      "local_device_count": jax.local_device_count(),
+      "process_count": jax.process_count(),
+      "cpu_count": os.cpu_count(),
+      "python": platform.python_version(),
+      "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+  }
+
+
+def environment_markdown(env: Mapping[str, Any] | None = None) -> str:
+  env = environment() if env is None else env
+  return (f"- Date: {env['date']}\n"
+          f"- Device: {env['device_count']} x {env['device_kind']} ({env['backend']}), "
+          f"{env['process_count']} process(es), {env['cpu_count']} host CPU cores\n"
+          f"- Software: Python {env['python']}, JAX {env['jax']}, Flax {env['flax']}, "
+          f"Optax {env['optax']}\n")
+
+
+def _jsonable(x: Any) -> Any:
+  if isinstance(x, Mapping):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  if isinstance(x, float) and not math.isfinite(x):
+    return str(x)
+  return x
+
+
+def write_json(path: pathlib.Path, obj: Any) -> None:
+  """Writes ``obj`` as indented JSON atomically (temporary file, then rename)."""
+  path = pathlib.Path(path)
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
+  os.replace(tmp, path)
+
+
+class JsonlWriter:
+  """Appends one JSON object per line to ``path`` (``metrics.jsonl``)."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = pathlib.Path(path)
+
+  def __call__(self, row: Mapping[str, Any]) -> None:
+    with self.path.open("a") as f:
+      f.write(json.dumps(_jsonable(row)) + "\n")
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+  path = pathlib.Path(path)
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fmt(x: Any, digits: int = 4) -> str:
+  """Formats a table cell: floats to ``digits`` significant digits, ints with separators."""
+  if x is None:
+    return "–"
+  if isinstance(x, (bool, np.bool_)):
+    return str(bool(x))
+  if isinstance(x, (int, np.integer)):
+    return f"{int(x):,}"
+  if isinstance(x, (float, np.floating)):
+    if not math.isfinite(x):
+      return str(x)
+    return f"{x:.{digits}g}"
+  return str(x)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
+                   headers: Sequence[str] | None = None, digits: int = 4) -> str:
+  """A GitHub markdown table of ``rows`` restricted to ``columns``."""
+  headers = list(columns if headers is None else headers)
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  for r in rows:
+    lines.append("| " + " | ".join(fmt(r.get(c), digits) for c in columns) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and sample standard deviation (0 for a single value)."""
+  a = np.asarray(values, dtype=np.float64)
+  return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+                *, xlabel: str, ylabel: str, title: str | None = None, logy: bool = False) -> None:
+  """One subplot per panel, one line per series ``name -> (x, y)``, saved as PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  n = max(len(panels), 1)
+  fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
+  for ax, (panel, series) in zip(axes[0], panels.items()):
+    for name, (x, y) in series.items():
+      ax.plot(x, y, label=name)
+    ax.set_title(panel)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logy:
+      ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

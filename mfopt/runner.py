@@ -1,0 +1,237 @@
+"""The experiment runner behind ``python -m experiments <name> [--quick] [--workdir DIR] [key=value ...]``.
+
+An experiment is a module ``experiments/<name>.py`` that defines
+
+* ``get_config(quick: bool = False) -> ml_collections.ConfigDict`` — whose
+  docstring gives the command, hardware, runtime and expected metric;
+* ``run(config, workdir: pathlib.Path) -> dict`` — trains, writes its plots and
+  ``report.md`` into ``workdir`` and returns the summary;
+* optionally ``validate(config) -> None`` — raises ``ValueError`` naming a bad field.
+
+Experiments are discovered by module name (no registry to edit). The runner owns
+the command line, config overrides with type checking, the workdir, the
+persistent compilation cache, ``config.json`` and ``summary.json``. Every error
+about the input is raised before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+import pathlib
+import pkgutil
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import Any
+
+import ml_collections
+
+from mfopt import report
+
+EXPERIMENTS_PACKAGE = "experiments"
+
+
+class ConfigError(ValueError):
+  """A bad experiment name, config key or config value."""
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> str:
+  """Turns on JAX's persistent compilation cache (``$MFOPT_JAX_CACHE`` or ``~/.cache/mfopt/jax``)."""
+  import jax
+
+  path = os.fspath(path or os.environ.get("MFOPT_JAX_CACHE")
+                   or pathlib.Path.home() / ".cache" / "mfopt" / "jax")
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+def list_experiments() -> list[str]:
+  """Names of all experiment modules (those defining ``get_config`` and ``run``)."""
+  pkg = importlib.import_module(EXPERIMENTS_PACKAGE)
+  names = []
+  for info in pkgutil.iter_modules(pkg.__path__):
+    if info.name.startswith("_") or info.name.startswith("bench_"):
+      continue
+    names.append(info.name)
+  return sorted(names)
+
+
+def load_experiment(name: str) -> ModuleType:
+  known = list_experiments()
+  if name not in known:
+    raise ConfigError(f"unknown experiment {name!r}; known experiments: {', '.join(known)}")
+  module = importlib.import_module(f"{EXPERIMENTS_PACKAGE}.{name}")
+  for attr in ("get_config", "run"):
+    if not callable(getattr(module, attr, None)):
+      raise ConfigError(f"experiment module {name!r} does not define {attr}()")
+  return module
+
+
+def _parse_value(key: str, text: str, current: Any) -> Any:
+  """Parses ``text`` into the type of the field's current value, or raises ConfigError."""
+  expected = type(current)
+  try:
+    if isinstance(current, bool):
+      low = text.lower()
+      if low not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError
+      return low in ("true", "1", "yes")
+    if isinstance(current, int):
+      return int(text)
+    if isinstance(current, float):
+      return float(text)
+    if isinstance(current, str) or current is None:
+      if current is None:
+        try:
+          return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+          return text
+      return text
+    if isinstance(current, (tuple, list)):
+      try:
+        value = ast.literal_eval(text)
+      except (ValueError, SyntaxError):
+        if current and not isinstance(current[0], str):
+          raise
+        value = tuple(v.strip() for v in text.split(","))  # digits,mnist1d
+      if isinstance(value, (int, float, str)):
+        value = (value,)
+      if not isinstance(value, (tuple, list)):
+        raise ValueError
+      if current and value:
+        item_type = type(current[0])
+        if item_type is float:
+          value = [float(v) for v in value]
+        elif not all(isinstance(v, item_type) and not (item_type is int and isinstance(v, bool))
+                     for v in value):
+          raise ValueError
+      return expected(value)
+  except (ValueError, SyntaxError, TypeError):
+    pass
+  else:
+    raise ConfigError(f"config field {key!r} has unsupported type {expected.__name__}")
+  raise ConfigError(
+      f"config field {key!r} expects {expected.__name__} (current value {current!r}), got {text!r}")
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str]) -> ml_collections.ConfigDict:
+  """Applies ``key=value`` strings (dotted keys for nested fields) with type checking."""
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"config override must look like key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    node = config
+    parts = key.split(".")
+    for part in parts[:-1]:
+      if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+        raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(flat_keys(config))}")
+      node = node[part]
+    if parts[-1] not in node:
+      raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(flat_keys(config))}")
+    value = _parse_value(key, text, node[parts[-1]])
+    with node.unlocked():
+      node[parts[-1]] = value
+  return config
+
+
+def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  keys = []
+  for k, v in config.items():
+    if isinstance(v, ml_collections.ConfigDict):
+      keys += flat_keys(v, f"{prefix}{k}.")
+    else:
+      keys.append(prefix + k)
+  return keys
+
+
+def require_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
+  """Raises ConfigError unless every named (dotted) field is a positive number (or all items are)."""
+  for field in fields:
+    value = config
+    for part in field.split("."):
+      value = value[part]
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for v in items:
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ConfigError(f"config field {field!r} must be positive, got {value!r}")
+
+
+def require_choice(config: ml_collections.ConfigDict, field: str, choices: Sequence[Any]) -> None:
+  value = config
+  for part in field.split("."):
+    value = value[part]
+  items = value if isinstance(value, (tuple, list)) else (value,)
+  for v in items:
+    if v not in choices:
+      raise ConfigError(f"config field {field!r} must be one of {list(choices)}, got {value!r}")
+
+
+def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) -> tuple[ModuleType, ml_collections.ConfigDict]:
+  """Loads an experiment and its validated config (nothing compiled yet)."""
+  module = load_experiment(name)
+  config = module.get_config(quick)
+  config = apply_overrides(config, overrides)
+  validate = getattr(module, "validate", None)
+  if validate is not None:
+    try:
+      validate(config)
+    except ConfigError:
+      raise
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+  return module, config
+
+
+def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike | None = None,
+                   overrides: Sequence[str] = ()) -> dict[str, Any]:
+  """Runs one experiment into ``workdir`` and returns its summary."""
+  module, config = prepare(name, quick=quick, overrides=overrides)
+  workdir = pathlib.Path(workdir or pathlib.Path("runs") / (name + ("-quick" if quick else "")))
+  workdir.mkdir(parents=True, exist_ok=True)
+  enable_compilation_cache()
+  report.write_json(workdir / "config.json", {"experiment": name, "quick": quick,
+                                              "config": config.to_dict()})
+  start = time.perf_counter()
+  summary = module.run(config, workdir)
+  summary = dict(summary or {})
+  summary.setdefault("experiment", name)
+  summary["quick"] = quick
+  summary["wall_time_s"] = time.perf_counter() - start
+  summary["environment"] = report.environment()
+  report.write_json(workdir / "summary.json", summary)
+  return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m experiments",
+      description="Run an mfopt experiment; writes metrics.jsonl, summary.json, plots and report.md.")
+  parser.add_argument("name", nargs="?", help="experiment name (omit with --list)")
+  parser.add_argument("overrides", nargs="*", help="config overrides key=value (dotted keys)")
+  parser.add_argument("--quick", action="store_true", help="the small preset used in CI")
+  parser.add_argument("--workdir", default=None, help="output directory (default runs/<name>[-quick])")
+  parser.add_argument("--list", action="store_true", help="list experiments and exit")
+  parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+  args = parser.parse_intermixed_args(argv)
+  if args.list or args.name is None:
+    print("\n".join(list_experiments()))
+    return 0 if args.list else 2
+  try:
+    if args.show_config:
+      _, config = prepare(args.name, quick=args.quick, overrides=args.overrides)
+      print(config)
+      return 0
+    summary = run_experiment(args.name, quick=args.quick, workdir=args.workdir,
+                             overrides=args.overrides)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  workdir = args.workdir or os.path.join("runs", args.name + ("-quick" if args.quick else ""))
+  print(f"{args.name}: done in {summary['wall_time_s']:.1f} s; report: {os.path.join(workdir, 'report.md')}")
+  return 0

@@ -1,0 +1,274 @@
+"""One generic train step for every algorithm, an evaluation step, and a training loop.
+
+The step (``make_train_step``) is the same for synchronous, local and
+block-momentum algorithms: each worker computes its loss and gradient on its own
+batch, calls ``tx.update`` and applies the update. Whatever communication the
+algorithm needs happens inside ``tx`` (``mfopt.sync_gradients``,
+``mfopt.periodic_averaging``, ...), over :data:`mfopt.parallel.WORKER_AXES`.
+
+Metrics stay on device: the step returns per-worker scalars, and :func:`fit`
+fetches them every ``log_every`` steps (no host sync in the hot loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from mfopt import comm as comm_lib
+from mfopt import data as data_lib
+from mfopt import models as models_lib
+from mfopt import parallel
+
+LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def classification_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean softmax cross-entropy in float32, and accuracy.
+
+  Works for ``(N, C)`` logits with ``(N,)`` labels and for sequence models'
+  ``(N, L, V)`` logits with ``(N, L)`` labels (language modelling: the loss is the
+  mean per-token cross-entropy, ``exp(loss)`` the perplexity).
+  """
+  logits = logits.astype(jnp.float32)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  accuracy = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()
+  return loss, {"accuracy": accuracy}
+
+
+def split_batch(global_batch: int, num_workers: int) -> int:
+  """Per-worker batch for a global batch; raises unless it divides evenly."""
+  for name, value in (("global_batch", global_batch), ("num_workers", num_workers)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  if global_batch % num_workers:
+    raise ValueError(f"global_batch must be divisible by num_workers={num_workers} "
+                     f"(the per-worker batch is fixed), got {global_batch}")
+  return global_batch // num_workers
+
+
+class TrainState(NamedTuple):
+  """Worker-stacked training state: every leaf has a leading worker axis ``W``."""
+
+  params: Any
+  model_state: Any
+  opt_state: Any
+
+
+def init_train_state(model, tx: optax.GradientTransformation, example_x: np.ndarray, *,
+                     num_workers: int, mesh, seed: int = 0) -> TrainState:
+  """Initialises identical replicas on all workers and the per-worker optimizer state.
+
+  The model is initialised once from ``seed`` and replicated, so every worker
+  starts from the same point. ``tx.init`` runs under the worker map, so a
+  transform's ``init`` may use the worker axes (e.g. ``lax.axis_index``).
+  """
+  params, model_state = models_lib.init_model(model, jax.random.PRNGKey(seed), example_x)
+  rows = parallel.process_worker_slice(num_workers, mesh)
+  local = rows.stop - rows.start
+  stacked = parallel.shard_workers(
+      parallel.stack_workers(jax.device_get((params, model_state)), local), mesh)
+  params, model_state = stacked
+  opt_init = jax.jit(parallel.per_worker(tx.init, mesh, num_workers))
+  return TrainState(params, model_state, opt_init(params))
+
+
+def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_workers: int,
+                    loss_fn: LossFn = classification_loss, donate: bool = True):
+  """Builds the jitted worker-stacked train step ``(state, batch) -> (state, metrics)``.
+
+  ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over workers.
+  ``metrics`` maps names to per-worker arrays of shape ``(W,)`` (loss, accuracy,
+  ``update_norm``), left on device.
+  """
+
+  def worker_step(params, model_state, opt_state, batch):
+    def loss_of(p):
+      logits, new_model_state = models_lib.apply_model(model, p, model_state, batch["x"], train=True)
+      loss, aux = loss_fn(logits, batch["y"])
+      return loss, (aux, new_model_state)
+
+    (loss, (aux, new_model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss, **aux, "update_norm": optax.tree.norm(updates)}
+    return params, new_model_state, opt_state, metrics
+
+  mapped = parallel.per_worker(worker_step, mesh, num_workers)
+
+  def step(state: TrainState, batch):
+    params, model_state, opt_state, metrics = mapped(
+        state.params, state.model_state, state.opt_state, batch)
+    return TrainState(params, model_state, opt_state), metrics
+
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_fn(model, loss_fn: LossFn = classification_loss):
+  """Jitted ``(params, model_state, x, y, mask) -> (sum_loss, sum_correct, count)`` for one model.
+
+  Evaluation uses a single (worker-averaged) model in inference mode; sums are
+  returned so batches of different sizes combine exactly.
+  """
+
+  def evaluate(params, model_state, x, y, mask):
+    logits, _ = models_lib.apply_model(model, params, model_state, x, train=False)
+    logits = logits.astype(jnp.float32)
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+    m = mask.reshape(mask.shape + (1,) * (per_example.ndim - mask.ndim)).astype(jnp.float32)
+    m = jnp.broadcast_to(m, per_example.shape)
+    return (per_example * m).sum(), (correct * m).sum(), m.sum()
+
+  return jax.jit(evaluate)
+
+
+def averaged_model(state: TrainState) -> tuple[Any, Any]:
+  """The worker-averaged parameters and model state (what evaluation uses)."""
+  return jax.jit(lambda p, s: (parallel.worker_mean(p), parallel.worker_mean(s)))(
+      state.params, state.model_state)
+
+
+def evaluate(eval_fn, params, model_state, source, batch_size: int = 512) -> dict[str, float]:
+  """Loss and accuracy of one model over a whole source (the test set)."""
+  totals = np.zeros(3)
+  for batch in data_lib.eval_batches(source, batch_size):
+    out = eval_fn(params, model_state, batch["x"], batch["y"], batch["mask"])
+    totals += np.asarray(jax.device_get(out), dtype=np.float64)
+  loss, correct, count = totals
+  return {"test_loss": float(loss / count), "test_accuracy": float(correct / count)}
+
+
+@dataclasses.dataclass
+class FitResult:
+  """What :func:`fit` returns: the history rows, the final summary and the final state."""
+
+  history: list[dict[str, Any]]
+  summary: dict[str, Any]
+  state: TrainState
+
+
+def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, num_workers: int,
+        per_worker_batch: int, num_steps: int, mesh=None, seed: int = 0,
+        log_every: int = 50, eval_every: int | None = None,
+        learning_rate: Callable[[int], float] | None = None,
+        loss_fn: LossFn = classification_loss, progress: bool = True,
+        desc: str | None = None, on_log: Callable[[dict[str, Any]], None] | None = None,
+        extra_metrics: Mapping[str, Callable[[TrainState], Any]] | None = None) -> FitResult:
+  """Trains ``model`` with ``tx`` on ``num_workers`` workers and returns history and summary.
+
+  Every worker reads its own deterministic stream of ``per_worker_batch``
+  examples per step (``mfopt.data.WorkerBatcher`` seeded by ``seed``); the global
+  batch is ``num_workers * per_worker_batch``. Metrics are fetched every
+  ``log_every`` steps and at the end; the test set is evaluated every
+  ``eval_every`` steps (if given) and at the end, on the worker-averaged model.
+
+  Args:
+    learning_rate: optional ``step -> lr`` (the schedule the transform uses),
+      logged beside the metrics.
+    on_log: called with every history row as soon as it exists (the runner
+      appends it to ``metrics.jsonl``).
+    extra_metrics: ``name -> fn(state)`` evaluated on device at log time.
+
+  Returns:
+    A :class:`FitResult`. ``summary`` holds the final train loss (mean over the
+    last logging window), test loss/accuracy, the communication totals per
+    worker counted by the transforms, and timings (compile excluded).
+  """
+  for name, value in (("num_workers", num_workers), ("per_worker_batch", per_worker_batch),
+                      ("num_steps", num_steps), ("log_every", log_every)):
+    if not isinstance(value, (int, np.integer)) or value <= 0:
+      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  mesh = parallel.make_mesh() if mesh is None else mesh
+  parallel.local_workers(num_workers, mesh)
+  batcher = data_lib.WorkerBatcher(dataset.train, num_workers=num_workers,
+                                   per_worker_batch=per_worker_batch, seed=seed)
+  rows = parallel.process_worker_slice(num_workers, mesh)
+
+  def device_batch(step):
+    b = batcher.batch(step)
+    return parallel.shard_workers({k: v[rows] for k, v in b.items()}, mesh)
+
+  first = batcher.batch(0)
+  state = init_train_state(model, tx, first["x"][0], num_workers=num_workers, mesh=mesh, seed=seed)
+  train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn)
+  eval_fn = make_eval_fn(model, loss_fn)
+
+  t0 = time.perf_counter()
+  batch = device_batch(0)
+  compiled = train_step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - t0
+
+  history: list[dict[str, Any]] = []
+  window: list[dict[str, jax.Array]] = []
+  global_batch = num_workers * per_worker_batch
+  train_s = 0.0
+  last_row: dict[str, Any] = {}
+
+  def log_row(step: int, state: TrainState, evaluate_now: bool) -> dict[str, Any]:
+    fetched = jax.device_get(window)
+    per_worker = {k: np.stack([m[k] for m in fetched]) for k in fetched[0]}  # (steps, W)
+    row: dict[str, Any] = {
+        "step": step, "epoch": step * global_batch / len(dataset.train),
+        "samples": step * global_batch,
+    }
+    for k, v in per_worker.items():
+      if not np.all(np.isfinite(v)):
+        bad = sorted({int(w) for w in np.argwhere(~np.isfinite(v))[:, 1]})
+        raise FloatingPointError(f"non-finite {k} at or before step {step} on worker(s) {bad}")
+      row[f"train_{k}"] = float(v.mean())
+    if learning_rate is not None:
+      row["learning_rate"] = float(learning_rate(step - 1))
+    row.update(comm_lib.comm_totals(state.opt_state))
+    for name, fn in (extra_metrics or {}).items():
+      row[name] = jax.device_get(fn(state))
+      if isinstance(row[name], np.ndarray):
+        row[name] = row[name].tolist()
+    if evaluate_now:
+      params, model_state = averaged_model(state)
+      row.update(evaluate(eval_fn, params, model_state, dataset.test))
+    row["train_time_s"] = train_s
+    return row
+
+  bar = tqdm(total=num_steps, desc=desc, disable=not progress, leave=False)
+  tick = time.perf_counter()
+  for step in range(num_steps):
+    next_batch = device_batch(step + 1) if step + 1 < num_steps else None
+    state, metrics = compiled(state, batch)
+    window.append(metrics)
+    batch = next_batch
+    done = step + 1
+    if done % log_every == 0 or done == num_steps:
+      jax.block_until_ready(state)
+      train_s += time.perf_counter() - tick
+      evaluate_now = done == num_steps or (eval_every is not None and done % eval_every == 0)
+      last_row = log_row(done, state, evaluate_now)
+      history.append(last_row)
+      if on_log is not None:
+        on_log(last_row)
+      window = []
+      bar.set_postfix(loss=f"{last_row['train_loss']:.4f}")
+      tick = time.perf_counter()
+    bar.update(1)
+  bar.close()
+
+  summary = {
+      "final_train_loss": last_row["train_loss"],
+      "final_train_accuracy": last_row.get("train_accuracy"),
+      "test_loss": last_row["test_loss"],
+      "test_accuracy": last_row["test_accuracy"],
+      "steps": num_steps, "samples": num_steps * global_batch,
+      "epochs": num_steps * global_batch / len(dataset.train),
+      "num_workers": num_workers, "per_worker_batch": per_worker_batch,
+      "global_batch": global_batch, "compile_s": compile_s, "train_s": train_s,
+      **comm_lib.comm_totals(state.opt_state),
+  }
+  return FitResult(history=history, summary=summary, state=state)

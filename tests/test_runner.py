@@ -1,0 +1,89 @@
+"""The experiment runner: bad input fails early and clearly; quickstart writes its report."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mfopt import runner
+
+
+def _raises(match, name, *overrides, quick=True):
+  with pytest.raises(runner.ConfigError, match=match):
+    runner.prepare(name, quick=quick, overrides=list(overrides))
+
+
+def test_unknown_experiment_names_it_and_lists_known():
+  _raises(r"unknown experiment 'nope'.*quickstart", "nope")
+
+
+def test_unknown_config_key():
+  _raises(r"unknown config key 'num_stepz'", "quickstart", "num_stepz=3")
+  _raises(r"unknown config key 'model.width'", "quickstart", "model.width=3")
+
+
+@pytest.mark.parametrize("override,match", [
+    ("num_steps=ten", r"'num_steps' expects int.*'ten'"),
+    ("num_steps=1.5", r"'num_steps' expects int.*'1.5'"),
+    ("seed=[1]", r"'seed' expects int"),
+    ("progress=maybe", r"'progress' expects bool.*'maybe'"),
+    ("datasets=[3]", r"'datasets' expects tuple"),
+])
+def test_wrong_type(override, match):
+  _raises(match, "quickstart", override)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("num_steps=0", r"'num_steps' must be positive, got 0"),
+    ("num_workers=-8", r"'num_workers' must be positive, got -8"),
+    ("global_batch=0", r"'global_batch' must be positive, got 0"),
+    ("global_batch=100", r"global_batch must be divisible by num_workers=8.*100"),
+    ("datasets=('digits','cifar')", r"'datasets' must be one of"),
+    ("algorithms=('sgd',)", r"'algorithms' must be one of"),
+])
+def test_bad_values(override, match):
+  _raises(match, "quickstart", override)
+
+
+def test_override_applies_with_type():
+  _, c = runner.prepare("quickstart", quick=True, overrides=["num_steps=7", "datasets=digits",
+                                                             "models=('mlp',)"])
+  assert c.num_steps == 7 and c.datasets == ("digits",) and c.models == ("mlp",)
+
+
+def test_workers_not_multiple_of_devices_fails_before_compiling(tmp_path):
+  # 8 fake devices in the test process: 12 workers cannot be split evenly.
+  with pytest.raises(ValueError, match="num_workers must be a multiple of the device count 8.*12"):
+    runner.run_experiment("quickstart", quick=True, workdir=tmp_path,
+                          overrides=["num_workers=12", "global_batch=120", "progress=false"])
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_reports_config_errors_with_exit_code_2():
+  out = subprocess.run([sys.executable, "-m", "experiments", "quickstart", "--quick", "bogus=1"],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2
+  assert "unknown config key 'bogus'" in out.stderr
+
+
+def test_quickstart_quick_writes_report_table_and_plot(tmp_path):
+  summary = runner.run_experiment("quickstart", quick=True, workdir=tmp_path,
+                                  overrides=["progress=false", "num_steps=20", "log_every=10"])
+  for name in ("config.json", "summary.json", "metrics.jsonl", "report.md", "loss_curves.png"):
+    assert (tmp_path / name).stat().st_size > 0, name
+  report = (tmp_path / "report.md").read_text()
+  assert "Device:" in report and "Workers: 8" in report
+  assert "1,437 train / 360 test" in report and "4,000 train / 1,000 test" in report
+  rows = summary["rows"]
+  assert {r["dataset"] for r in rows} == {"digits", "mnist1d"}
+  for r in rows:
+    # Synchronous algorithms: one all-reduce of the whole gradient per step.
+    assert r["all_reduces"] == 20
+    assert r["payload_bytes"] % 20 == 0 and r["payload_bytes"] > 0
+    assert 0.0 <= r["test_accuracy"] <= 1.0
+  lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert len(lines) == 2 * len(rows)  # two log rows (steps 10, 20) per run
+  # Learning progressed: SGD beats chance on digits after 20 steps.
+  sgd = [r for r in rows if r["dataset"] == "digits" and "SGD m=0.9" in r["algorithm"]][0]
+  assert sgd["test_accuracy"] > 0.3
