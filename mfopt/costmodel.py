@@ -1,0 +1,142 @@
+"""Communication cost model for projections (SPEC.md): never presented as a measurement.
+
+Ring all-reduce of ``S`` payload bytes over ``n`` workers on links of bandwidth
+``B`` bytes/s and per-message latency ``alpha`` seconds:
+
+.. math::  t_{ar} = \\frac{2(n-1)}{n} \\frac{S}{B} + 2(n-1)\\,\\alpha
+
+All-gather (QSGD's exchange) of ``S_q`` bytes per worker:
+
+.. math::  t_{ag} = \\frac{n-1}{n} \\frac{n S_q}{B} + (n-1)\\,\\alpha
+
+Bytes: *payload* is what one worker contributes to one collective (what the
+transforms count, :mod:`mfopt.comm`); *wire* is what the cost model puts on a
+link: ``2(n-1)/n x payload`` for a ring all-reduce, ``(n-1) x payload`` for an
+all-gather. Projected wall-clock = measured compute time + modeled
+communication; reports label it "projected".
+
+The latency term of the ring all-reduce is ``2(n-1) alpha`` as SPEC.md states;
+the all-gather takes ``n-1`` ring steps, hence ``(n-1) alpha`` (a choice: SPEC.md
+gives only its bandwidth term).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from mfopt.comm import CollectiveKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """A network link: bandwidth in bytes/s and per-message latency in seconds."""
+
+  name: str
+  bandwidth: float
+  latency: float
+
+  def __post_init__(self):
+    if not self.bandwidth > 0:
+      raise ValueError(f"bandwidth must be positive (bytes/s), got {self.bandwidth!r}")
+    if not self.latency >= 0:
+      raise ValueError(f"latency must be non-negative (s), got {self.latency!r}")
+
+  def transfer_time(self, num_bytes: float) -> float:
+    """Point-to-point time of one message (parameter-server push/pull)."""
+    return num_bytes / self.bandwidth + self.latency
+
+
+GBIT = 1e9 / 8  # bytes/s in one Gbit/s
+
+#: Presets. Ethernet latencies are typical TCP figures; NVLink and NDR numbers
+#: are the bus bandwidths nccl-tests reports (SPEC.md).
+PRESETS: Mapping[str, Link] = {
+    "1gbit": Link("1 Gbit/s Ethernet", 1 * GBIT, 50e-6),
+    "10gbit": Link("10 Gbit/s Ethernet", 10 * GBIT, 20e-6),
+    "100gbit": Link("100 Gbit/s InfiniBand", 100 * GBIT, 5e-6),
+    "nvlink": Link("NVLink ring (370 GB/s)", 370e9, 3e-6),
+    "ndr400": Link("NDR 400 InfiniBand (~47 GB/s)", 47e9, 3e-6),
+}
+
+
+def link(name_or_link: str | Link) -> Link:
+  """A preset by name (``"10gbit"``, ``"100gbit"``, ``"nvlink"``, ``"ndr400"``, ``"1gbit"``) or a Link."""
+  if isinstance(name_or_link, Link):
+    return name_or_link
+  if name_or_link not in PRESETS:
+    raise ValueError(f"unknown link {name_or_link!r}; presets: {', '.join(PRESETS)}")
+  return PRESETS[name_or_link]
+
+
+def _check_workers(n: int) -> None:
+  if not isinstance(n, int) or n <= 0:
+    raise ValueError(f"num_workers must be a positive integer, got {n!r}")
+
+
+def wire_bytes(payload_bytes: float, num_workers: int, kind: CollectiveKind) -> float:
+  """Bytes one worker puts on its link for one collective of ``payload_bytes``."""
+  _check_workers(num_workers)
+  n = num_workers
+  if kind == CollectiveKind.ALL_REDUCE:
+    return 2 * (n - 1) / n * payload_bytes
+  if kind == CollectiveKind.ALL_GATHER:
+    return (n - 1) * payload_bytes
+  raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def all_reduce_time(payload_bytes: float, num_workers: int, net: str | Link) -> float:
+  """Ring all-reduce time in seconds (0 for one worker)."""
+  _check_workers(num_workers)
+  net, n = link(net), num_workers
+  if n == 1:
+    return 0.0
+  return 2 * (n - 1) / n * payload_bytes / net.bandwidth + 2 * (n - 1) * net.latency
+
+
+def all_gather_time(payload_bytes: float, num_workers: int, net: str | Link) -> float:
+  """Ring all-gather time in seconds of ``payload_bytes`` per worker (0 for one worker)."""
+  _check_workers(num_workers)
+  net, n = link(net), num_workers
+  if n == 1:
+    return 0.0
+  return (n - 1) / n * n * payload_bytes / net.bandwidth + (n - 1) * net.latency
+
+
+def collective_time(payload_bytes: float, num_workers: int, net: str | Link,
+                    kind: CollectiveKind) -> float:
+  if kind == CollectiveKind.ALL_REDUCE:
+    return all_reduce_time(payload_bytes, num_workers, net)
+  if kind == CollectiveKind.ALL_GATHER:
+    return all_gather_time(payload_bytes, num_workers, net)
+  raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def communication_time(totals: Mapping[str, int], num_workers: int, net: str | Link) -> float:
+  """Modeled time of all collectives in ``mfopt.comm_totals(state)`` (per worker, seconds).
+
+  Uses the counts and the per-kind payload totals; each collective's payload is
+  taken as the kind's mean payload (exact when every exchange of a kind has the
+  same size, as in every mfopt transform).
+  """
+  t = 0.0
+  for kind, count_key, bytes_key in ((CollectiveKind.ALL_REDUCE, "all_reduces", "all_reduce_bytes"),
+                                     (CollectiveKind.ALL_GATHER, "all_gathers", "all_gather_bytes")):
+    count = totals.get(count_key, 0)
+    if count:
+      per_call = totals[bytes_key] / count
+      t += count * collective_time(per_call, num_workers, net, kind)
+  return t
+
+
+def projected_time(compute_s: float, totals: Mapping[str, int], num_workers: int,
+                   net: str | Link) -> dict[str, float]:
+  """Projected wall-clock = measured compute + modeled communication (no overlap assumed).
+
+  Returns ``{"compute_s", "comm_s", "projected_s", "scaling_efficiency"}`` where
+  scaling efficiency is ``1 / (1 + comm/compute)`` (seed 004 §1).
+  """
+  comm = communication_time(totals, num_workers, net)
+  eff = 1.0 / (1.0 + comm / compute_s) if compute_s > 0 else float("nan")
+  return {"compute_s": compute_s, "comm_s": comm, "projected_s": compute_s + comm,
+          "scaling_efficiency": eff}

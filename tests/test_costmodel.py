@@ -1,0 +1,44 @@
+"""The communication cost model against SPEC.md's closed forms."""
+
+import math
+
+import pytest
+
+from mfopt import comm, costmodel
+
+
+def test_ring_all_reduce_closed_form():
+  net = costmodel.Link("x", bandwidth=1e9, latency=1e-5)
+  s, n = 4e8, 8
+  assert math.isclose(costmodel.all_reduce_time(s, n, net), 2 * 7 / 8 * s / 1e9 + 2 * 7 * 1e-5)
+  assert costmodel.all_reduce_time(s, 1, net) == 0.0
+
+
+def test_all_gather_wire_bytes_overtake_ring_all_reduce():
+  # QSGD-8bit sends ~1/4 of the fp32 payload, but all-gather wire bytes grow as (n-1)
+  # while the ring all-reduce's stay below 2x payload: the crossover is at n = 9.
+  fp32, q8 = 4.0, 1.0
+  ar = {n: costmodel.wire_bytes(fp32, n, comm.CollectiveKind.ALL_REDUCE) for n in range(2, 33)}
+  ag = {n: costmodel.wire_bytes(q8, n, comm.CollectiveKind.ALL_GATHER) for n in range(2, 33)}
+  crossover = min(n for n in ar if ag[n] > ar[n])
+  assert crossover == 9  # (n-1) > 8(n-1)/n  <=>  n > 8
+
+
+def test_communication_time_from_counted_totals():
+  totals = {"all_reduces": 10, "all_reduce_bytes": 10 * 1000, "all_gathers": 0, "all_gather_bytes": 0}
+  t = costmodel.communication_time(totals, 4, "10gbit")
+  assert math.isclose(t, 10 * costmodel.all_reduce_time(1000, 4, "10gbit"))
+  p = costmodel.projected_time(2.0, totals, 4, "10gbit")
+  assert math.isclose(p["scaling_efficiency"], 1 / (1 + t / 2.0))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"bandwidth": 0, "latency": 0}, "bandwidth.*0"),
+                                          ({"bandwidth": 1, "latency": -1}, "latency.*-1")])
+def test_link_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    costmodel.Link("bad", **kwargs)
+
+
+def test_unknown_preset():
+  with pytest.raises(ValueError, match="unknown link 'wifi'"):
+    costmodel.link("wifi")
