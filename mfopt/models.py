@@ -1,0 +1,527 @@
+"""Models for the mfopt experiments (flax.linen): MLP, small CNN, ResNet-18/50, LSTM LM.
+
+Every model is called as ``model.apply(variables, x, train=...)`` and returns float32 logits.
+
+Conventions shared by all models
+--------------------------------
+* ``dtype`` is the *computation* dtype (default float32). Parameters are always created in
+  float32 (``param_dtype=jnp.float32``), so mixed precision (seed 004 §2.2.2: bf16/fp16 compute,
+  fp32 master weights) is ``Model(..., dtype=jnp.bfloat16)``; the final logits are cast to float32
+  so that softmax / cross-entropy run in float32.
+* Models with BatchNorm keep their statistics in the ``batch_stats`` collection (apply with
+  ``mutable=["batch_stats"]`` in training; :func:`apply_model` does this). BN uses momentum 0.9
+  and eps 1e-5 and ``use_running_average=not train``.
+* ``bn_axis_name`` is passed to ``nn.BatchNorm(axis_name=...)``. ``None`` (default) gives
+  per-worker statistics, the strategy of seed 004 §2.2.3 ("the mean and variance of BN are
+  calculated in the batch of each GPU respectively"); a vmap/shard_map axis name (or a tuple of
+  names) gives cross-worker synchronised BN. flax skips the collective while initialising, so
+  :func:`init_model` works outside any named axis even when ``bn_axis_name`` is set.
+* ``bn_momentum`` (default 0.9) is exposed because seed 004 §2.2.3 keeps no moving average:
+  ``bn_momentum=0.0`` makes the stored statistics those of the last training batch, which a
+  training loop can then all-reduce (in fp32) to obtain the population statistics.
+
+BatchNorm statistics under bf16 (checked against flax 0.12.8 ``flax/linen/normalization.py``)
+---------------------------------------------------------------------------------------------
+``nn.BatchNorm(dtype=bf16, param_dtype=float32)`` with its default
+``force_float32_reductions=True`` casts the input to ``promote_types(dtype, float32)`` = float32
+before reducing (``_compute_stats``), so the batch mean and variance -- and the ``pmean`` over
+``axis_name`` -- are float32; the running ``mean``/``var`` variables are created in float32; the
+normalisation ``(x - mean) * rsqrt(var + eps) * scale + bias`` is evaluated in float32 and only
+the result is cast to bf16. Two further flax facts worth knowing: the variance is the biased
+(population, 1/N) variance, also in the running average (PyTorch stores the unbiased one), and
+flax uses the one-pass form ``E[x^2] - E[x]^2`` (``use_fast_variance=True``, clipped at 0), which
+lets synchronised BN exchange mean and second moment in one collective.
+
+Initialisation
+--------------
+Convolutions use Kaiming-normal init with **fan_in**,
+``nn.initializers.variance_scaling(2.0, "fan_in", "normal")`` i.e. ``N(0, 2/fan_in)`` with
+``fan_in = prod(kernel_size) * in_channels``: seed 004 §2.2.3 prints ``std = sqrt(2/fan_in)``
+(torchvision's ResNet uses fan_out instead; we follow the seed). Dense layers, the embedding and
+the LSTM keep flax's defaults (lecun-normal kernels, zero biases, orthogonal recurrent kernels).
+In every residual block the scale (gamma) of the last BN of the residual branch is initialised
+to 0 (seed 004 §2.2.3, Goyal et al. 2017), so each block starts as its shortcut.
+
+Dimension-generic convolutions
+------------------------------
+The CNN and the ResNets read the number of spatial dimensions from the input: ``(N, L, C)``
+gets 1-D convolutions (kernel ``(3,)``), ``(N, H, W, C)`` 2-D ones (``(3, 3)``), and so on;
+kernel sizes, strides, paddings and pooling windows are built as ``(k,) * num_spatial_dims``.
+
+Seeds: 000 §4.4.2 (3-layer MLP on MNIST), §4.4.3 (LSTM LM on PTB), ResNet-50 on CIFAR-10
+throughout seed 000; 004 §2.2.3 (BN strategy, Kaiming init, zero-init last BN scale).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> model = get_model("resnet18", num_classes=10, width=4)
+  >>> x = jnp.zeros((2, 8, 8, 3))
+  >>> params, state = init_model(model, jax.random.key(0), x)
+  >>> logits, state = apply_model(model, params, state, x, train=True)
+  >>> logits.shape, logits.dtype
+  ((2, 10), dtype('float32'))
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "BN_EPSILON",
+    "BN_MOMENTUM",
+    "MLP",
+    "CNN",
+    "BasicBlock",
+    "BottleneckBlock",
+    "ResNet",
+    "ResNet18",
+    "ResNet50",
+    "LSTMLM",
+    "MODELS",
+    "get_model",
+    "init_model",
+    "apply_model",
+    "conv_kernel_init",
+]
+
+BN_MOMENTUM = 0.9
+BN_EPSILON = 1e-5
+
+#: Kaiming-normal with fan_in, N(0, 2 / (prod(kernel_size) * in_channels)) (seed 004 §2.2.3).
+conv_kernel_init = nn.initializers.variance_scaling(2.0, "fan_in", "normal")
+
+Dtype = Any
+ModuleDef = Any
+AxisName = str | tuple[str, ...] | None
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_positive_int(owner: str, field: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"{owner}: {field} must be a positive int, got {value!r}")
+
+
+def _check_positive_ints(owner: str, field: str, values: Any, allow_empty: bool) -> None:
+  if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    raise ValueError(f"{owner}: {field} must be a sequence of positive ints, got {values!r}")
+  if not allow_empty and len(values) == 0:
+    raise ValueError(f"{owner}: {field} must not be empty, got {values!r}")
+  for v in values:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+      raise ValueError(f"{owner}: {field} must contain positive ints, got {values!r}")
+
+
+def _check_float_dtype(owner: str, dtype: Any) -> None:
+  try:
+    ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    ok = False
+  if not ok:
+    raise ValueError(f"{owner}: dtype must be a floating dtype, got {dtype!r}")
+
+
+def _check_bn(owner: str, momentum: Any, axis_name: Any) -> None:
+  if not (isinstance(momentum, (int, float)) and 0.0 <= momentum < 1.0):
+    raise ValueError(f"{owner}: bn_momentum must be in [0, 1), got {momentum!r}")
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if axis_name is not None and not all(isinstance(n, str) and n for n in names):
+    raise ValueError(
+        f"{owner}: bn_axis_name must be None, a str or a tuple of str, got {axis_name!r}")
+
+
+def _num_spatial_dims(owner: str, x: jax.Array) -> int:
+  """Spatial rank of a channels-last batch ``(N, *spatial, C)``; at least 1."""
+  if x.ndim < 3:
+    raise ValueError(
+        f"{owner}: input must be (N, L, C), (N, H, W, C), ... (channels last), got shape "
+        f"{tuple(x.shape)}")
+  return x.ndim - 2
+
+
+def _batch_norm(train: bool, momentum: float, axis_name: AxisName, dtype: Dtype) -> ModuleDef:
+  """The one BatchNorm configuration used by every model here (see module docstring)."""
+  return functools.partial(
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=momentum,
+      epsilon=BN_EPSILON,
+      dtype=dtype,
+      param_dtype=jnp.float32,
+      axis_name=axis_name,
+  )
+
+
+def _global_avg_pool(x: jax.Array) -> jax.Array:
+  return jnp.mean(x, axis=tuple(range(1, x.ndim - 1)))
+
+
+# ----------------------------------------------------------------------------- MLP
+
+
+class MLP(nn.Module):
+  """Multilayer perceptron: flatten, ``len(hidden)`` Dense+ReLU layers, Dense logits.
+
+  With the default two hidden layers it is the 3-layer MLP of seed 000 §4.4.2 ("three fully
+  connected layers, two activation layers and a softmax layer"; the softmax lives in the loss).
+
+  Attributes:
+    hidden: widths of the hidden layers.
+    num_classes: number of output logits.
+    dtype: computation dtype; parameters are float32, logits are cast to float32.
+  """
+
+  hidden: Sequence[int] = (256, 256)
+  num_classes: int = 10
+  dtype: Dtype = jnp.float32
+
+  def __post_init__(self):
+    _check_positive_ints("MLP", "hidden", self.hidden, allow_empty=True)
+    _check_positive_int("MLP", "num_classes", self.num_classes)
+    _check_float_dtype("MLP", self.dtype)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    del train  # no train-dependent layers
+    x = x.reshape((x.shape[0], -1))
+    for i, width in enumerate(self.hidden):
+      x = nn.Dense(width, dtype=self.dtype, param_dtype=jnp.float32, name=f"dense{i}")(x)
+      x = nn.relu(x)
+    x = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=jnp.float32, name="head")(x)
+    return x.astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- CNN
+
+
+class CNN(nn.Module):
+  """Small conv net: [conv3 -> BN -> ReLU -> max-pool 2] per entry of ``features``, GAP, Dense.
+
+  Convolution rank follows the input: ``(N, L, C)`` -> 1-D, ``(N, H, W, C)`` -> 2-D. Pooling uses
+  "SAME" padding so any spatial size works (a size-1 axis stays size 1).
+
+  Attributes:
+    features: output channels of each conv block.
+    num_classes: number of output logits.
+    use_bn: BatchNorm after each conv (the conv then has no bias).
+    dtype: computation dtype.
+    bn_axis_name: ``None`` for per-worker BN statistics, an axis name for synchronised BN.
+    bn_momentum: BN running-average momentum.
+  """
+
+  features: Sequence[int] = (32, 64)
+  num_classes: int = 10
+  use_bn: bool = True
+  dtype: Dtype = jnp.float32
+  bn_axis_name: AxisName = None
+  bn_momentum: float = BN_MOMENTUM
+
+  def __post_init__(self):
+    _check_positive_ints("CNN", "features", self.features, allow_empty=False)
+    _check_positive_int("CNN", "num_classes", self.num_classes)
+    _check_float_dtype("CNN", self.dtype)
+    _check_bn("CNN", self.bn_momentum, self.bn_axis_name)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    nd = _num_spatial_dims("CNN", x)
+    norm = _batch_norm(train, self.bn_momentum, self.bn_axis_name, self.dtype)
+    for i, f in enumerate(self.features):
+      x = nn.Conv(f, (3,) * nd, padding="SAME", use_bias=not self.use_bn,
+                  kernel_init=conv_kernel_init, dtype=self.dtype, param_dtype=jnp.float32,
+                  name=f"conv{i}")(x)
+      if self.use_bn:
+        x = norm(name=f"bn{i}")(x)
+      x = nn.relu(x)
+      x = nn.max_pool(x, (2,) * nd, strides=(2,) * nd, padding="SAME")
+    x = _global_avg_pool(x)
+    x = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=jnp.float32, name="head")(x)
+    return x.astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- ResNets
+
+
+class BasicBlock(nn.Module):
+  """ResNet basic block: conv3-BN-ReLU-conv3-BN (+ shortcut), ReLU. ``bn2`` scale starts at 0.
+
+  The shortcut is the identity, or a 1x1 conv (stride ``strides``) + BN when the shape changes.
+  """
+
+  features: int
+  strides: int
+  conv: ModuleDef
+  norm: ModuleDef
+
+  expansion = 1  # output channels = features * expansion
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    nd = x.ndim - 2
+    out_features = self.features * self.expansion
+    y = self.conv(self.features, (3,) * nd, (self.strides,) * nd, padding=[(1, 1)] * nd,
+                  name="conv1")(x)
+    y = nn.relu(self.norm(name="bn1")(y))
+    y = self.conv(self.features, (3,) * nd, padding=[(1, 1)] * nd, name="conv2")(y)
+    y = self.norm(scale_init=nn.initializers.zeros, name="bn2")(y)
+    return nn.relu(y + _shortcut(self, x, out_features, nd))
+
+
+class BottleneckBlock(nn.Module):
+  """ResNet bottleneck (v1.5, stride on the 3x3 conv as torchvision): 1x1-3x3-1x1, x4 channels.
+
+  conv1x1-BN-ReLU-conv3-BN-ReLU-conv1x1(4*features)-BN (+ shortcut), ReLU. ``bn3`` scale starts
+  at 0. The shortcut is a 1x1 conv + BN when stride or channel count changes.
+  """
+
+  features: int
+  strides: int
+  conv: ModuleDef
+  norm: ModuleDef
+
+  expansion = 4
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    nd = x.ndim - 2
+    out_features = self.features * self.expansion
+    y = self.conv(self.features, (1,) * nd, name="conv1")(x)
+    y = nn.relu(self.norm(name="bn1")(y))
+    y = self.conv(self.features, (3,) * nd, (self.strides,) * nd, padding=[(1, 1)] * nd,
+                  name="conv2")(y)
+    y = nn.relu(self.norm(name="bn2")(y))
+    y = self.conv(out_features, (1,) * nd, name="conv3")(y)
+    y = self.norm(scale_init=nn.initializers.zeros, name="bn3")(y)
+    return nn.relu(y + _shortcut(self, x, out_features, nd))
+
+
+def _shortcut(block: nn.Module, x: jax.Array, out_features: int, nd: int) -> jax.Array:
+  """Identity, or projection (1x1 conv with the block's stride + BN) when the shape changes."""
+  if block.strides == 1 and x.shape[-1] == out_features:
+    return x
+  x = block.conv(out_features, (1,) * nd, (block.strides,) * nd, name="proj_conv")(x)
+  return block.norm(name="proj_bn")(x)
+
+
+class ResNet(nn.Module):
+  """ResNet v1.5 for channels-last inputs of any spatial rank; see :class:`ResNet18`/``50``.
+
+  Stage ``i`` has ``stage_sizes[i]`` blocks of ``width * 2**i`` features (times the block's
+  expansion); the first block of every stage but the first has stride 2.
+
+  Attributes:
+    stage_sizes: number of blocks per stage.
+    block_cls: :class:`BasicBlock` or :class:`BottleneckBlock`.
+    stem: ``"cifar"`` (3x3 stride-1 conv, no pooling) or ``"imagenet"`` (7x7 stride-2 conv +
+      3x3 stride-2 max-pool).
+    num_classes: number of output logits.
+    width: channels of the stem and the first stage (64 in the papers; small for tests).
+    dtype: computation dtype.
+    bn_axis_name: ``None`` for per-worker BN statistics, an axis name for synchronised BN.
+    bn_momentum: BN running-average momentum.
+  """
+
+  stage_sizes: Sequence[int] = (2, 2, 2, 2)
+  block_cls: ModuleDef = BasicBlock
+  stem: str = "cifar"
+  num_classes: int = 10
+  width: int = 64
+  dtype: Dtype = jnp.float32
+  bn_axis_name: AxisName = None
+  bn_momentum: float = BN_MOMENTUM
+
+  def __post_init__(self):
+    owner = type(self).__name__
+    _check_positive_ints(owner, "stage_sizes", self.stage_sizes, allow_empty=False)
+    if self.block_cls not in (BasicBlock, BottleneckBlock):
+      raise ValueError(f"{owner}: block_cls must be BasicBlock or BottleneckBlock, got "
+                       f"{self.block_cls!r}")
+    if self.stem not in ("cifar", "imagenet"):
+      raise ValueError(f"{owner}: stem must be 'cifar' or 'imagenet', got {self.stem!r}")
+    _check_positive_int(owner, "num_classes", self.num_classes)
+    _check_positive_int(owner, "width", self.width)
+    _check_float_dtype(owner, self.dtype)
+    _check_bn(owner, self.bn_momentum, self.bn_axis_name)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    nd = _num_spatial_dims(type(self).__name__, x)
+    conv = functools.partial(nn.Conv, use_bias=False, kernel_init=conv_kernel_init,
+                             dtype=self.dtype, param_dtype=jnp.float32)
+    norm = _batch_norm(train, self.bn_momentum, self.bn_axis_name, self.dtype)
+
+    if self.stem == "imagenet":
+      x = conv(self.width, (7,) * nd, (2,) * nd, padding=[(3, 3)] * nd, name="stem_conv")(x)
+      x = nn.relu(norm(name="stem_bn")(x))
+      x = nn.max_pool(x, (3,) * nd, strides=(2,) * nd, padding=[(1, 1)] * nd)
+    else:
+      x = conv(self.width, (3,) * nd, padding=[(1, 1)] * nd, name="stem_conv")(x)
+      x = nn.relu(norm(name="stem_bn")(x))
+
+    for i, num_blocks in enumerate(self.stage_sizes):
+      for j in range(num_blocks):
+        strides = 2 if i > 0 and j == 0 else 1
+        x = self.block_cls(self.width * 2**i, strides, conv=conv, norm=norm,
+                           name=f"stage{i + 1}_block{j}")(x)
+    x = _global_avg_pool(x)
+    x = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=jnp.float32, name="head")(x)
+    return x.astype(jnp.float32)
+
+
+class ResNet18(ResNet):
+  """ResNet-18, CIFAR variant: 3x3/1 stem, no max-pool, BasicBlocks [2, 2, 2, 2].
+
+  >>> ResNet18(num_classes=10, width=8)  # tiny variant for tests  # doctest: +ELLIPSIS
+  ResNet18(...)
+  """
+
+  stage_sizes: Sequence[int] = (2, 2, 2, 2)
+  block_cls: ModuleDef = BasicBlock
+  stem: str = "cifar"
+
+
+class ResNet50(ResNet):
+  """ResNet-50, ImageNet variant: 7x7/2 stem + 3x3/2 max-pool, Bottlenecks [3, 4, 6, 3]."""
+
+  stage_sizes: Sequence[int] = (3, 4, 6, 3)
+  block_cls: ModuleDef = BottleneckBlock
+  stem: str = "imagenet"
+
+
+# ----------------------------------------------------------------------------- LSTM LM
+
+
+class LSTMLM(nn.Module):
+  """LSTM language model (seed 000 §4.4.3): embedding -> stacked LSTM -> Dense over the vocab.
+
+  Input int tokens ``(N, L)``; output logits ``(N, L, vocab_size)`` where position ``t`` depends
+  only on tokens ``<= t`` (unidirectional, scan-based ``nn.RNN(nn.OptimizedLSTMCell)``). No
+  dropout (the seed gives none), so ``train`` is accepted and ignored. The LSTM carry is float32
+  (flax creates it in ``param_dtype``); gate matmuls run in ``dtype``.
+
+  Attributes:
+    vocab_size: vocabulary size (embedding rows and output logits).
+    embed_dim: embedding width.
+    hidden: LSTM hidden size (all layers).
+    num_layers: number of stacked LSTM layers.
+    dtype: computation dtype.
+  """
+
+  vocab_size: int
+  embed_dim: int = 128
+  hidden: int = 256
+  num_layers: int = 2
+  dtype: Dtype = jnp.float32
+
+  def __post_init__(self):
+    for field in ("vocab_size", "embed_dim", "hidden", "num_layers"):
+      _check_positive_int("LSTMLM", field, getattr(self, field))
+    _check_float_dtype("LSTMLM", self.dtype)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, train: bool) -> jax.Array:
+    del train
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"LSTMLM: tokens must be integer (N, L), got {tokens.dtype}"
+                       f"{list(tokens.shape)}")
+    x = nn.Embed(self.vocab_size, self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32,
+                 name="embed")(tokens)
+    for i in range(self.num_layers):
+      cell = nn.OptimizedLSTMCell(self.hidden, dtype=self.dtype, param_dtype=jnp.float32)
+      x = nn.RNN(cell, name=f"lstm{i}")(x)
+    x = nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, name="head")(x)
+    return x.astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- registry/helpers
+
+#: name -> model class; :func:`get_model` forwards its keyword arguments to the constructor.
+MODELS: Mapping[str, Callable[..., nn.Module]] = {
+    "mlp": MLP,
+    "cnn": CNN,
+    "resnet18": ResNet18,
+    "resnet50": ResNet50,
+    "lstm_lm": LSTMLM,
+}
+
+
+def get_model(name: str, **kwargs: Any) -> nn.Module:
+  """Builds the model registered under ``name`` with ``kwargs``.
+
+  Args:
+    name: one of ``MODELS`` ("mlp", "cnn", "resnet18", "resnet50", "lstm_lm").
+    **kwargs: constructor arguments (e.g. ``num_classes``, ``dtype``, ``bn_axis_name``).
+
+  Returns:
+    The (unbound) flax module.
+
+  Raises:
+    ValueError: unknown ``name`` (the message lists the known names) or invalid arguments.
+
+  >>> get_model("mlp", hidden=(32,), num_classes=3)
+  MLP(
+      # attributes
+      hidden = (32,)
+      num_classes = 3
+      dtype = float32
+  )
+  """
+  try:
+    cls = MODELS[name]
+  except (KeyError, TypeError):
+    raise ValueError(f"unknown model {name!r}; known models: {sorted(MODELS)}") from None
+  return cls(**kwargs)
+
+
+def init_model(model: nn.Module, rng: jax.Array, example_x: jax.Array
+               ) -> tuple[Any, dict[str, Any]]:
+  """Initialises ``model`` on ``example_x``.
+
+  Args:
+    model: a module from this file (any module with ``__call__(x, train)``).
+    rng: PRNG key.
+    example_x: an example batch (only its shape and dtype matter).
+
+  Returns:
+    ``(params, model_state)``: the ``params`` collection and a dict of every other collection
+    (``{"batch_stats": ...}`` for BN models, ``{}`` otherwise).
+  """
+  variables = model.init(rng, example_x, train=False)
+  params = variables["params"]
+  model_state = {k: v for k, v in variables.items() if k != "params"}
+  return params, model_state
+
+
+def apply_model(model: nn.Module, params: Any, model_state: Mapping[str, Any], x: jax.Array,
+                train: bool) -> tuple[jax.Array, dict[str, Any]]:
+  """Runs ``model``; in training the state collections (``batch_stats``) are updated.
+
+  Pure and jit/vmap friendly; ``model`` and ``train`` must be static (Python values).
+
+  Args:
+    model: the module.
+    params: the ``params`` collection.
+    model_state: the non-param collections from :func:`init_model` (possibly empty).
+    x: input batch.
+    train: training mode (batch statistics, running averages updated) or evaluation mode
+      (running averages used, state returned unchanged).
+
+  Returns:
+    ``(logits, new_model_state)``; logits are float32. ``new_model_state`` equals
+    ``model_state`` (a new dict, same leaves) in evaluation mode or when the model has no state.
+  """
+  variables = {"params": params, **model_state}
+  if train and model_state:
+    logits, new_state = model.apply(variables, x, train=True, mutable=list(model_state))
+    return logits, dict(new_state)
+  return model.apply(variables, x, train=train), dict(model_state)

@@ -1,0 +1,387 @@
+"""Tests for mfopt.models: shapes (1-D and 2-D inputs), dtypes, init, BatchNorm statistics.
+
+Models are tiny (width 8 / 4, 8x8 to 32x32 inputs) and every compiled function is shared
+through module-level caches, so the file runs in well under a minute on two CPU cores. Keys
+use the ``rbg`` PRNG implementation: its initialisers compile several times faster on CPU than
+threefry's and draw from the same distributions.
+"""
+
+import collections
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mfopt import models
+
+KEY = jax.random.key(0, impl="rbg")
+W = 4  # workers in the BatchNorm tests
+
+init_jit = jax.jit(models.init_model, static_argnums=0)
+apply_jit = jax.jit(models.apply_model, static_argnums=(0, 4))
+
+# name -> (registry name, constructor kwargs, input shape, input dtype)
+CASES = {
+    "mlp_2d": ("mlp", dict(hidden=(16, 16), num_classes=5), (2, 8, 8, 3), jnp.float32),
+    "mlp_1d": ("mlp", dict(hidden=(16, 16), num_classes=5), (2, 16, 3), jnp.float32),
+    "cnn_2d": ("cnn", dict(features=(8, 16), num_classes=5), (2, 8, 8, 3), jnp.float32),
+    "cnn_1d": ("cnn", dict(features=(8, 16), num_classes=5), (2, 16, 3), jnp.float32),
+    "resnet18_2d": ("resnet18", dict(num_classes=10, width=8), (2, 16, 16, 3), jnp.float32),
+    "resnet18_1d": ("resnet18", dict(num_classes=10, width=8), (2, 16, 3), jnp.float32),
+    "resnet50_2d": ("resnet50", dict(num_classes=10, width=4), (2, 32, 32, 3), jnp.float32),
+    "resnet50_1d": ("resnet50", dict(num_classes=10, width=4), (2, 32, 3), jnp.float32),
+    "lstm_lm": ("lstm_lm", dict(vocab_size=11, embed_dim=8, hidden=16, num_layers=2), (2, 7),
+                jnp.int32),
+}
+BN_CASES = [c for c in CASES if not c.startswith(("mlp", "lstm"))]
+RESNET_CASES = [c for c in CASES if c.startswith("resnet")]
+
+
+def _example_x(case, seed=1):
+  _, _, shape, dtype = CASES[case]
+  if dtype == jnp.int32:
+    return jax.random.randint(jax.random.key(seed), shape, 0, CASES[case][1]["vocab_size"])
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _model(case, **overrides):
+  name, kwargs, _, _ = CASES[case]
+  return models.get_model(name, **{**kwargs, **overrides})
+
+
+@functools.cache
+def _initialized(case):
+  """(model, params, model_state, x) for a float32 model, built once per test session."""
+  model = _model(case)
+  x = _example_x(case)
+  params, state = init_jit(model, KEY, x)
+  return model, params, state, x
+
+
+def _flat(tree):
+  """{'a/b/c': leaf} for a nested dict."""
+  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _eqns(jaxpr):
+  """All equations of a jaxpr, recursing into sub-jaxprs (scan, jit, custom_jvp, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else (value,):
+        if hasattr(sub, "eqns"):
+          yield from _eqns(sub)
+        elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+          yield from _eqns(sub.jaxpr)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+EXPECTED_LOGITS = {
+    "mlp_2d": (2, 5), "mlp_1d": (2, 5), "cnn_2d": (2, 5), "cnn_1d": (2, 5),
+    "resnet18_2d": (2, 10), "resnet18_1d": (2, 10), "resnet50_2d": (2, 10),
+    "resnet50_1d": (2, 10), "lstm_lm": (2, 7, 11),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_init_apply_shapes(case):
+  model, params, state, x = _initialized(case)
+  logits, new_state = apply_jit(model, params, state, x, True)
+  assert logits.shape == EXPECTED_LOGITS[case]
+  assert logits.dtype == jnp.float32
+  assert np.all(np.isfinite(logits))
+  assert set(state) == ({"batch_stats"} if case in BN_CASES else set())
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  assert jax.tree.map(jnp.shape, new_state) == jax.tree.map(jnp.shape, state)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith(("_1d", "_2d"))])
+def test_conv_rank_follows_input(case):
+  _, params, _, x = _initialized(case)
+  kernels = {k: v for k, v in _flat(params).items() if k.endswith("kernel") and "head" not in k
+             and "dense" not in k}
+  if case.startswith("mlp"):
+    assert not kernels
+    return
+  spatial = x.ndim - 2
+  assert kernels and all(v.ndim == spatial + 2 for v in kernels.values()), kernels.keys()
+
+
+def test_resnet_architecture_details():
+  p18 = _flat(_initialized("resnet18_2d")[1])
+  p50 = _flat(_initialized("resnet50_2d")[1])
+  # CIFAR stem 3x3 stride 1 (no pool) vs ImageNet stem 7x7 (stride 2 + max-pool).
+  assert p18["stem_conv/kernel"].shape == (3, 3, 3, 8)
+  assert p50["stem_conv/kernel"].shape == (7, 7, 3, 4)
+  # 2 BasicBlocks x 4 stages, Bottlenecks [3, 4, 6, 3]; final width 8*width (x4 for bottleneck).
+  blocks18 = {k.split("/")[0] for k in p18 if k.startswith("stage")}
+  blocks50 = {k.split("/")[0] for k in p50 if k.startswith("stage")}
+  assert len(blocks18) == 8 and len(blocks50) == 16
+  assert p18["head/kernel"].shape == (64, 10)
+  assert p50["head/kernel"].shape == (128, 10)
+  # Projection shortcut exactly where the shape changes.
+  proj18 = sorted(k.split("/")[0] for k in p18 if "proj_conv" in k)
+  assert proj18 == ["stage2_block0", "stage3_block0", "stage4_block0"]
+  proj50 = sorted(k.split("/")[0] for k in p50 if "proj_conv" in k)
+  assert proj50 == ["stage1_block0", "stage2_block0", "stage3_block0", "stage4_block0"]
+  # 1-D ResNet-50 on length 32: 32 -stem-> 16 -pool-> 8 -> 8, 4, 2, 1.
+  m, p, s, x = _initialized("resnet50_1d")
+  _, inter = jax.jit(lambda p, s, x: m.apply(
+      {"params": p, **s}, x, train=False, mutable=["intermediates"],
+      capture_intermediates=lambda mdl, _: mdl.name == "stage4_block2"))(p, s, x)
+  assert inter["intermediates"]["stage4_block2"]["__call__"][0].shape == (2, 1, 128)
+
+
+# ----------------------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_compute_fp32_params_and_logits(case):
+  _, params_f32, state_f32, x = _initialized(case)
+  model = _model(case, dtype=jnp.bfloat16)
+  params, state = jax.eval_shape(functools.partial(models.init_model, model), KEY, x)
+  # Parameters and BN statistics are float32 and identical in structure to the fp32 model's.
+  assert {l.dtype for l in jax.tree.leaves((params, state))} == {jnp.dtype(jnp.float32)}
+  assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, params_f32)
+  closed = jax.make_jaxpr(models.apply_model, static_argnums=(0, 4))(
+      model, params_f32, state_f32, x, True)
+  logits_aval, *state_avals = closed.out_avals
+  assert logits_aval.dtype == jnp.float32
+  assert all(a.dtype == jnp.float32 for a in state_avals)
+  eqns = list(_eqns(closed.jaxpr))
+  # Every matmul / convolution runs in bf16 ...
+  mm = [e for e in eqns if e.primitive.name in ("dot_general", "conv_general_dilated")]
+  assert mm
+  assert all(v.aval.dtype == jnp.bfloat16 for e in mm for v in e.invars), case
+  # ... and every reduction (BN mean / second moment, global average pool) in float32.
+  sums = [e for e in eqns if e.primitive.name == "reduce_sum"]
+  assert all(v.aval.dtype == jnp.float32 for e in sums for v in e.invars), case
+
+
+def test_bn_stats_float32_under_bf16_compute():
+  """flax promotes BN inputs to float32 before reducing: stats match an fp64 reference."""
+  model = _model("cnn_2d", dtype=jnp.bfloat16, num_classes=5)
+  _, params, state, _ = _initialized("cnn_2d")
+  x = 3.0 + 2.0 * jax.random.normal(jax.random.key(7), (16, 8, 8, 3))
+  run = jax.jit(lambda p, s, x: model.apply(
+      {"params": p, **s}, x, train=True, mutable=["batch_stats", "intermediates"],
+      capture_intermediates=lambda mdl, _: mdl.name == "conv0"))
+  # XLA may otherwise skip the bf16 rounding of the conv output inside the fusion that feeds BN,
+  # and BN would then see more precise values than the captured ones.
+  run = run.lower(params, state, x).compile({"xla_allow_excess_precision": False})
+  _, new = run(params, state, x)
+  act = np.asarray(new["intermediates"]["conv0"]["__call__"][0])
+  assert new["intermediates"]["conv0"]["__call__"][0].dtype == jnp.bfloat16
+  act = act.astype(np.float64)
+  stats = new["batch_stats"]["bn0"]
+  assert stats["mean"].dtype == jnp.float32 and stats["var"].dtype == jnp.float32
+  np.testing.assert_allclose(stats["mean"], 0.1 * act.mean((0, 1, 2)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(stats["var"], 0.9 + 0.1 * act.var((0, 1, 2)), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- initialisation
+
+
+@pytest.mark.parametrize("case", RESNET_CASES)
+def test_zero_init_last_bn_scale_in_every_residual_block(case):
+  flat = _flat(_initialized(case)[1])
+  scales = {k[: -len("/scale")]: v for k, v in flat.items() if k.endswith("/scale")}
+  blocks = sorted({k.split("/")[0] for k in scales if k.startswith("stage")})
+  assert len(blocks) == (8 if "18" in case else 16)
+  zero = set()
+  for block in blocks:
+    branch_bns = sorted(k for k in scales if k.startswith(block + "/bn"))
+    assert len(branch_bns) == (2 if "18" in case else 3)
+    zero.add(branch_bns[-1])  # bn2 (basic) / bn3 (bottleneck): the residual branch's last BN
+  for name, scale in scales.items():
+    expected = 0.0 if name in zero else 1.0
+    assert np.all(np.asarray(scale) == expected), (name, scale)
+  for name, leaf in flat.items():
+    if name.endswith("/bias") and ("bn" in name.split("/")[-2]):
+      assert np.all(np.asarray(leaf) == 0.0), name
+
+
+def test_kaiming_normal_fan_in_init():
+  """Every large conv kernel has std sqrt(2/fan_in), fan_in = prod(kernel) * in_channels."""
+  checked, fan_out_differs = 0, False
+  for case in ("resnet18_2d", "resnet18_1d", "resnet50_2d", "cnn_2d"):
+    for name, k in _flat(_initialized(case)[1]).items():
+      if not name.endswith("kernel") or "conv" not in name or k.size < 4096:
+        continue
+      fan_in = int(np.prod(k.shape[:-1]))
+      fan_out = int(np.prod(k.shape[:-2])) * k.shape[-1]
+      std = float(np.std(np.asarray(k)))
+      assert abs(std / np.sqrt(2.0 / fan_in) - 1) < 0.05, (case, name, std, fan_in)
+      assert abs(float(np.mean(np.asarray(k)))) < 0.05 * np.sqrt(2.0 / fan_in)
+      fan_out_differs |= abs(np.sqrt(fan_out / fan_in) - 1) > 0.2
+      checked += 1
+  assert checked >= 10
+  assert fan_out_differs  # the check above could tell fan_in from fan_out
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+
+
+def _worker_batches():
+  """(W, 4, 8, 8, 3): worker w's inputs have mean w and std w + 1, so its statistics differ."""
+  z = jax.random.normal(jax.random.key(3), (W, 4, 8, 8, 3))
+  w = jnp.arange(W, dtype=jnp.float32).reshape(W, 1, 1, 1, 1)
+  return z * (w + 1.0) + w
+
+
+@functools.cache
+def _first_conv_outputs():
+  """(W, 4, 8, 8, 8): the first conv's output (BN input) on each worker's batch."""
+  model, params, state, _ = _initialized("cnn_2d")
+  capture = jax.jit(jax.vmap(lambda x: model.apply(
+      {"params": params, **state}, x, train=True, mutable=["batch_stats", "intermediates"],
+      capture_intermediates=lambda mdl, _: mdl.name == "conv0")[1]["intermediates"]))
+  return np.asarray(capture(_worker_batches())["conv0"]["__call__"][0], np.float64)
+
+
+def test_per_worker_batchnorm_statistics_under_vmap():
+  model, params, state, _ = _initialized("cnn_2d")
+  assert model.bn_axis_name is None
+  step = jax.jit(jax.vmap(lambda s, x: models.apply_model(model, params, s, x, True),
+                          in_axes=(None, 0), axis_name="w"))
+  _, new_state = step(state, _worker_batches())
+  act = _first_conv_outputs()
+  mean, var = act.mean(axis=(1, 2, 3)), act.var(axis=(1, 2, 3))  # (W, C), biased variance
+  stats = new_state["batch_stats"]["bn0"]
+  assert stats["mean"].shape == (W, 8)
+  # momentum 0.9 from the initial (mean 0, var 1): new = 0.9 * old + 0.1 * batch statistic.
+  np.testing.assert_allclose(stats["mean"], 0.1 * mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(stats["var"], 0.9 + 0.1 * var, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(var[0], var[-1], rtol=0.1)  # the workers really differ
+
+
+def test_synchronised_batchnorm_statistics_under_vmap():
+  model = _model("cnn_2d", bn_axis_name="w")
+  _, params, state, _ = _initialized("cnn_2d")
+  step = jax.jit(jax.vmap(lambda x: models.apply_model(model, params, state, x, True),
+                          axis_name="w"))
+  _, new_state = step(_worker_batches())
+  act = _first_conv_outputs()
+  mean, var = act.mean(axis=(0, 1, 2, 3)), act.var(axis=(0, 1, 2, 3))  # concatenated batch
+  stats = new_state["batch_stats"]["bn0"]
+  np.testing.assert_allclose(stats["mean"], np.broadcast_to(0.1 * mean, (W, 8)),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(stats["var"], np.broadcast_to(0.9 + 0.1 * var, (W, 8)),
+                             rtol=1e-5, atol=1e-6)
+  for leaf in jax.tree.leaves(new_state):  # deeper BN layers agree across workers too
+    np.testing.assert_allclose(leaf, np.broadcast_to(leaf[0], leaf.shape), rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", BN_CASES)
+def test_bn_axis_name_reaches_every_batchnorm(case):
+  """One collective per BN layer with ``bn_axis_name``; none without (per-worker BN)."""
+  _, params, state, x = _initialized(case)
+  num_bn = len(jax.tree.leaves(state)) // 2
+  counts = {}
+  for axis in (None, "w"):
+    closed = jax.make_jaxpr(models.apply_model, static_argnums=(0, 4), axis_env=[("w", W)])(
+        _model(case, bn_axis_name=axis), params, state, x, True)
+    psums = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "psum"]
+    assert all(v.aval.dtype == jnp.float32 for e in psums for v in e.invars)
+    counts[axis] = len(psums)
+  assert counts == {None: 0, "w": num_bn}
+
+
+def test_eval_mode_uses_running_statistics():
+  model, params, state, _ = _initialized("cnn_2d")
+  x = _worker_batches()[1]
+  # Pretend some training happened so the running statistics are not the identity.
+  state = jax.tree.map(lambda a: a + 0.5, state)
+  logits_eval, state_eval = apply_jit(model, params, state, x, False)
+  single_eval, _ = apply_jit(model, params, state, x[:1], False)
+  logits_train, state_train = apply_jit(model, params, state, x, True)
+  single_train, _ = apply_jit(model, params, state, x[:1], True)
+  assert jax.tree.all(jax.tree.map(np.array_equal, state_eval, state))
+  assert not jax.tree.all(jax.tree.map(np.array_equal, state_train, state))
+  # Evaluation is per-example (running stats); training normalises with the batch's stats.
+  np.testing.assert_allclose(single_eval[0], logits_eval[0], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(single_train[0], logits_train[0], rtol=1e-3, atol=1e-3)
+
+
+def test_bn_momentum_zero_keeps_last_batch_statistics():
+  model = _model("cnn_2d", bn_momentum=0.0)
+  _, params, state, _ = _initialized("cnn_2d")
+  x = _worker_batches()[2]
+  _, new_state = jax.jit(lambda x: models.apply_model(model, params, state, x, True))(x)
+  act = _first_conv_outputs()[2]
+  np.testing.assert_allclose(new_state["batch_stats"]["bn0"]["var"], act.var((0, 1, 2)),
+                             rtol=1e-5)
+
+
+def test_stateless_models_apply_is_a_no_op_on_state():
+  for case in ("mlp_2d", "lstm_lm"):
+    model, params, state, x = _initialized(case)
+    assert state == {}
+    for train in (True, False):
+      _, new_state = apply_jit(model, params, state, x, train)
+      assert new_state == {}
+  model = _model("cnn_2d", use_bn=False)
+  params, state = jax.eval_shape(functools.partial(models.init_model, model), KEY, _initialized("cnn_2d")[3])
+  assert state == {} and "bias" in params["conv0"]
+
+
+# ----------------------------------------------------------------------------- LSTM LM
+
+
+def test_lstm_lm_is_causal():
+  model, params, state, tokens = _initialized("lstm_lm")
+  t = 3
+  perturbed = tokens.at[:, t].set((tokens[:, t] + 1) % 11)
+  logits, _ = apply_jit(model, params, state, tokens, False)
+  logits_p, _ = apply_jit(model, params, state, perturbed, False)
+  np.testing.assert_array_equal(logits[:, :t], logits_p[:, :t])
+  for s in range(t, tokens.shape[1]):  # position t and every later one do see the change
+    assert not np.allclose(logits[:, s], logits_p[:, s], rtol=1e-6, atol=1e-6), s
+
+
+# ----------------------------------------------------------------------------- registry, validation
+
+
+def test_registry_builds_each_model():
+  expected = {"mlp": models.MLP, "cnn": models.CNN, "resnet18": models.ResNet18,
+              "resnet50": models.ResNet50, "lstm_lm": models.LSTMLM}
+  assert dict(models.MODELS) == expected
+  assert isinstance(models.get_model("cnn", features=(4,), num_classes=3), models.CNN)
+  assert models.get_model("resnet18", width=8).width == 8
+  assert models.get_model("resnet50").stage_sizes == (3, 4, 6, 3)
+
+
+def test_registry_unknown_name():
+  with pytest.raises(ValueError, match=r"'resnet34'.*cnn.*lstm_lm.*mlp.*resnet18.*resnet50"):
+    models.get_model("resnet34")
+
+
+@pytest.mark.parametrize("name,kwargs,field", [
+    ("mlp", dict(num_classes=0), "num_classes"),
+    ("mlp", dict(hidden=(8, -1)), "hidden"),
+    ("cnn", dict(features=()), "features"),
+    ("cnn", dict(dtype=jnp.int32), "dtype"),
+    ("cnn", dict(bn_momentum=1.0), "bn_momentum"),
+    ("resnet18", dict(width=0), "width"),
+    ("resnet18", dict(bn_axis_name=3), "bn_axis_name"),
+    ("resnet50", dict(num_classes=-2), "num_classes"),
+    ("resnet50", dict(stem="tiny"), "stem"),
+    ("lstm_lm", dict(vocab_size=0), "vocab_size"),
+    ("lstm_lm", dict(vocab_size=10, num_layers=0), "num_layers"),
+])
+def test_constructor_validation(name, kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    models.get_model(name, **kwargs)
+
+
+def test_input_validation():
+  with pytest.raises(ValueError, match=r"\(2, 8\)"):
+    models.init_model(_model("cnn_2d"), KEY, jnp.zeros((2, 8)))
+  with pytest.raises(ValueError, match="tokens"):
+    models.init_model(_model("lstm_lm"), KEY, jnp.zeros((2, 7), jnp.float32))
