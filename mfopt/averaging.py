@@ -1,0 +1,664 @@
+"""Periodic parameter averaging (CPSGD, ADPSGD, K-AVG) and block momentum (M-AVG).
+
+Every worker runs an ``inner`` Optax optimizer on its own data; when the period
+controller says so, the workers replace their parameters with the all-worker
+mean (seed 001 Alg. 1/2, seed 003 Alg. 1 with ``momentum=0``). With an
+``outer`` optimizer the mean is not adopted directly: the difference between the
+anchor ``w~`` (the parameters at the last synchronisation) and the mean ``a`` is
+a pseudo-gradient for ``outer`` (block momentum, seed 003 Alg. 1; DiLoCo's sign
+convention):
+
+.. math::
+
+   g = \\tilde w - a, \\qquad \\tilde w \\leftarrow \\tilde w + \\mathrm{outer}(g)
+
+and ``outer = optax.sgd(1.0, momentum=mu)`` is exactly ``v = mu v + (a - w~);
+w~ += v``.
+
+**Local steps run no collective.** The train step maps workers with
+``shard_map(vmap(step, axis_name="local"), P("data"))``, so every state leaf,
+the controller's counters included, is *batched* under ``vmap``. A batched
+predicate turns ``lax.cond`` into ``select`` and the collective would run on
+every step (ARCHITECTURE.md). The counters are identical on all workers by
+construction, so the predicate is made unbatched with a ``lax.pmax`` over the
+*vmap* axes of ``axis_name`` only: under ``vmap`` that is a plain local
+reduction over the stacked workers of one device (no communication), and across
+the mesh axes (the ``shard_map`` axes, found from
+``jax.sharding.get_abstract_mesh()``) nothing is needed because a ``shard_map``
+body is a per-device program whose ``cond`` stays a ``conditional``. The
+compiled HLO then holds every parameter collective (and ADPSGD's scalar one)
+inside the sync branch of a ``conditional`` and none outside it
+(``tests/test_averaging_hlo.py`` checks W = 8, 16, 32 on 8 devices). The period
+is held in the state, so neither a change of period by ADPSGD nor a different
+constant period recompiles.
+
+Communication is counted in the state (:class:`mfopt.comm.CommStats`): the
+parameter exchange once per synchronisation (``param_comm``), the scalar S_k
+all-reduce separately (``scalar_comm``). The optional per-step variance
+diagnostic (eq. 7 of seed 001) costs two extra all-reduces per step; it is a
+measurement, not part of the algorithm, so it is counted apart
+(``AveragingDiagnostics.variance_exchanges``) and not in
+:func:`mfopt.comm_totals`.
+
+Seeds: ``seeds/001_9b502fe67641284d.txt`` (ADPSGD: Alg. 1, Alg. 2, eqs. 7, 11,
+16) and ``seeds/003_d45cb4f33beceb9d.txt`` (M-AVG, Alg. 1); SPEC.md "Seed 001"
+and "Seed 003".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from mfopt.comm import (AxisName, CollectiveKind, CommStats, init_comm_stats,
+                        tree_payload_bytes)
+
+__all__ = [
+    "PeriodState", "PeriodController", "constant_period", "adpsgd_period", "scheduled_period",
+    "AveragingDiagnostics", "PeriodicAveragingState", "periodic_averaging", "block_momentum",
+    "find_averaging_state", "averaging_metrics", "sync_trace", "parameter_variance",
+]
+
+
+# ----------------------------------------------------------------------------- controllers
+
+
+class PeriodState(NamedTuple):
+  """State of a period controller (identical on all workers).
+
+  Attributes:
+    count: int32, local steps taken so far (the 0-based index ``k`` of the next step).
+    cnt: int32, local steps since the last synchronisation (Alg. 2's ``cnt``).
+    period: int32, the current averaging period ``p``.
+    c2_sum: float32, sum of the sampled ``S_k / lr_k`` (ADPSGD's ``C2`` numerator).
+    c2_count: int32, number of samples in ``c2_sum``; ``C2 = c2_sum / c2_count``.
+  """
+
+  count: jax.Array
+  cnt: jax.Array
+  period: jax.Array
+  c2_sum: jax.Array
+  c2_count: jax.Array
+
+
+class PeriodController(NamedTuple):
+  """When to synchronise, as three pure functions of a :class:`PeriodState`.
+
+  Attributes:
+    init: ``() -> PeriodState``.
+    advance: ``state -> (state, due)``: one local step was taken; ``due`` (bool
+      scalar) says whether this step ends with an averaging.
+    on_sync: ``(state, k, s_k) -> state``: called inside the sync branch after
+      the averaging of step ``k`` (0-based) with that step's parameter variance
+      ``S_k``; resets ``cnt`` and adapts the period.
+    uses_variance: whether ``on_sync`` needs ``S_k`` (one scalar all-reduce per sync).
+    name: for reports.
+    learning_rate: the schedule the controller reads (``None`` if it reads none);
+      recorded in the sync trace.
+  """
+
+  init: Callable[[], PeriodState]
+  advance: Callable[[PeriodState], tuple[PeriodState, jax.Array]]
+  on_sync: Callable[[PeriodState, jax.Array, jax.Array], PeriodState]
+  uses_variance: bool
+  name: str
+  learning_rate: Callable[[Any], Any] | None = None
+
+
+def _check_period(name: str, p: Any) -> int:
+  if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
+    raise ValueError(f"{name} must be a positive integer, got {p!r}")
+  return int(p)
+
+
+def _init_period_state(p: int) -> PeriodState:
+  return PeriodState(count=jnp.zeros([], jnp.int32), cnt=jnp.zeros([], jnp.int32),
+                     period=jnp.asarray(p, jnp.int32), c2_sum=jnp.zeros([], jnp.float32),
+                     c2_count=jnp.zeros([], jnp.int32))
+
+
+def _advance_with(state: PeriodState, period: jax.Array) -> tuple[PeriodState, jax.Array]:
+  cnt = state.cnt + 1
+  # ``>=`` rather than Alg. 2's ``==``: identical while p only changes at a sync
+  # (cnt is 0 then), and safe if a user edits ``period`` in a restored state.
+  return state._replace(count=state.count + 1, cnt=cnt), cnt >= period
+
+
+def constant_period(p: int) -> PeriodController:
+  """Average after every ``p`` local steps: steps p, 2p, 3p, ... counted from 1 (CPSGD, K-AVG).
+
+  Over N steps that is exactly ``floor(N / p)`` averagings (SPEC.md, seed 001
+  Alg. 1; seed 003 Alg. 1 with K = p). ``p`` is held in the state as an int32,
+  so a different ``p`` does not change the compiled step.
+
+  Args:
+    p: the averaging period, a positive integer (1 = average every step).
+
+  Returns:
+    A :class:`PeriodController`.
+
+  Example:
+    >>> import mfopt
+    >>> ctl = mfopt.constant_period(4)
+    >>> int(ctl.init().period)
+    4
+  """
+  p = _check_period("p", p)
+
+  def advance(state):
+    return _advance_with(state, state.period)
+
+  def on_sync(state, k, s_k):
+    del k, s_k
+    return state._replace(cnt=jnp.zeros_like(state.cnt))
+
+  return PeriodController(lambda: _init_period_state(p), advance, on_sync, False,
+                          f"constant(p={p})")
+
+
+def scheduled_period(periods: tuple[int, ...], boundaries: tuple[int, ...]) -> PeriodController:
+  """Piecewise-constant period: ``periods[i]`` from step ``boundaries[i-1]`` on (0-based steps).
+
+  Seed 001 §V.B's decreasing schedule is ``scheduled_period((20, 5), (K // 2,))``.
+  The period in force at the step that completes a round decides it; the count of
+  local steps restarts at every averaging.
+
+  Args:
+    periods: positive periods, one more than ``boundaries``.
+    boundaries: strictly increasing step indices where the next period starts.
+
+  Returns:
+    A :class:`PeriodController`.
+
+  Example:
+    >>> import mfopt
+    >>> ctl = mfopt.scheduled_period((20, 5), (2000,))
+    >>> int(ctl.init().period)
+    20
+  """
+  periods = tuple(_check_period("periods[i]", p) for p in periods)
+  boundaries = tuple(int(b) for b in boundaries)
+  if len(periods) != len(boundaries) + 1:
+    raise ValueError(f"periods needs one more entry than boundaries ({len(boundaries)}), "
+                     f"got {periods!r}")
+  if any(b <= 0 for b in boundaries) or list(boundaries) != sorted(set(boundaries)):
+    raise ValueError(f"boundaries must be strictly increasing positive steps, got {boundaries!r}")
+  p_arr = np.asarray(periods, np.int32)
+  b_arr = np.asarray(boundaries, np.int32)
+
+  def period_at(k):
+    return jnp.asarray(p_arr)[jnp.searchsorted(jnp.asarray(b_arr), k, side="right")]
+
+  def advance(state):
+    period = period_at(state.count)  # the step being completed has index ``count``
+    state, due = _advance_with(state, period)
+    return state._replace(period=period), due
+
+  def on_sync(state, k, s_k):
+    del k, s_k
+    return state._replace(cnt=jnp.zeros_like(state.cnt))
+
+  return PeriodController(lambda: _init_period_state(periods[0]), advance, on_sync, False,
+                          f"scheduled({periods}, {boundaries})")
+
+
+def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int, p_init: int = 4,
+                  warmup_steps: int = 0, low: float = 0.7, high: float = 1.3) -> PeriodController:
+  r"""ADPSGD's adaptive period (seed 001 Alg. 2, as SPEC.md reads it).
+
+  At iteration ``k`` (0-based), after the local update with ``lr_k``: ``cnt += 1``;
+  when ``cnt == p``: ``cnt = 0``, average, and with
+  :math:`S_k = \frac1n \sum_j \|w' - w_j\|^2` (pre-averaging parameters):
+
+  * if ``k < K_s`` (``sampling_steps``): ``C2`` = arithmetic mean of all samples
+    :math:`S_k/\mathrm{lr}_k` so far (``p`` stays ``p_init``);
+  * elif :math:`S_k < \mathrm{low}\cdot \mathrm{lr}_k C_2`: ``p += 1``;
+  * elif :math:`S_k > \mathrm{high}\cdot \mathrm{lr}_k C_2`: ``p = max(1, p - 1)``.
+
+  Choices where the paper is open: during ``warmup_steps`` the period is 1 and
+  those syncs are *not* sampled for ``C2`` (the paper runs the warm-up epoch
+  before starting Alg. 2); ``k`` and ``K_s`` count global iterations, warm-up
+  included; ``C2`` is held as ``c2_sum / c2_count`` (float32), and the tests
+  are evaluated as ``S_k < (low * lr_k) * C2``.
+
+  Args:
+    learning_rate: the *same* float or schedule the inner optimizer uses; it
+      is evaluated at ``k``.
+    sampling_steps: ``K_s``; must leave at least one sampled sync after the
+      warm-up (``sampling_steps >= warmup_steps + p_init``). Paper: 0.25 K (CIFAR).
+    p_init: the period during sampling (paper: 4).
+    warmup_steps: iterations with period 1 before Alg. 2 starts (paper: one epoch).
+    low, high: the thresholds (paper: 0.7 and 1.3), ``0 < low <= 1 <= high``.
+
+  Returns:
+    A :class:`PeriodController` that needs ``S_k`` (one scalar all-reduce per sync).
+
+  Example:
+    >>> import mfopt
+    >>> ctl = mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=100)
+    >>> int(ctl.init().period)
+    4
+  """
+  p_init = _check_period("p_init", p_init)
+  if isinstance(sampling_steps, bool) or not isinstance(sampling_steps, (int, np.integer)):
+    raise ValueError(f"sampling_steps must be an integer, got {sampling_steps!r}")
+  if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) \
+      or warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+  if sampling_steps < warmup_steps + p_init:
+    raise ValueError(
+        f"sampling_steps must be >= warmup_steps + p_init = {warmup_steps + p_init} (at least "
+        f"one sampled sync for C2), got {sampling_steps!r}")
+  if not 0 < low <= 1:
+    raise ValueError(f"low must be in (0, 1], got {low!r}")
+  if not high >= 1:
+    raise ValueError(f"high must be >= 1, got {high!r}")
+  if not callable(learning_rate) and not learning_rate > 0:
+    raise ValueError(f"learning_rate must be positive, got {learning_rate!r}")
+  schedule = learning_rate if callable(learning_rate) else optax.constant_schedule(learning_rate)
+  low32, high32 = np.float32(low), np.float32(high)
+
+  def advance(state):
+    period = jnp.where(state.count < warmup_steps, 1, state.period)
+    return _advance_with(state, period)
+
+  def on_sync(state, k, s_k):
+    lr = jnp.asarray(schedule(k), jnp.float32)
+    s_k = s_k.astype(jnp.float32)
+    in_warmup = k < warmup_steps
+    sampling = jnp.logical_and(~in_warmup, k < sampling_steps)
+    adapting = jnp.logical_and(~in_warmup, ~sampling)
+    c2_sum = jnp.where(sampling, state.c2_sum + s_k / lr, state.c2_sum)
+    c2_count = jnp.where(sampling, state.c2_count + 1, state.c2_count)
+    c2 = c2_sum / jnp.maximum(c2_count, 1).astype(jnp.float32)
+    grow = s_k < (low32 * lr) * c2
+    shrink = s_k > (high32 * lr) * c2
+    period = jnp.where(grow, state.period + 1,
+                       jnp.where(shrink, jnp.maximum(1, state.period - 1), state.period))
+    period = jnp.where(adapting, period, state.period)
+    return state._replace(cnt=jnp.zeros_like(state.cnt), period=period.astype(jnp.int32),
+                          c2_sum=c2_sum, c2_count=c2_count)
+
+  return PeriodController(lambda: _init_period_state(p_init), advance, on_sync, True,
+                          f"adpsgd(p_init={p_init}, K_s={sampling_steps}, warmup={warmup_steps})",
+                          schedule)
+
+
+# ----------------------------------------------------------------------------- transform
+
+
+class AveragingDiagnostics(NamedTuple):
+  """Seed 001's diagnostics, as plain arrays (checkpointable, read with :func:`sync_trace`).
+
+  Attributes:
+    syncs: int32, averagings so far.
+    last_sync_variance: float32, ``S_k`` of the last sync (NaN unless computed).
+    variance: float32, ``Var[W_k]`` (eq. 7) at the start of the last step (NaN
+      unless ``track_variance``).
+    variance_sum: float32, sum of ``Var[W_k]`` since the last sync.
+    variance_exchanges: int32, diagnostic all-reduces run (2 per tracked step);
+      not a :class:`CommStats`, so not in ``comm_totals``.
+    trace_step, trace_period, trace_sync_variance, trace_mean_variance, trace_lr:
+      ring buffers of length ``trace_length``: per sync, the number of steps
+      done (``k + 1``), the steps since the previous sync, ``S_k``, ``V_t``
+      (eq. 11: mean of ``Var[W_k]`` over those steps) and ``lr_k``.
+  """
+
+  syncs: jax.Array
+  last_sync_variance: jax.Array
+  variance: jax.Array
+  variance_sum: jax.Array
+  variance_exchanges: jax.Array
+  trace_step: jax.Array
+  trace_period: jax.Array
+  trace_sync_variance: jax.Array
+  trace_mean_variance: jax.Array
+  trace_lr: jax.Array
+
+
+class PeriodicAveragingState(NamedTuple):
+  """State of :func:`periodic_averaging` (plain arrays in NamedTuples; checkpointable).
+
+  Attributes:
+    count: int32, steps taken.
+    inner_state: the inner optimizer's state (local to the worker by default).
+    outer_state: the outer optimizer's state (``optax.EmptyState()`` without one).
+    anchor: parameters at the last sync (``w~``), held only with ``outer`` or
+      ``comm_dtype``; ``()`` otherwise.
+    controller: the :class:`PeriodState`.
+    param_comm: :class:`CommStats` of the parameter exchange (once per sync).
+    scalar_comm: :class:`CommStats` of the ``S_k`` all-reduce (4 bytes per sync).
+    diagnostics: :class:`AveragingDiagnostics`.
+  """
+
+  count: jax.Array
+  inner_state: Any
+  outer_state: Any
+  anchor: Any
+  controller: PeriodState
+  param_comm: CommStats
+  scalar_comm: CommStats
+  diagnostics: AveragingDiagnostics
+
+
+def _axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
+  if axis_name is None:
+    return ()
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _vmap_axes(axis_name: AxisName) -> tuple[str, ...]:
+  """The axes of ``axis_name`` that are not manual mesh axes (i.e. ``vmap`` axes)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  mesh_axes = set(getattr(mesh, "manual_axes", ()) or ()) | set(
+      () if mesh.empty else mesh.axis_names)
+  return tuple(a for a in _axis_tuple(axis_name) if a not in mesh_axes)
+
+
+def _unbatched(pred: jax.Array, axis_name: AxisName) -> jax.Array:
+  """``pred`` (identical on all workers) made unbatched under ``vmap``, without communication.
+
+  A ``pmax`` over a ``vmap`` axis is a local reduction over the stacked axis and
+  its batching rule returns an unmapped value; mesh (``shard_map``) axes need no
+  reduction. See the module docstring.
+  """
+  axes = _vmap_axes(axis_name)
+  if not axes:
+    return pred
+  return lax.pmax(pred.astype(jnp.int32), axes) > 0
+
+
+def _sq_norm(tree: Any) -> jax.Array:
+  leaves = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+  return sum(leaves, jnp.zeros([], jnp.float32))
+
+
+def _pmean(tree: Any, axis_name: AxisName, dtype: Any = None) -> Any:
+  if axis_name is None:
+    return tree
+  if dtype is None:
+    return jax.tree.map(lambda x: lax.pmean(x, axis_name), tree)
+  return jax.tree.map(lambda x: lax.pmean(x.astype(dtype), axis_name).astype(x.dtype), tree)
+
+
+def _is_float(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
+                       period: PeriodController | int,
+                       outer: optax.GradientTransformation | None = None, *,
+                       average_inner_state: bool = False, comm_dtype: Any = None,
+                       sync_variance: bool | None = None, track_variance: bool = False,
+                       trace_length: int = 0) -> optax.GradientTransformation:
+  r"""Local steps with ``inner``; averaging of the parameters when the controller says so.
+
+  Per worker ``i`` at step ``k``: :math:`w_{k+1,i} = w_{k,i} + \mathrm{inner}(g_{k,i})`;
+  on a sync step :math:`w_{k+1,i} \leftarrow \frac1n\sum_j w_{k+1,j}` (seed 001
+  Alg. 1/2), or, with ``outer``, :math:`\tilde w \leftarrow \tilde w +
+  \mathrm{outer}(\tilde w - \frac1n\sum_j w_{k+1,j})` and :math:`w_{k+1,i}
+  \leftarrow \tilde w` (seed 003 Alg. 1). The returned updates are
+  ``new_params - params`` (so applying them rounds: ``p + (mean - p)`` equals
+  ``mean`` to within one float ulp).
+
+  Args:
+    inner: the local optimizer (e.g. ``optax.sgd(lr, momentum=0.9)``); its
+      state stays local unless ``average_inner_state``.
+    axis_name: worker axes (e.g. ``mfopt.WORKER_AXES``); ``None`` = one worker
+      (the sync branch still runs, without collectives).
+    period: a :class:`PeriodController` (:func:`constant_period`,
+      :func:`adpsgd_period`, :func:`scheduled_period`) or an int ``p`` for
+      ``constant_period(p)``.
+    outer: optional outer optimizer fed the pseudo-gradient ``anchor - mean``.
+    average_inner_state: also average the floating leaves of the inner state at
+      every sync (part of the same logical exchange; its bytes are counted).
+    comm_dtype: exchange the deltas ``w - anchor`` since the last sync in this
+      floating dtype (e.g. ``jnp.bfloat16``); the fp32 master weights are never
+      rounded: ``mean = anchor + pmean(delta.astype(comm_dtype))``.
+    sync_variance: compute ``S_k`` at every sync (one scalar all-reduce, counted
+      in ``scalar_comm``); default: only if the controller needs it.
+    track_variance: opt-in diagnostic ``Var[W_k]`` (eq. 7) at every step, two
+      extra all-reduces per step (counted apart, see
+      :class:`AveragingDiagnostics`); ``V_t`` (eq. 11) goes into the trace.
+    trace_length: per-sync records kept in the state (ring buffer; 0 = none).
+
+  Returns:
+    An ``optax.GradientTransformation`` with :class:`PeriodicAveragingState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mfopt
+    >>> tx = mfopt.periodic_averaging(optax.sgd(0.1), None, mfopt.constant_period(2))
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+    >>> int(state.param_comm.count), int(state.controller.cnt)
+    (0, 1)
+
+  Seeds: 001 Alg. 1 (CPSGD), Alg. 2 (ADPSGD), eqs. 7, 11, 16; 003 Alg. 1 (M-AVG).
+  """
+  if isinstance(period, (int, np.integer)) and not isinstance(period, bool):
+    period = constant_period(int(period))
+  if not isinstance(period, PeriodController):
+    raise ValueError(f"period must be a PeriodController or a positive int, got {period!r}")
+  if comm_dtype is not None:
+    comm_dtype = jnp.dtype(comm_dtype)
+    if not jnp.issubdtype(comm_dtype, jnp.floating):
+      raise ValueError(f"comm_dtype must be a floating dtype, got {comm_dtype!r}")
+  if isinstance(trace_length, bool) or not isinstance(trace_length, (int, np.integer)) \
+      or trace_length < 0:
+    raise ValueError(f"trace_length must be a non-negative integer, got {trace_length!r}")
+  controller = period
+  compute_s = controller.uses_variance if sync_variance is None else bool(sync_variance)
+  if controller.uses_variance and not compute_s:
+    raise ValueError(f"sync_variance=False but the controller {controller.name} needs S_k")
+  keep_anchor = outer is not None or comm_dtype is not None
+  outer_tx = outer if outer is not None else optax.identity()
+  communicates = axis_name is not None
+  nan = jnp.asarray(jnp.nan, jnp.float32)
+
+  def init_fn(params):
+    inner_state = inner.init(params)
+    payload = tree_payload_bytes(params, comm_dtype)
+    if average_inner_state:
+      payload += tree_payload_bytes([x for x in jax.tree.leaves(inner_state) if _is_float(x)])
+    t = max(int(trace_length), 0)
+    diag = AveragingDiagnostics(
+        syncs=jnp.zeros([], jnp.int32), last_sync_variance=nan, variance=nan,
+        variance_sum=jnp.zeros([], jnp.float32), variance_exchanges=jnp.zeros([], jnp.int32),
+        trace_step=jnp.zeros([t], jnp.int32), trace_period=jnp.zeros([t], jnp.int32),
+        trace_sync_variance=jnp.full([t], jnp.nan, jnp.float32),
+        trace_mean_variance=jnp.full([t], jnp.nan, jnp.float32),
+        trace_lr=jnp.full([t], jnp.nan, jnp.float32))
+    return PeriodicAveragingState(
+        count=jnp.zeros([], jnp.int32), inner_state=inner_state,
+        outer_state=outer_tx.init(params),
+        anchor=jax.tree.map(jnp.asarray, params) if keep_anchor else (),
+        controller=controller.init(),
+        param_comm=init_comm_stats(payload if communicates else 0, CollectiveKind.ALL_REDUCE),
+        scalar_comm=init_comm_stats(4 if (communicates and compute_s) else 0,
+                                    CollectiveKind.ALL_REDUCE),
+        diagnostics=diag)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("periodic_averaging needs params in update(updates, state, params)")
+    k = state.count  # 0-based index of this step
+    inner_updates, inner_state = inner.update(updates, state.inner_state, params)
+    local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, inner_updates)
+    ctl, due = controller.advance(state.controller)
+    due = _unbatched(due, axis_name)
+
+    diag = state.diagnostics
+    if track_variance:
+      mean_now = _pmean(params, axis_name)
+      var_k = _pmean(_sq_norm(jax.tree.map(jnp.subtract, mean_now, params)), axis_name)
+      diag = diag._replace(variance=var_k, variance_sum=diag.variance_sum + var_k,
+                           variance_exchanges=diag.variance_exchanges + (2 if communicates else 0))
+
+    carry = (inner_state, state.outer_state, state.anchor, ctl, state.param_comm,
+             state.scalar_comm, diag)
+
+    def local_branch(carry):
+      return inner_updates, carry
+
+    def sync_branch(carry):
+      inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
+      if comm_dtype is not None:
+        delta = jax.tree.map(jnp.subtract, local, anchor)
+        mean = jax.tree.map(jnp.add, anchor, _pmean(delta, axis_name, comm_dtype))
+      else:
+        mean = _pmean(local, axis_name)
+      if average_inner_state:
+        inner_state = jax.tree.map(
+            lambda x: _pmean(x, axis_name) if _is_float(x) else x, inner_state)
+      if compute_s:
+        s_k = _pmean(_sq_norm(jax.tree.map(jnp.subtract, mean, local)), axis_name)
+        scalar_comm = scalar_comm._replace(
+            count=scalar_comm.count + (1 if communicates else 0))
+      else:
+        s_k = nan
+      if outer is not None:
+        pseudo_grad = jax.tree.map(jnp.subtract, anchor, mean)
+        outer_updates, outer_state = outer_tx.update(pseudo_grad, outer_state, anchor)
+        new_params = optax.apply_updates(anchor, outer_updates)
+      else:
+        new_params = mean
+      if keep_anchor:
+        anchor = new_params
+      steps_since = ctl.cnt
+      ctl = controller.on_sync(ctl, k, s_k)
+      if communicates:
+        param_comm = param_comm._replace(count=param_comm.count + 1)
+      # Diagnostics: V_t (eq. 11) over the steps of this round, and the trace.
+      v_t = diag.variance_sum / steps_since.astype(jnp.float32) if track_variance else nan
+      if trace_length:
+        i = diag.syncs % trace_length
+        lr_k = (nan if controller.learning_rate is None
+                else jnp.asarray(controller.learning_rate(k), jnp.float32))
+        diag = diag._replace(
+            trace_step=diag.trace_step.at[i].set(k + 1),
+            trace_period=diag.trace_period.at[i].set(steps_since),
+            trace_sync_variance=diag.trace_sync_variance.at[i].set(s_k),
+            trace_mean_variance=diag.trace_mean_variance.at[i].set(v_t),
+            trace_lr=diag.trace_lr.at[i].set(lr_k))
+      diag = diag._replace(syncs=diag.syncs + 1, last_sync_variance=s_k,
+                           variance_sum=jnp.zeros_like(diag.variance_sum))
+      out_updates = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
+      return out_updates, (inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag)
+
+    out_updates, carry = lax.cond(due, sync_branch, local_branch, carry)
+    inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
+    return out_updates, PeriodicAveragingState(
+        count=k + 1, inner_state=inner_state, outer_state=outer_state, anchor=anchor,
+        controller=ctl, param_comm=param_comm, scalar_comm=scalar_comm, diagnostics=diag)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
+                   period: PeriodController | int, momentum: float = 0.9,
+                   nesterov: bool = False, **kwargs: Any) -> optax.GradientTransformation:
+  r"""M-AVG (seed 003 Alg. 1): K local steps of ``inner``, then block momentum on the mean.
+
+  .. math::
+
+     a = \frac1P \sum_j w^j, \quad d = a - \tilde w, \quad v \leftarrow \mu v + d,
+     \quad \tilde w \leftarrow \tilde w + v
+
+  implemented as ``periodic_averaging(inner, axis_name, period,
+  outer=optax.sgd(1.0, momentum=momentum, nesterov=nesterov))`` (the pseudo-gradient
+  is ``w~ - a``, DiLoCo's sign). ``momentum=0`` is K-AVG (equal to plain
+  periodic averaging up to the rounding of ``w~ + (a - w~)``). Learner-level
+  momentum (the paper's conclusion) is ``inner=optax.sgd(lr, momentum=...)``.
+
+  Args:
+    inner: the learners' optimizer (paper: plain SGD with step ``gamma``).
+    axis_name: worker axes; ``None`` for one worker.
+    period: ``K`` as an int or a :class:`PeriodController`.
+    momentum: ``mu`` in [0, 1).
+    nesterov: Nesterov form of the block momentum (optax's).
+    **kwargs: passed to :func:`periodic_averaging` (``comm_dtype``, diagnostics).
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Example:
+    >>> import optax, mfopt
+    >>> tx = mfopt.block_momentum(optax.sgd(0.05), mfopt.WORKER_AXES, 8, momentum=0.7)
+  """
+  if not 0.0 <= momentum < 1.0:
+    raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+  outer = optax.sgd(1.0, momentum=float(momentum), nesterov=nesterov)
+  return periodic_averaging(inner, axis_name, period, outer=outer, **kwargs)
+
+
+# ----------------------------------------------------------------------------- reading the state
+
+
+def find_averaging_state(opt_state: Any) -> PeriodicAveragingState:
+  """The (first) :class:`PeriodicAveragingState` inside an optimizer state (chains included)."""
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+      x, PeriodicAveragingState)) if isinstance(s, PeriodicAveragingState)]
+  if not found:
+    raise ValueError("no PeriodicAveragingState in opt_state (is this a periodic_averaging state?)")
+  return found[0]
+
+
+def averaging_metrics(opt_state: Any) -> dict[str, jax.Array]:
+  """Scalars to log (worker 0 of a stacked state): period, syncs, last ``S_k``, ``C2`` samples.
+
+  For ``mfopt.train.fit(extra_metrics=...)``:
+  ``{"period": lambda s: mfopt.averaging_metrics(s.opt_state)["period"]}``.
+  """
+  s = find_averaging_state(opt_state)
+
+  def first(x):
+    x = jnp.asarray(x)
+    return x.reshape(-1)[0] if x.ndim else x
+
+  return {"period": first(s.controller.period), "syncs": first(s.diagnostics.syncs),
+          "last_sync_variance": first(s.diagnostics.last_sync_variance),
+          "c2": first(s.controller.c2_sum) / jnp.maximum(first(s.controller.c2_count), 1)}
+
+
+def sync_trace(opt_state: Any, worker: int = 0) -> dict[str, np.ndarray]:
+  """The per-sync trace (in sync order) as NumPy arrays: step, period, S_k, V_t, lr.
+
+  Reads ``worker`` of a worker-stacked state (all workers hold the same trace).
+  Only the last ``trace_length`` syncs are kept.
+  """
+  s = find_averaging_state(opt_state)
+  d = jax.device_get(s.diagnostics)
+  if np.asarray(d.syncs).ndim:  # worker-stacked
+    d = jax.tree.map(lambda x: np.asarray(x)[worker], d)
+  syncs = int(d.syncs)
+  fields = {"step": d.trace_step, "period": d.trace_period, "sync_variance": d.trace_sync_variance,
+            "mean_variance": d.trace_mean_variance, "lr": d.trace_lr}
+  out = {}
+  for name, a in fields.items():
+    a = np.asarray(a)
+    t = a.shape[0]
+    n = min(syncs, t)
+    start = (syncs - n) % t if t else 0
+    out[name] = np.roll(a, -start)[:n]
+  return out
+
+
+def parameter_variance(stacked_params: Any) -> jax.Array:
+  """``Var[W]`` (seed 001 eq. 7) of a worker-stacked parameter tree, computed outside the step.
+
+  A measurement hook that needs no collective inside the train step:
+  ``mean_i ||mean_j w_j - w_i||^2`` over the leading worker axis.
+  """
+  def one(x):
+    x = x.astype(jnp.float32)
+    d = x - jnp.mean(x, axis=0, keepdims=True)
+    return jnp.sum(jnp.square(d).reshape(x.shape[0], -1), axis=1)
+  per_worker = sum(jax.tree.leaves(jax.tree.map(one, stacked_params)))
+  return jnp.mean(per_worker)

@@ -1,0 +1,317 @@
+"""Periodic averaging, ADPSGD and block momentum against NumPy references written from the seeds.
+
+The problem: a quadratic ``f(w) = 0.5 * sum(h * (w - w*)^2)`` with per-worker
+deterministic gradient noise ``xi[k, i]``, 8 workers on 8 fake devices, 240 steps.
+References are float32 NumPy re-derivations of seed 001 Alg. 1/2 and seed 003
+Alg. 1; tolerance 1e-5 relative (SPEC: float32 reference, so a threshold
+decision can only flip on a true tie).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mfopt
+from mfopt import averaging, parallel
+
+W = 8
+N = 240
+D = 10
+LR0 = 0.05
+RTOL = 1e-5
+
+_rng = np.random.default_rng(0)
+H = _rng.uniform(0.5, 2.0, size=D).astype(np.float32)
+W_STAR = _rng.normal(size=D).astype(np.float32)
+W0 = (W_STAR + 3.0 * _rng.normal(size=D)).astype(np.float32)
+NOISE = (0.5 * _rng.normal(size=(N, W, D))).astype(np.float32)
+
+
+def schedule(k):
+  """Step decay at 50% and 75% (seed 001's shape)."""
+  return jnp.where(k < N // 2, LR0, jnp.where(k < 3 * N // 4, LR0 / 10, LR0 / 100)).astype(
+      jnp.float32)
+
+
+def np_lr(k):
+  return np.float32(LR0 if k < N // 2 else (LR0 / 10 if k < 3 * N // 4 else LR0 / 100))
+
+
+def _split(w):
+  return {"a": w[:6], "b": w[6:].reshape(2, 2)}
+
+
+def _join(tree):
+  return np.concatenate([np.asarray(tree["a"]).reshape(-1), np.asarray(tree["b"]).reshape(-1)])
+
+
+def np_grad(w, k):
+  """Per-worker gradients (W, D) at iterate rows ``w`` (W, D)."""
+  return (H * (w - W_STAR) + NOISE[k]).astype(np.float32)
+
+
+def run_jax(tx, steps=N, mesh=None, num_workers=W):
+  """Runs ``tx`` on the quadratic; returns (stacked params as (W, D), final stacked opt state)."""
+  mesh = mesh or parallel.make_mesh()
+  h, ws = jnp.asarray(H), jnp.asarray(W_STAR)
+
+  def init(params):
+    return tx.init(params)
+
+  def step(params, opt_state, noise):
+    w = jnp.concatenate([params["a"], params["b"].reshape(-1)])
+    g = _split(h * (w - ws) + noise)
+    updates, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  w0 = np.broadcast_to(W0, (num_workers, D))
+  params = parallel.shard_workers({"a": w0[:, :6].copy(), "b": w0[:, 6:].reshape(-1, 2, 2).copy()},
+                                  mesh)
+  opt_state = jax.jit(parallel.per_worker(init, mesh, num_workers))(params)
+  stepper = jax.jit(parallel.per_worker(step, mesh, num_workers), donate_argnums=(0, 1))
+  for k in range(steps):
+    params, opt_state = stepper(params, opt_state, parallel.shard_workers(NOISE[k], mesh))
+  stacked = jax.device_get(params)
+  out = np.stack([_join({"a": stacked["a"][i], "b": stacked["b"][i]}) for i in range(num_workers)])
+  return out, opt_state
+
+
+# ----------------------------------------------------------------------------- NumPy references
+
+
+def np_cpsgd(p, momentum=0.0, steps=N):
+  """Seed 001 Alg. 1 with optax-form momentum (trace = g + m trace; w -= lr trace)."""
+  w = np.broadcast_to(W0, (W, D)).astype(np.float32).copy()
+  trace = np.zeros_like(w)
+  syncs = 0
+  for k in range(steps):
+    g = np_grad(w, k)
+    trace = (g + np.float32(momentum) * trace).astype(np.float32)
+    w = (w - np_lr(k) * trace).astype(np.float32)
+    if (k + 1) % p == 0:
+      w = np.broadcast_to(w.mean(0, dtype=np.float32), (W, D)).copy()
+      syncs += 1
+  return w, syncs
+
+
+def np_adpsgd(p_init, k_s, warmup=0, low=0.7, high=1.3, steps=N):
+  """Seed 001 Alg. 2, line by line (plain local SGD)."""
+  w = np.broadcast_to(W0, (W, D)).astype(np.float32).copy()
+  cnt, p, samples = 0, p_init, []
+  periods, s_trace = [], []
+  for k in range(steps):
+    lr = np_lr(k)
+    w = (w - lr * np_grad(w, k)).astype(np.float32)
+    cnt += 1
+    p_now = 1 if k < warmup else p
+    if cnt == p_now:
+      cnt = 0
+      mean = w.mean(0, dtype=np.float32)
+      s_k = np.float32(np.mean(np.sum((mean - w) ** 2, axis=1, dtype=np.float32),
+                               dtype=np.float32))
+      w = np.broadcast_to(mean, (W, D)).copy()
+      periods.append(p_now)
+      s_trace.append(s_k)
+      if k < warmup:
+        continue
+      if k < k_s:
+        samples.append(np.float32(s_k / lr))
+      else:
+        c2 = np.float32(np.sum(samples, dtype=np.float32) / np.float32(len(samples)))
+        if s_k < np.float32(low) * lr * c2:
+          p += 1
+        elif s_k > np.float32(high) * lr * c2:
+          p = max(1, p - 1)
+  return w, periods, s_trace
+
+
+def np_mavg(k_period, mu, steps=N):
+  """Seed 003 Alg. 1 (plain SGD learners)."""
+  anchor = W0.astype(np.float32).copy()
+  v = np.zeros(D, np.float32)
+  w = np.broadcast_to(anchor, (W, D)).copy()
+  for k in range(steps):
+    w = (w - np_lr(k) * np_grad(w, k)).astype(np.float32)
+    if (k + 1) % k_period == 0:
+      a = w.mean(0, dtype=np.float32)
+      d = a - anchor
+      v = (np.float32(mu) * v + d).astype(np.float32)
+      anchor = (anchor + v).astype(np.float32)
+      w = np.broadcast_to(anchor, (W, D)).copy()
+  return w
+
+
+def _close(got, want, rtol=RTOL):
+  np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("p,momentum", [(8, 0.0), (5, 0.9)])
+def test_cpsgd_matches_numpy_alg1(p, momentum):
+  tx = mfopt.periodic_averaging(optax.sgd(schedule, momentum=momentum or None),
+                                mfopt.WORKER_AXES, mfopt.constant_period(p))
+  got, state = run_jax(tx)
+  want, syncs = np_cpsgd(p, momentum)
+  _close(got, want)
+  assert syncs == N // p
+  totals = mfopt.comm_totals(state)
+  assert totals["all_reduces"] == N // p
+  assert totals["payload_bytes"] == N // p * D * 4
+  # The iterate really moved and the workers agree after the last (k = N) sync.
+  assert np.abs(got - W0).max() > 0.5
+  if N % p == 0:
+    assert np.ptp(got, axis=0).max() == 0
+
+
+def test_adpsgd_matches_numpy_alg2_period_trace_and_params():
+  k_s = N // 4
+  ctl = mfopt.adpsgd_period(learning_rate=schedule, sampling_steps=k_s, p_init=4, warmup_steps=6)
+  tx = mfopt.periodic_averaging(optax.sgd(schedule), mfopt.WORKER_AXES, ctl, trace_length=256)
+  got, state = run_jax(tx)
+  want, periods, s_trace = np_adpsgd(4, k_s, warmup=6)
+  trace = averaging.sync_trace(state)
+  np.testing.assert_array_equal(trace["period"], periods)
+  np.testing.assert_allclose(trace["sync_variance"], s_trace, rtol=1e-5)
+  _close(got, want)
+  # The controller really adapted: warm-up period 1, sampling at 4, then grew after the decay.
+  assert periods[:6] == [1] * 6 and max(periods) > 4
+  totals = mfopt.comm_totals(state)
+  syncs = len(periods)
+  assert totals["all_reduces"] == 2 * syncs  # parameter exchange + S_k scalar, per sync
+  assert totals["payload_bytes"] == syncs * (D * 4 + 4)
+  s = averaging.find_averaging_state(state)
+  assert int(np.asarray(s.param_comm.count)[0]) == syncs
+  assert int(np.asarray(s.scalar_comm.count)[0]) == syncs
+  np.testing.assert_allclose(trace["lr"], [np_lr(k - 1) for k in trace["step"]])
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.6])
+def test_block_momentum_matches_numpy_mavg(mu):
+  tx = mfopt.block_momentum(optax.sgd(schedule), mfopt.WORKER_AXES, 6, momentum=mu)
+  got, _ = run_jax(tx)
+  _close(got, np_mavg(6, mu))
+
+
+def test_outer_sgd_momentum_is_mavg_and_momentum_zero_is_periodic_averaging():
+  got_outer, _ = run_jax(mfopt.periodic_averaging(
+      optax.sgd(schedule), mfopt.WORKER_AXES, 6, outer=optax.sgd(1.0, momentum=0.6)))
+  _close(got_outer, np_mavg(6, 0.6))
+  got_k0, _ = run_jax(mfopt.block_momentum(optax.sgd(schedule), mfopt.WORKER_AXES, 6, momentum=0))
+  got_pa, _ = run_jax(mfopt.periodic_averaging(optax.sgd(schedule), mfopt.WORKER_AXES, 6))
+  np.testing.assert_allclose(got_k0, got_pa, rtol=1e-6, atol=1e-6)
+  _close(got_pa, np_mavg(6, 0.0))
+
+
+def test_average_inner_state_averages_momentum_at_sync():
+  p = 4
+  tx = mfopt.periodic_averaging(optax.sgd(schedule, momentum=0.9), mfopt.WORKER_AXES, p,
+                                average_inner_state=True)
+  _, state = run_jax(tx, steps=2 * p)
+  trace = averaging.find_averaging_state(state).inner_state[0].trace
+  for leaf in jax.tree.leaves(trace):
+    a = np.asarray(leaf)
+    np.testing.assert_allclose(a, np.broadcast_to(a.mean(0), a.shape), rtol=1e-6, atol=1e-7)
+  # Reference: momentum averaged at every sync.
+  w = np.broadcast_to(W0, (W, D)).astype(np.float32).copy()
+  tr = np.zeros_like(w)
+  for k in range(2 * p):
+    tr = np_grad(w, k) + np.float32(0.9) * tr
+    w = w - np_lr(k) * tr
+    if (k + 1) % p == 0:
+      w = np.broadcast_to(w.mean(0), (W, D)).copy()
+      tr = np.broadcast_to(tr.mean(0), (W, D)).copy()
+  got = np.concatenate([np.asarray(trace["a"]), np.asarray(trace["b"]).reshape(W, -1)], axis=1)
+  _close(got, tr, rtol=1e-5)
+  s = averaging.find_averaging_state(state)
+  assert int(np.asarray(s.param_comm.payload_bytes)[0]) == 2 * D * 4
+
+
+def test_comm_dtype_exchanges_rounded_deltas_but_keeps_fp32_masters():
+  p = 5
+  tx = mfopt.periodic_averaging(optax.sgd(schedule), mfopt.WORKER_AXES, p,
+                                comm_dtype=jnp.bfloat16)
+  got, state = run_jax(tx, steps=p)
+  # Reference: anchor (= W0) + mean of the bf16-rounded deltas.
+  w = np.broadcast_to(W0, (W, D)).astype(np.float32).copy()
+  for k in range(p):
+    w = w - np_lr(k) * np_grad(w, k)
+  deltas = (w - W0).astype(jnp.bfloat16).astype(np.float32)
+  want = W0 + deltas.mean(0)
+  exact = w.mean(0)
+  np.testing.assert_allclose(got[0], want, rtol=0, atol=4e-3 * np.abs(deltas).max())
+  assert np.abs(got[0] - exact).max() > 0  # the exchange really was rounded...
+  assert np.abs(got[0] - exact).max() < 1e-2 * np.abs(w - W0).max()  # ...only the deltas
+  # ...and the masters are not bf16 numbers.
+  assert np.any(got[0] != got[0].astype(jnp.bfloat16).astype(np.float32))
+  assert mfopt.comm_totals(state)["payload_bytes"] == D * 2
+
+
+def test_track_variance_gives_eq7_and_eq11():
+  p = 4
+  tx = mfopt.periodic_averaging(optax.sgd(schedule), mfopt.WORKER_AXES, p, track_variance=True,
+                                sync_variance=True, trace_length=8)
+  _, state = run_jax(tx, steps=3 * p)
+  trace = averaging.sync_trace(state)
+  # Reference V_t: mean of Var[W_k] (eq. 7) over the p steps of each round (eq. 11).
+  w = np.broadcast_to(W0, (W, D)).astype(np.float32).copy()
+  v_t, acc, s_ref = [], 0.0, []
+  for k in range(3 * p):
+    acc += np.mean(np.sum((w.mean(0) - w) ** 2, axis=1))
+    w = w - np_lr(k) * np_grad(w, k)
+    if (k + 1) % p == 0:
+      s_ref.append(np.mean(np.sum((w.mean(0) - w) ** 2, axis=1)))
+      w = np.broadcast_to(w.mean(0), (W, D)).copy()
+      v_t.append(acc / p)
+      acc = 0.0
+  np.testing.assert_allclose(trace["mean_variance"], v_t, rtol=1e-4)
+  np.testing.assert_allclose(trace["sync_variance"], s_ref, rtol=1e-4)
+  np.testing.assert_array_equal(trace["step"], [4, 8, 12])
+  assert v_t[0] > 0
+  # Diagnostic exchanges are counted apart from the algorithm's.
+  s = averaging.find_averaging_state(state)
+  assert int(np.asarray(s.diagnostics.variance_exchanges)[0]) == 2 * 3 * p
+  assert mfopt.comm_totals(state)["all_reduces"] == 3 + 3  # params + S_k per sync
+
+
+def test_parameter_variance_hook_and_metrics():
+  stacked = {"a": jnp.asarray([[0.0, 2.0], [2.0, 0.0]])}
+  assert float(averaging.parameter_variance(stacked)) == pytest.approx(2.0)
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), None, mfopt.adpsgd_period(
+      learning_rate=0.1, sampling_steps=8))
+  state = tx.init({"w": jnp.ones(3)})
+  m = averaging.averaging_metrics(state)
+  assert int(m["period"]) == 4 and int(m["syncs"]) == 0
+
+
+def test_scheduled_period_decreasing_20_then_5():
+  ctl = mfopt.scheduled_period((20, 5), (100,))
+  tx = mfopt.periodic_averaging(optax.sgd(0.01), None, ctl, sync_variance=True, trace_length=64)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  upd = jax.jit(tx.update)
+  for _ in range(200):
+    _, state = upd({"w": jnp.ones(3)}, state, params)
+  trace = averaging.sync_trace(state)
+  np.testing.assert_array_equal(trace["step"], list(range(20, 101, 20)) + list(range(105, 201, 5)))
+  assert len(trace["step"]) == 100 // 20 + 100 // 5
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: mfopt.constant_period(0), r"p must be a positive integer, got 0"),
+    (lambda: mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=2),
+     r"sampling_steps must be >= warmup_steps \+ p_init = 4"),
+    (lambda: mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=10, low=1.5),
+     r"low must be in \(0, 1\], got 1.5"),
+    (lambda: mfopt.block_momentum(optax.sgd(0.1), None, 4, momentum=1.0),
+     r"momentum must be in \[0, 1\), got 1.0"),
+    (lambda: mfopt.periodic_averaging(optax.sgd(0.1), None, 4, comm_dtype=jnp.int8),
+     r"comm_dtype must be a floating dtype"),
+    (lambda: mfopt.scheduled_period((20,), (5,)), r"periods needs one more entry"),
+])
+def test_bad_arguments_are_named(bad, match):
+  with pytest.raises(ValueError, match=match):
+    bad()
