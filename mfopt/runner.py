@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import json
 import os
 import pathlib
 import pkgutil
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -30,7 +32,7 @@ from typing import Any
 
 import ml_collections
 
-from mfopt import report
+from mfopt import checkpoint, distributed, report
 
 EXPERIMENTS_PACKAGE = "experiments"
 
@@ -188,23 +190,87 @@ def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) ->
   return module, config
 
 
+CHECKPOINTS = "checkpoints"
+
+
+def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
+                    allow_config_change: bool = False) -> bool:
+  """True if ``workdir`` holds checkpoints of this same experiment and config (resume).
+
+  Raises ConfigError naming every differing field when the checkpoints there
+  were written for another experiment or config, unless ``allow_config_change``.
+  """
+  ckpt_root = workdir / CHECKPOINTS
+  if not (ckpt_root.is_dir() and any(ckpt_root.iterdir())):
+    return False
+  saved_path = workdir / "config.json"
+  if not saved_path.exists():
+    raise ConfigError(f"{ckpt_root} holds checkpoints but {saved_path} is missing; cannot tell "
+                      "which experiment wrote them (use another --workdir or --restart)")
+  saved = json.loads(saved_path.read_text())
+  diff = checkpoint.config_diff(saved, record)
+  if diff and not allow_config_change:
+    raise ConfigError(
+        f"{workdir} holds checkpoints of a different experiment or config; differing fields "
+        f"(checkpoint -> now): {'; '.join(diff)}. Use another --workdir, --restart to discard "
+        "them, or --allow-config-change to resume anyway")
+  if diff:
+    print(f"warning: resuming {workdir} despite config changes: {'; '.join(diff)}",
+          file=sys.stderr)
+  return True
+
+
 def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike | None = None,
-                   overrides: Sequence[str] = ()) -> dict[str, Any]:
-  """Runs one experiment into ``workdir`` and returns its summary."""
+                   overrides: Sequence[str] = (), checkpoint_every: int | None = None,
+                   keep_checkpoints: int = 2, allow_config_change: bool = False,
+                   restart: bool = False) -> dict[str, Any]:
+  """Runs one experiment into ``workdir`` and returns its summary.
+
+  Every ``mfopt.train.fit`` call of the experiment checkpoints into
+  ``workdir/checkpoints/<index>-<desc>/`` (every ``checkpoint_every`` steps,
+  default every logging step; ``keep_checkpoints`` kept). Running again with the
+  same workdir resumes: finished runs return their saved results, the
+  interrupted one continues from its last good checkpoint, bit for bit. A
+  workdir whose checkpoints were written for another experiment or config is
+  refused (ConfigError naming the fields) unless ``allow_config_change``;
+  ``restart`` deletes its checkpoints first.
+
+  In a multi-process job (``mfopt.distributed``) all processes share
+  ``workdir/checkpoints``; process 0 writes ``config.json``/``summary.json`` and
+  the experiment's files into ``workdir``, process ``i > 0`` into
+  ``workdir/process-<i>/``.
+  """
   module, config = prepare(name, quick=quick, overrides=overrides)
   workdir = pathlib.Path(workdir or pathlib.Path("runs") / (name + ("-quick" if quick else "")))
+  log_every = config.get("log_every")
+  if checkpoint_every is not None and isinstance(log_every, int) and checkpoint_every % log_every:
+    raise ConfigError(f"checkpoint_every must be a multiple of config field 'log_every' "
+                      f"({log_every}), got {checkpoint_every}")
+  import jax  # noqa: PLC0415  (after prepare: config errors never start a backend)
+
+  primary = jax.process_index() == 0
+  record = {"experiment": name, "quick": quick, "config": config.to_dict()}
+  if restart and primary and (workdir / CHECKPOINTS).exists():
+    shutil.rmtree(workdir / CHECKPOINTS)
+  resumed = check_resumable(workdir, record, allow_config_change=allow_config_change)
   workdir.mkdir(parents=True, exist_ok=True)
   enable_compilation_cache()
-  report.write_json(workdir / "config.json", {"experiment": name, "quick": quick,
-                                              "config": config.to_dict()})
+  if primary and not (resumed and not allow_config_change):  # others may be reading it
+    report.write_json(workdir / "config.json", record)
+  files_dir = workdir if primary else workdir / f"process-{jax.process_index()}"
+  files_dir.mkdir(parents=True, exist_ok=True)
   start = time.perf_counter()
-  summary = module.run(config, workdir)
+  with checkpoint.auto_checkpoint(workdir / CHECKPOINTS, every=checkpoint_every,
+                                  keep=keep_checkpoints, allow_mismatch=allow_config_change):
+    summary = module.run(config, files_dir)
   summary = dict(summary or {})
   summary.setdefault("experiment", name)
   summary["quick"] = quick
+  summary["resumed"] = resumed
   summary["wall_time_s"] = time.perf_counter() - start
   summary["environment"] = report.environment()
-  report.write_json(workdir / "summary.json", summary)
+  if primary:
+    report.write_json(workdir / "summary.json", summary)
   return summary
 
 
@@ -218,6 +284,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--workdir", default=None, help="output directory (default runs/<name>[-quick])")
   parser.add_argument("--list", action="store_true", help="list experiments and exit")
   parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+  parser.add_argument("--checkpoint-every", type=int, default=None,
+                      help="steps between checkpoints (a multiple of log_every; default every log)")
+  parser.add_argument("--keep-checkpoints", type=int, default=2,
+                      help="checkpoints kept per run (>= 2 allows falling back past a corrupt one)")
+  parser.add_argument("--allow-config-change", action="store_true",
+                      help="resume from a workdir whose checkpoints were written with another config")
+  parser.add_argument("--restart", action="store_true",
+                      help="delete the workdir's checkpoints and start from scratch")
+  dist = parser.add_argument_group("multi-process (see mfopt.distributed; default: environment)")
+  dist.add_argument("--coordinator", default=None, help="host:port of process 0")
+  dist.add_argument("--num-processes", type=int, default=None)
+  dist.add_argument("--process-id", type=int, default=None)
+  dist.add_argument("--distributed", action="store_true",
+                    help="join a job found by JAX's cluster detection (SLURM, Open MPI, ...)")
   args = parser.parse_intermixed_args(argv)
   if args.list or args.name is None:
     print("\n".join(list_experiments()))
@@ -227,9 +307,22 @@ def main(argv: Sequence[str] | None = None) -> int:
       _, config = prepare(args.name, quick=args.quick, overrides=args.overrides)
       print(config)
       return 0
+    prepare(args.name, quick=args.quick, overrides=args.overrides)  # fail before joining a job
+    for flag, value in (("--checkpoint-every", args.checkpoint_every),
+                        ("--keep-checkpoints", args.keep_checkpoints)):
+      if value is not None and value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if args.distributed:
+      os.environ[distributed.ENV_AUTO] = "1"
+    try:
+      distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
     summary = run_experiment(args.name, quick=args.quick, workdir=args.workdir,
-                             overrides=args.overrides)
-  except ConfigError as e:
+                             overrides=args.overrides, checkpoint_every=args.checkpoint_every,
+                             keep_checkpoints=args.keep_checkpoints,
+                             allow_config_change=args.allow_config_change, restart=args.restart)
+  except (ConfigError, checkpoint.ConfigMismatchError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   workdir = args.workdir or os.path.join("runs", args.name + ("-quick" if args.quick else ""))

@@ -13,6 +13,7 @@ fetches them every ``log_every`` steps (no host sync in the hot loop).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -23,6 +24,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from mfopt import checkpoint as ckpt_lib
 from mfopt import comm as comm_lib
 from mfopt import data as data_lib
 from mfopt import models as models_lib
@@ -156,13 +158,98 @@ class FitResult:
   state: TrainState
 
 
+class NonFiniteError(FloatingPointError):
+  """A non-finite loss or update stopped :func:`fit`.
+
+  Attributes:
+    step: the first training step (counted from 1, as history rows count) whose
+      loss or update was not finite.
+    workers: the worker indices on which it was not finite at that step.
+    metric: which per-worker metric (``loss``, ``update_norm``, ...).
+    detected_at: the step at which the run checked and stopped (within one
+      logging interval of ``step``).
+    checkpoint: the last good checkpoint (``"step S at PATH"``), or a sentence
+      saying none was written. No state after it was saved.
+  """
+
+  def __init__(self, message: str, *, step: int, workers: list[int], metric: str,
+               detected_at: int, checkpoint: str):
+    super().__init__(message)
+    self.step, self.workers, self.metric = step, workers, metric
+    self.detected_at, self.checkpoint = detected_at, checkpoint
+
+
+def check_finite(window: list[Mapping[str, Any]], first_step: int, *, detected_at: int,
+                 checkpoint: str = "none (checkpointing off)") -> None:
+  """Raises :class:`NonFiniteError` at the first step of ``window`` with a non-finite metric.
+
+  Args:
+    window: host-side per-step metric dicts (arrays of shape ``(W,)``), in step order.
+    first_step: the step number (from 1) of ``window[0]``.
+    detected_at: the step at which the check runs (for the message).
+    checkpoint: the last good checkpoint, named in the message.
+  """
+  for i, metrics in enumerate(window):
+    for name, value in metrics.items():
+      value = np.asarray(value)
+      if value.dtype.kind not in "fc":
+        continue
+      bad = np.flatnonzero(~np.isfinite(value.reshape(value.shape[0], -1)).all(axis=1)
+                           if value.ndim else ~np.isfinite(value.reshape(1)))
+      if bad.size:
+        step = first_step + i
+        workers = [int(w) for w in bad]
+        raise NonFiniteError(
+            f"non-finite {name} at step {step} on worker(s) {workers} (detected at step "
+            f"{detected_at}); training stopped and no later state was saved; last good "
+            f"checkpoint: {checkpoint}",
+            step=step, workers=workers, metric=name, detected_at=detected_at,
+            checkpoint=checkpoint)
+
+
+def _to_host(tree: Any, mesh) -> Any:
+  """``jax.device_get`` that also works for worker-sharded arrays of a multi-process run."""
+  if jax.process_count() > 1:
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    tree = jax.jit(lambda t: t, out_shardings=replicated)(tree)
+  return jax.device_get(tree)
+
+
+def _comm_totals(opt_state: Any, mesh) -> dict[str, int]:
+  if jax.process_count() > 1:  # worker 0's counters, replicated to every process
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_state = jax.jit(lambda t: jax.tree.map(lambda x: x[:1], t),
+                        out_shardings=replicated)(opt_state)
+  return comm_lib.comm_totals(opt_state)
+
+
+def _fit_summary(last_row: Mapping[str, Any], *, num_steps: int, num_workers: int,
+                 per_worker_batch: int, train_size: int, compile_s: float, train_s: float,
+                 comm: Mapping[str, int]) -> dict[str, Any]:
+  global_batch = num_workers * per_worker_batch
+  return {
+      "final_train_loss": last_row["train_loss"],
+      "final_train_accuracy": last_row.get("train_accuracy"),
+      "test_loss": last_row["test_loss"],
+      "test_accuracy": last_row["test_accuracy"],
+      "steps": num_steps, "samples": num_steps * global_batch,
+      "epochs": num_steps * global_batch / train_size,
+      "num_workers": num_workers, "per_worker_batch": per_worker_batch,
+      "global_batch": global_batch, "compile_s": compile_s, "train_s": train_s,
+      **comm,
+  }
+
+
 def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, num_workers: int,
         per_worker_batch: int, num_steps: int, mesh=None, seed: int = 0,
         log_every: int = 50, eval_every: int | None = None,
         learning_rate: Callable[[int], float] | None = None,
         loss_fn: LossFn = classification_loss, progress: bool = True,
         desc: str | None = None, on_log: Callable[[dict[str, Any]], None] | None = None,
-        extra_metrics: Mapping[str, Callable[[TrainState], Any]] | None = None) -> FitResult:
+        extra_metrics: Mapping[str, Callable[[TrainState], Any]] | None = None,
+        checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+        keep_checkpoints: int = 2, run_info: Mapping[str, Any] | None = None,
+        allow_mismatch: bool = False) -> FitResult:
   """Trains ``model`` with ``tx`` on ``num_workers`` workers and returns history and summary.
 
   Every worker reads its own deterministic stream of ``per_worker_batch``
@@ -171,22 +258,63 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   ``log_every`` steps and at the end; the test set is evaluated every
   ``eval_every`` steps (if given) and at the end, on the worker-averaged model.
 
+  Checkpointing (``mfopt.checkpoint``): with ``checkpoint_dir`` (or inside
+  ``mfopt.checkpoint.auto_checkpoint``, which the runner sets up for
+  ``--workdir``), the complete state -- worker-stacked parameters, BatchNorm
+  statistics, optimizer state, the step (the data position, since batches are
+  stateless in the step), the history so far and the timings -- is saved every
+  ``checkpoint_every`` steps and at the end. A call that finds a checkpoint
+  resumes from it and produces bit-for-bit the history and parameters of an
+  uninterrupted run; one that finds the final checkpoint returns its saved
+  result without training.
+
+  Numerical guard: every logging step checks each step's per-worker loss,
+  accuracy and ``update_norm`` since the previous one; a non-finite value stops
+  the run within one logging interval with :class:`NonFiniteError` naming the
+  first bad step, the worker(s) and the last good checkpoint, which is never
+  overwritten with non-finite state (saves happen only after the check).
+
   Args:
     learning_rate: optional ``step -> lr`` (the schedule the transform uses),
       logged beside the metrics.
     on_log: called with every history row as soon as it exists (the runner
-      appends it to ``metrics.jsonl``).
+      appends it to ``metrics.jsonl``). After a resume, rows logged after the
+      restored checkpoint by the interrupted run are logged again.
     extra_metrics: ``name -> fn(state)`` evaluated on device at log time.
+    checkpoint_dir: this run's checkpoint directory (``None``: the active
+      ``auto_checkpoint`` policy's next sub-directory, or no checkpointing).
+    checkpoint_every: steps between checkpoints, a multiple of ``log_every``
+      (default: every ``log_every`` steps).
+    keep_checkpoints: checkpoints kept (>= 2 allows falling back past a corrupt one).
+    run_info: extra JSON fields for the run's fingerprint (e.g. the algorithm
+      name and its hyperparameters): a checkpoint with a different fingerprint
+      is refused, naming the differing fields.
+    allow_mismatch: resume from a checkpoint with a different fingerprint anyway.
 
   Returns:
     A :class:`FitResult`. ``summary`` holds the final train loss (mean over the
     last logging window), test loss/accuracy, the communication totals per
     worker counted by the transforms, and timings (compile excluded).
+
+  Raises:
+    NonFiniteError: a non-finite loss or update (a ``FloatingPointError``).
+    mfopt.checkpoint.ConfigMismatchError: the checkpoint belongs to another run.
   """
   for name, value in (("num_workers", num_workers), ("per_worker_batch", per_worker_batch),
                       ("num_steps", num_steps), ("log_every", log_every)):
     if not isinstance(value, (int, np.integer)) or value <= 0:
       raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  policy = ckpt_lib.active_policy() if checkpoint_dir is None else None
+  if policy is not None:
+    checkpoint_dir = policy.next_run_dir(desc)
+    checkpoint_every = policy.every if checkpoint_every is None else checkpoint_every
+    keep_checkpoints, allow_mismatch = policy.keep, policy.allow_mismatch or allow_mismatch
+  if checkpoint_every is None:
+    checkpoint_every = log_every
+  if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, np.integer))
+      or checkpoint_every <= 0 or checkpoint_every % log_every):
+    raise ValueError(f"checkpoint_every must be a positive multiple of log_every={log_every}, "
+                     f"got {checkpoint_every!r}")
   mesh = parallel.make_mesh() if mesh is None else mesh
   parallel.local_workers(num_workers, mesh)
   batcher = data_lib.WorkerBatcher(dataset.train, num_workers=num_workers,
@@ -199,37 +327,57 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
 
   first = batcher.batch(0)
   state = init_train_state(model, tx, first["x"][0], num_workers=num_workers, mesh=mesh, seed=seed)
+
+  history: list[dict[str, Any]] = []
+  train_s = compile_s = 0.0
+  start = 0
+  ckpt = None
+  if checkpoint_dir is not None:
+    fingerprint = {"dataset": dataset.name, "train_examples": len(dataset.train),
+                   "model": type(model).__name__, "num_workers": num_workers,
+                   "per_worker_batch": per_worker_batch, "num_steps": num_steps, "seed": seed,
+                   "log_every": log_every, "eval_every": eval_every, "desc": desc,
+                   **dict(run_info or {})}
+    ckpt = ckpt_lib.RunCheckpointer(checkpoint_dir, keep=keep_checkpoints,
+                                    fingerprint=fingerprint, allow_mismatch=allow_mismatch)
+    restored = ckpt.restore_latest(state)
+    if restored is not None:
+      state, start = restored.state, restored.step
+      history = restored.meta["history"]
+      train_s, compile_s = restored.meta["train_s"], restored.meta["compile_s"]
+      if restored.meta.get("summary") is not None:  # finished: return the saved result
+        ckpt.close()
+        return FitResult(history=history, summary=restored.meta["summary"], state=state)
+
   train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn)
   eval_fn = make_eval_fn(model, loss_fn)
 
   t0 = time.perf_counter()
-  batch = device_batch(0)
+  batch = device_batch(start)
   compiled = train_step.lower(state, batch).compile()
-  compile_s = time.perf_counter() - t0
+  if start == 0:
+    compile_s = time.perf_counter() - t0
 
-  history: list[dict[str, Any]] = []
   window: list[dict[str, jax.Array]] = []
   global_batch = num_workers * per_worker_batch
-  train_s = 0.0
-  last_row: dict[str, Any] = {}
+  last_row: dict[str, Any] = history[-1] if history else {}
 
   def log_row(step: int, state: TrainState, evaluate_now: bool) -> dict[str, Any]:
-    fetched = jax.device_get(window)
+    fetched = _to_host(window, mesh)
+    check_finite(fetched, step - len(fetched) + 1, detected_at=step,
+                 checkpoint=ckpt.describe_last_good() if ckpt else "none (checkpointing off)")
     per_worker = {k: np.stack([m[k] for m in fetched]) for k in fetched[0]}  # (steps, W)
     row: dict[str, Any] = {
         "step": step, "epoch": step * global_batch / len(dataset.train),
         "samples": step * global_batch,
     }
     for k, v in per_worker.items():
-      if not np.all(np.isfinite(v)):
-        bad = sorted({int(w) for w in np.argwhere(~np.isfinite(v))[:, 1]})
-        raise FloatingPointError(f"non-finite {k} at or before step {step} on worker(s) {bad}")
       row[f"train_{k}"] = float(v.mean())
     if learning_rate is not None:
       row["learning_rate"] = float(learning_rate(step - 1))
-    row.update(comm_lib.comm_totals(state.opt_state))
+    row.update(_comm_totals(state.opt_state, mesh))
     for name, fn in (extra_metrics or {}).items():
-      row[name] = jax.device_get(fn(state))
+      row[name] = _to_host(fn(state), mesh)
       if isinstance(row[name], np.ndarray):
         row[name] = row[name].tolist()
     if evaluate_now:
@@ -238,37 +386,40 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     row["train_time_s"] = train_s
     return row
 
-  bar = tqdm(total=num_steps, desc=desc, disable=not progress, leave=False)
-  tick = time.perf_counter()
-  for step in range(num_steps):
-    next_batch = device_batch(step + 1) if step + 1 < num_steps else None
-    state, metrics = compiled(state, batch)
-    window.append(metrics)
-    batch = next_batch
-    done = step + 1
-    if done % log_every == 0 or done == num_steps:
-      jax.block_until_ready(state)
-      train_s += time.perf_counter() - tick
-      evaluate_now = done == num_steps or (eval_every is not None and done % eval_every == 0)
-      last_row = log_row(done, state, evaluate_now)
-      history.append(last_row)
-      if on_log is not None:
-        on_log(last_row)
-      window = []
-      bar.set_postfix(loss=f"{last_row['train_loss']:.4f}")
-      tick = time.perf_counter()
-    bar.update(1)
-  bar.close()
+  def summarize(state) -> dict[str, Any]:
+    return _fit_summary(last_row, num_steps=num_steps, num_workers=num_workers,
+                        per_worker_batch=per_worker_batch, train_size=len(dataset.train),
+                        compile_s=compile_s, train_s=train_s,
+                        comm=_comm_totals(state.opt_state, mesh))
 
-  summary = {
-      "final_train_loss": last_row["train_loss"],
-      "final_train_accuracy": last_row.get("train_accuracy"),
-      "test_loss": last_row["test_loss"],
-      "test_accuracy": last_row["test_accuracy"],
-      "steps": num_steps, "samples": num_steps * global_batch,
-      "epochs": num_steps * global_batch / len(dataset.train),
-      "num_workers": num_workers, "per_worker_batch": per_worker_batch,
-      "global_batch": global_batch, "compile_s": compile_s, "train_s": train_s,
-      **comm_lib.comm_totals(state.opt_state),
-  }
-  return FitResult(history=history, summary=summary, state=state)
+  bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
+  tick = time.perf_counter()
+  try:
+    for step in range(start, num_steps):
+      next_batch = device_batch(step + 1) if step + 1 < num_steps else None
+      state, metrics = compiled(state, batch)
+      window.append(metrics)
+      batch = next_batch
+      done = step + 1
+      if done % log_every == 0 or done == num_steps:
+        jax.block_until_ready(state)
+        train_s += time.perf_counter() - tick
+        evaluate_now = done == num_steps or (eval_every is not None and done % eval_every == 0)
+        last_row = log_row(done, state, evaluate_now)
+        history.append(last_row)
+        if on_log is not None:
+          on_log(last_row)
+        window = []
+        bar.set_postfix(loss=f"{last_row['train_loss']:.4f}")
+        if ckpt is not None and (done % checkpoint_every == 0 or done == num_steps):
+          ckpt.save(done, state, {
+              "history": history, "train_s": train_s, "compile_s": compile_s,
+              "summary": summarize(state) if done == num_steps else None})
+        tick = time.perf_counter()
+      bar.update(1)
+  finally:
+    bar.close()
+    if ckpt is not None:
+      ckpt.close()
+
+  return FitResult(history=history, summary=summarize(state), state=state)

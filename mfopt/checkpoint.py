@@ -1,0 +1,403 @@
+"""Resumable runs: atomic orbax checkpoints of the complete run state, verified on restore.
+
+A checkpoint holds two orbax items per step, in ``<directory>/<step>/``:
+
+* ``state``: the worker-stacked :class:`mfopt.train.TrainState` (parameters,
+  BatchNorm statistics, optimizer state -- which includes every transform's
+  counters, period controllers, loss scales and PRNG keys), saved with
+  ``orbax.checkpoint.args.StandardSave`` from every process (orbax writes each
+  process's shards; arrays are restored onto the current mesh, so a run may
+  resume on a different process count);
+* ``meta``: JSON with the step (the data position: batches are stateless in the
+  step, :class:`mfopt.data.WorkerBatcher`), the metrics history so far, the
+  run's fingerprint, timings, the final summary of a finished run, and a
+  checksum of every array in ``state``.
+
+Guarantees:
+
+* **Atomic writes.** orbax writes a step into a temporary directory and renames
+  it when complete; the oldest step beyond ``keep`` is deleted only after the
+  new one is committed. A save interrupted at any point (SIGKILL included)
+  leaves the last good checkpoint untouched; the unfinished temporary directory
+  is ignored on restore.
+* **Verified restore with fallback.** :meth:`RunCheckpointer.restore_latest`
+  tries the newest step first. If it cannot be read (truncated file, missing
+  item) or its arrays do not match the recorded checksum (bit rot, a flipped
+  byte), it says so on stderr, moves the step aside to ``corrupt-<step>-<n>``
+  (kept for inspection, out of orbax's way) and falls back to the previous good
+  one.
+* **No silent mix-ups.** A checkpoint written by a different run (different
+  fingerprint: data, workers, batch, steps, seed, state structure, or the
+  caller's own fields) is refused with :class:`ConfigMismatchError` naming every
+  differing field, unless ``allow_mismatch=True``.
+
+Deviation from plain orbax: the checksum. orbax verifies that a checkpoint was
+committed, not that its bytes are still what was written; a flipped byte inside
+a compressed chunk may decode to different numbers without an error, so the
+state's arrays are fingerprinted on device (a position-weighted sum of their
+bits, exact for any single changed element) and compared after restore.
+
+The runner turns checkpointing on for every :func:`mfopt.train.fit` call of an
+experiment through :func:`auto_checkpoint`; each ``fit`` call then gets its own
+sub-directory ``<root>/<index>-<desc>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+  """No usable checkpoint although some exist (all corrupt), or a save failed."""
+
+
+class ConfigMismatchError(ValueError):
+  """A checkpoint belongs to a different run; the message names the differing fields."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprints and checksums
+
+
+def flatten_dict(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; sequences become lists (JSON's view of them)."""
+  flat: dict[str, Any] = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      flat.update(flatten_dict(value, name + "."))
+    else:
+      flat[name] = _jsonable(value)
+  return flat
+
+
+def _jsonable(value: Any) -> Any:
+  return json.loads(json.dumps(value, default=repr))
+
+
+def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+  """Human-readable differing fields of two (nested) configs: ``"num_steps: 60 -> 100"``."""
+  a, b = flatten_dict(saved), flatten_dict(current)
+  out = []
+  for key in sorted(set(a) | set(b)):
+    if key not in a:
+      out.append(f"{key}: (absent) -> {b[key]!r}")
+    elif key not in b:
+      out.append(f"{key}: {a[key]!r} -> (absent)")
+    elif a[key] != b[key]:
+      out.append(f"{key}: {a[key]!r} -> {b[key]!r}")
+  return out
+
+
+def structure_hash(tree: Any) -> str:
+  """Hash of a pytree's structure, leaf shapes and dtypes (not values)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  text = str(treedef) + "|" + ";".join(f"{tuple(np.shape(x))}:{jnp.result_type(x)}" for x in leaves)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _leaf_words(x: jax.Array) -> jax.Array:
+  """The bits of ``x`` as a flat uint32 vector (any dtype)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  x = jnp.ravel(x)
+  size = jnp.dtype(x.dtype).itemsize
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  if size == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if size in (1, 2):
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  if size == 8:
+    return jnp.ravel(jax.lax.bitcast_convert_type(x, jnp.uint32))
+  raise TypeError(f"cannot checksum dtype {x.dtype}")
+
+
+def _checksum_fn(tree):
+  def one(x):
+    words = _leaf_words(x)
+    weights = jnp.arange(words.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(words * weights, dtype=jnp.uint32),
+                      jnp.sum(words ^ (weights * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32)])
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.zeros((0, 2), jnp.uint32)
+  return jnp.stack([one(x) for x in leaves])
+
+
+def tree_checksum(tree: Any) -> list[list[int]]:
+  """Per-leaf ``[weighted sum, xor-weighted sum]`` of the bits of every array, computed on device.
+
+  Position-weighted with odd weights modulo 2**32, so changing any single
+  element changes the first number. Works on multi-process global arrays (the
+  result is replicated to every process).
+  """
+  leaves = jax.tree.leaves(tree)
+  mesh = next((x.sharding.mesh for x in leaves
+               if isinstance(getattr(x, "sharding", None), NamedSharding)), None)
+  out_shardings = NamedSharding(mesh, P()) if mesh is not None else None
+  sums = jax.jit(_checksum_fn, out_shardings=out_shardings)(tree)
+  return np.asarray(jax.device_get(sums)).astype(np.int64).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpointer
+
+
+@dataclasses.dataclass
+class Restored:
+  """A restored checkpoint: its step, state (same structure as the target), JSON meta and path."""
+
+  step: int
+  state: Any
+  meta: dict[str, Any]
+  path: pathlib.Path
+
+
+def _say(message: str) -> None:
+  if jax.process_index() == 0:
+    print(f"[mfopt.checkpoint] {message}", file=sys.stderr, flush=True)
+
+
+class RunCheckpointer:
+  """Saves and restores one run's state in ``directory`` with orbax (atomic, verified, keep-N).
+
+  Args:
+    directory: this run's checkpoint directory (created on first save).
+    keep: number of committed checkpoints kept (>= 1; fallback past a corrupt
+      newest one needs >= 2).
+    fingerprint: JSON-serialisable description of the run; a checkpoint whose
+      recorded fingerprint differs is refused (see ``allow_mismatch``).
+    allow_mismatch: resume from a checkpoint with a different fingerprint
+      anyway (the differing fields are printed).
+
+  Example:
+    >>> ckpt = RunCheckpointer("/tmp/run/ckpt", keep=2, fingerprint={"seed": 0})  # doctest: +SKIP
+    >>> ckpt.save(100, state, {"history": history})                              # doctest: +SKIP
+    >>> restored = ckpt.restore_latest(abstract_state)   # None if nothing saved  # doctest: +SKIP
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
+               fingerprint: Mapping[str, Any] | None = None, allow_mismatch: bool = False):
+    if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
+      raise ValueError(f"keep must be a positive integer, got {keep!r}")
+    self.directory = pathlib.Path(directory).absolute()
+    self.keep = int(keep)
+    self.fingerprint = _jsonable(dict(fingerprint or {}))
+    self.allow_mismatch = allow_mismatch
+    self.last_good: tuple[int, pathlib.Path] | None = None
+    self._manager: ocp.CheckpointManager | None = None
+
+  # -- orbax plumbing
+  @property
+  def manager(self) -> ocp.CheckpointManager:
+    if self._manager is None:
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=self.keep, create=True, enable_async_checkpointing=False,
+          cleanup_tmp_directories=True)
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
+    return self._manager
+
+  def close(self) -> None:
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+      self._manager.close()
+      self._manager = None
+
+  def steps(self) -> list[int]:
+    """Committed steps on disk, oldest first."""
+    if not self.directory.exists():
+      return []
+    return sorted(self.manager.all_steps())
+
+  def step_path(self, step: int) -> pathlib.Path:
+    return self.directory / str(step)
+
+  def describe_last_good(self) -> str:
+    """``"step 40 at /path/40"``, or a sentence saying none was written."""
+    if self.last_good is None:
+      return f"none (no checkpoint written in {self.directory})"
+    step, path = self.last_good
+    return f"step {step} at {path}"
+
+  # -- save
+  def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> pathlib.Path:
+    """Writes ``state`` and ``meta`` (JSON) as ``step``, atomically; all processes call this."""
+    meta = dict(_jsonable(dict(meta)))
+    meta.update(format=FORMAT_VERSION, step=int(step), fingerprint=self.fingerprint,
+                checksum=tree_checksum(state), structure=structure_hash(state))
+    manager = self.manager
+    if step in manager.all_steps():  # e.g. re-saving after resuming from an older step
+      raise CheckpointError(f"checkpoint step {step} already exists in {self.directory}")
+    manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    self.last_good = (int(step), self.step_path(step))
+    return self.step_path(step)
+
+  # -- restore
+  def read_meta(self, step: int) -> dict[str, Any]:
+    restored = self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    meta = restored.meta
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or meta.get("step") != step:
+      raise CheckpointError(f"unexpected metadata {str(meta)[:200]!r}")
+    return meta
+
+  def check_fingerprint(self, meta: Mapping[str, Any], step: int) -> None:
+    diff = config_diff(meta.get("fingerprint", {}), self.fingerprint)
+    if not diff:
+      return
+    message = (f"checkpoint step {step} in {self.directory} was written by a different run; "
+               f"differing fields (checkpoint -> now): {'; '.join(diff)}")
+    if not self.allow_mismatch:
+      raise ConfigMismatchError(
+          message + ". Use another workdir, delete the checkpoint, or pass allow_mismatch=True "
+          "(runner: --allow-config-change) to resume anyway.")
+    _say(message + "; resuming anyway (allow_mismatch=True)")
+
+  def _restore_step(self, step: int, abstract_state: Any) -> Restored:
+    meta = self.read_meta(step)
+    self.check_fingerprint(meta, step)  # a different run is an error, not corruption
+    if meta.get("structure") != structure_hash(abstract_state):
+      raise ConfigMismatchError(
+          f"checkpoint step {step} in {self.directory} holds a state of a different structure "
+          f"(shapes/dtypes/tree); it cannot be restored into this run's state")
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    restored = self.manager.restore(
+        int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    leaves, treedef = jax.tree.flatten(abstract_state)
+    state = jax.tree.unflatten(treedef, jax.tree.leaves(restored.state))
+    if len(jax.tree.leaves(restored.state)) != len(leaves):
+      raise CheckpointError("restored state has a different number of arrays")
+    got = tree_checksum(state)
+    if got != meta.get("checksum"):
+      bad = [i for i, (a, b) in enumerate(zip(got, meta.get("checksum", []))) if a != b]
+      raise CheckpointError(f"checksum mismatch in array(s) {bad[:8]} (data changed on disk)")
+    return Restored(step=int(step), state=state, meta=meta, path=self.step_path(step))
+
+  def restore_latest(self, abstract_state: Any) -> Restored | None:
+    """Restores the newest good checkpoint onto ``abstract_state``'s shardings, or returns None.
+
+    ``abstract_state`` is a state of the right structure (arrays or
+    ``jax.ShapeDtypeStruct`` with shardings), e.g. a freshly initialised one.
+    A newest checkpoint that is unreadable or fails its checksum is reported,
+    moved aside, and the previous one is tried.
+
+    Raises:
+      ConfigMismatchError: the checkpoint belongs to a different run.
+      CheckpointError: checkpoints exist but none is readable.
+    """
+    steps = self.steps()
+    failures = []
+    for step in reversed(steps):
+      try:
+        restored = self._restore_step(step, abstract_state)
+      except ConfigMismatchError:
+        raise
+      except Exception as e:  # noqa: BLE001 -- any read failure means "not usable"
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        failures.append(f"step {step}: {reason}")
+        moved = self._move_aside(step)
+        _say(f"checkpoint step {step} in {self.directory} is corrupt or truncated ({reason}); "
+             f"moved it to {moved.name}; falling back to the previous checkpoint")
+        continue
+      if failures:
+        _say(f"resumed from the previous good checkpoint, step {step} "
+             f"(skipped {len(failures)} corrupt newer one(s))")
+      self.last_good = (restored.step, restored.path)
+      return restored
+    if failures:
+      raise CheckpointError(f"no readable checkpoint in {self.directory}: " + "; ".join(failures))
+    return None
+
+  def _move_aside(self, step: int) -> pathlib.Path:
+    source = self.step_path(step)
+    n = 0
+    while (target := self.directory / f"corrupt-{step}-{n}").exists():
+      n += 1
+    if jax.process_index() == 0 and source.exists():
+      source.rename(target)
+    if jax.process_count() > 1:
+      ocp.multihost.sync_global_processes(f"mfopt_move_aside_{step}_{n}")
+    self.manager.reload()
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Automatic checkpointing of every fit() call inside an experiment
+
+
+@dataclasses.dataclass
+class CheckpointPolicy:
+  """Where and how often :func:`mfopt.train.fit` checkpoints when not told explicitly.
+
+  Attributes:
+    root: directory holding one sub-directory per ``fit`` call.
+    every: steps between checkpoints (a multiple of the run's ``log_every``);
+      ``None``: at every logging step.
+    keep: checkpoints kept per run.
+    allow_mismatch: resume from checkpoints with a different fingerprint.
+  """
+
+  root: pathlib.Path
+  every: int | None = None
+  keep: int = 2
+  allow_mismatch: bool = False
+  runs: int = 0
+
+  def next_run_dir(self, desc: str | None) -> pathlib.Path:
+    """``<root>/<index>-<desc slug>``: stable across a resumed experiment (same call order)."""
+    index = self.runs
+    self.runs += 1
+    slug = re.sub(r"[^A-Za-z0-9._=-]+", "_", desc or "run").strip("_")[:80] or "run"
+    return self.root / f"{index:03d}-{slug}"
+
+
+_POLICY: contextvars.ContextVar[CheckpointPolicy | None] = contextvars.ContextVar(
+    "mfopt_checkpoint_policy", default=None)
+
+
+@contextlib.contextmanager
+def auto_checkpoint(root: str | os.PathLike, *, every: int | None = None, keep: int = 2,
+                    allow_mismatch: bool = False) -> Iterator[CheckpointPolicy]:
+  """Within the block, every :func:`mfopt.train.fit` without ``checkpoint_dir`` checkpoints under ``root``.
+
+  Each call gets its own sub-directory (numbered in call order), resumes from
+  it if it holds a checkpoint, and returns a finished run's saved result
+  without training again.
+  """
+  if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
+    raise ValueError(f"every must be a positive integer or None, got {every!r}")
+  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    raise ValueError(f"keep must be a positive integer, got {keep!r}")
+  policy = CheckpointPolicy(pathlib.Path(root), every=every, keep=keep,
+                            allow_mismatch=allow_mismatch)
+  token = _POLICY.set(policy)
+  try:
+    yield policy
+  finally:
+    _POLICY.reset(token)
+
+
+def active_policy() -> CheckpointPolicy | None:
+  """The policy of the innermost :func:`auto_checkpoint` block, if any."""
+  return _POLICY.get()

@@ -1,0 +1,153 @@
+"""Multi-process (multi-host) start-up: ``jax.distributed.initialize`` from flags or the environment.
+
+One process per host (or per GPU), all running the same command. Each process
+calls :func:`initialize` before touching any JAX device; afterwards
+``jax.devices()`` lists the devices of every process, ``mfopt.parallel.make_mesh()``
+builds the global mesh over all of them, and :func:`mfopt.train.fit` feeds each
+process only the rows of its own workers (``parallel.process_worker_slice``,
+assembled with ``jax.make_array_from_process_local_data``). Checkpoints are
+written by all processes into one shared directory (orbax).
+
+Where the settings come from, first match wins:
+
+1. explicit arguments (the runner's ``--coordinator``, ``--num-processes``,
+   ``--process-id`` flags);
+2. ``MFOPT_COORDINATOR`` (``host:port``), ``MFOPT_NUM_PROCESSES``,
+   ``MFOPT_PROCESS_ID`` (set by ``scripts/launch_local.py``);
+3. JAX's own cluster detection (SLURM, Open MPI, Kubernetes, cloud TPU), used
+   when none of the above is set and ``MFOPT_DISTRIBUTED=1`` asks for it
+   (runner flag ``--distributed``); e.g. ``srun`` with one task per GPU.
+
+Failure handling is JAX's coordination service: every process sends heartbeats
+to the coordinator; when a process dies, the others are aborted with an error
+after ``heartbeat_timeout_s`` (JAX's default is 100 s; set
+``MFOPT_HEARTBEAT_TIMEOUT`` or the argument lower to fail faster), instead of
+hanging in a collective.
+
+On CPU (tests, laptops) the cross-process collectives need gloo:
+:func:`initialize` selects it (``jax_cpu_collectives_implementation="gloo"``)
+unless ``cpu_collectives`` says otherwise. ``MFOPT_NUM_CPU_DEVICES`` sets the
+number of fake CPU devices per process (``jax_num_cpu_devices``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+ENV_COORDINATOR = "MFOPT_COORDINATOR"
+ENV_NUM_PROCESSES = "MFOPT_NUM_PROCESSES"
+ENV_PROCESS_ID = "MFOPT_PROCESS_ID"
+ENV_HEARTBEAT = "MFOPT_HEARTBEAT_TIMEOUT"
+ENV_NUM_CPU_DEVICES = "MFOPT_NUM_CPU_DEVICES"
+ENV_AUTO = "MFOPT_DISTRIBUTED"
+_JOINED = False  # set once this process has called jax.distributed.initialize
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """How this process joins the job (``None`` fields: left to JAX's cluster detection)."""
+
+  coordinator_address: str | None
+  num_processes: int | None
+  process_id: int | None
+  heartbeat_timeout_s: int | None = None
+
+
+def _int_or_none(name: str, value) -> int | None:
+  if value is None or value == "":
+    return None
+  try:
+    number = int(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be an integer, got {value!r}") from None
+  return number
+
+
+def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
+            process_id: int | None = None, heartbeat_timeout_s: int | None = None,
+            environ=None) -> DistributedConfig | None:
+  """The settings from arguments, then the environment; ``None`` for a single-process run.
+
+  Raises ``ValueError`` naming the bad setting (a partial or inconsistent set,
+  a process id out of range, a malformed address) before anything starts.
+  """
+  env = os.environ if environ is None else environ
+  address = coordinator_address or env.get(ENV_COORDINATOR) or None
+  count = _int_or_none("num_processes", num_processes if num_processes is not None
+                       else env.get(ENV_NUM_PROCESSES))
+  pid = _int_or_none("process_id", process_id if process_id is not None else env.get(ENV_PROCESS_ID))
+  heartbeat = _int_or_none("heartbeat_timeout_s", heartbeat_timeout_s if heartbeat_timeout_s
+                           is not None else env.get(ENV_HEARTBEAT))
+  if heartbeat is not None and heartbeat <= 0:
+    raise ValueError(f"heartbeat_timeout_s must be positive, got {heartbeat!r}")
+  given = {"coordinator_address": address, "num_processes": count, "process_id": pid}
+  if all(v is None for v in given.values()):
+    if env.get(ENV_AUTO) == "1":
+      return DistributedConfig(None, None, None, heartbeat)  # JAX detects the cluster
+    return None
+  missing = [k for k, v in given.items() if v is None]
+  if missing:
+    raise ValueError(f"multi-process settings are incomplete: {', '.join(missing)} missing "
+                     f"(got {given}); pass all three or none")
+  if count < 1:
+    raise ValueError(f"num_processes must be >= 1, got {count!r}")
+  if not 0 <= pid < count:
+    raise ValueError(f"process_id must be in [0, {count}), got {pid!r}")
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"coordinator_address must look like host:port, got {address!r}")
+  return DistributedConfig(address, count, pid, heartbeat)
+
+
+def configure_cpu(num_cpu_devices: int | None = None, cpu_collectives: str | None = "gloo") -> None:
+  """CPU-only settings that must precede backend start-up: fake devices and gloo collectives."""
+  count = _int_or_none("num_cpu_devices", num_cpu_devices if num_cpu_devices is not None
+                       else os.environ.get(ENV_NUM_CPU_DEVICES))
+  if count is not None:
+    if count < 1:
+      raise ValueError(f"num_cpu_devices must be >= 1, got {count!r}")
+    jax.config.update("jax_num_cpu_devices", count)
+  if cpu_collectives is not None:
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, heartbeat_timeout_s: int | None = None,
+               num_cpu_devices: int | None = None, cpu_collectives: str | None = "gloo",
+               initialization_timeout_s: int = 300) -> DistributedConfig | None:
+  """Joins the multi-process job if one is configured; returns its settings (``None``: single process).
+
+  Call before any other JAX call that touches devices. Idempotent.
+
+  Args:
+    coordinator_address: ``host:port`` of process 0's coordination service.
+    num_processes: total number of processes.
+    process_id: this process's index, ``0 <= process_id < num_processes``.
+    heartbeat_timeout_s: seconds without heartbeats after which the job is
+      aborted (JAX's default 100 when ``None``).
+    num_cpu_devices: fake CPU devices per process (CPU runs only).
+    cpu_collectives: CPU cross-process collectives implementation ("gloo").
+    initialization_timeout_s: how long to wait for all processes to join.
+
+  Example:
+    >>> # every process, before building the mesh:          # doctest: +SKIP
+    >>> mfopt.distributed.initialize("10.0.0.1:8476", 2, int(os.environ["RANK"]))
+  """
+  settings = resolve(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
+  configure_cpu(num_cpu_devices, cpu_collectives if settings is not None else None)
+  if settings is None:
+    return None
+  global _JOINED
+  if _JOINED:
+    return settings
+  kwargs = {"initialization_timeout": initialization_timeout_s}
+  if settings.heartbeat_timeout_s is not None:
+    kwargs["heartbeat_timeout_seconds"] = settings.heartbeat_timeout_s
+  jax.distributed.initialize(settings.coordinator_address, settings.num_processes,
+                             settings.process_id, **kwargs)
+  _JOINED = True
+  return settings
+

@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Launch N cooperating JAX processes on this machine (127.0.0.1) and report which one died.
+
+Usage::
+
+  python scripts/launch_local.py -n 2 --cpu-devices 4 -- -m experiments quickstart --quick \\
+      --workdir runs/qs-2proc
+
+Everything after ``--`` is passed to this Python interpreter, once per process,
+with ``MFOPT_COORDINATOR=127.0.0.1:<free port>``, ``MFOPT_NUM_PROCESSES``,
+``MFOPT_PROCESS_ID`` (and ``MFOPT_NUM_CPU_DEVICES``, ``MFOPT_HEARTBEAT_TIMEOUT``
+if given) in its environment; ``mfopt.distributed.initialize`` (called by the
+experiment runner) reads them and selects gloo CPU collectives. Each output line
+is prefixed with ``[p<i>]``.
+
+When a process exits non-zero or is killed, the launcher says which one and how
+(``process 1 (pid 4242) died: killed by SIGKILL``), waits up to ``--grace``
+seconds for the others (JAX's coordination service aborts them once heartbeats
+stop), reports how each ended, kills any still running, and exits non-zero.
+This is for one machine; on a cluster use the scheduler (README: "Multi-host /
+GPU cluster launch").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def describe_exit(code: int) -> str:
+  if code < 0:
+    try:
+      return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+      return f"killed by signal {-code}"
+  return f"exit code {code}"
+
+
+def _pump(stream, prefix: str, out) -> None:
+  for line in iter(stream.readline, b""):
+    out.write(f"{prefix} {line.decode(errors='replace')}")
+    out.flush()
+  stream.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("-n", "--num-processes", type=int, required=True)
+  parser.add_argument("--cpu-devices", type=int, default=None,
+                      help="fake CPU devices per process (jax_num_cpu_devices)")
+  parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+  parser.add_argument("--heartbeat-timeout", type=int, default=None,
+                      help="seconds without heartbeats before JAX aborts the job (JAX default 100)")
+  parser.add_argument("--grace", type=float, default=30.0,
+                      help="seconds the survivors get to exit after one process dies")
+  parser.add_argument("command", nargs=argparse.REMAINDER,
+                      help="-- then the arguments for python (e.g. -m experiments quickstart)")
+  args = parser.parse_args(argv)
+  command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  if args.num_processes < 1:
+    parser.error(f"--num-processes must be >= 1, got {args.num_processes}")
+  if not command:
+    parser.error("give the python arguments after --")
+  port = args.port or free_port()
+  procs = []
+  pumps = []
+  for i in range(args.num_processes):
+    env = dict(os.environ, MFOPT_COORDINATOR=f"127.0.0.1:{port}",
+               MFOPT_NUM_PROCESSES=str(args.num_processes), MFOPT_PROCESS_ID=str(i))
+    if args.cpu_devices is not None:
+      env["MFOPT_NUM_CPU_DEVICES"] = str(args.cpu_devices)
+    if args.heartbeat_timeout is not None:
+      env["MFOPT_HEARTBEAT_TIMEOUT"] = str(args.heartbeat_timeout)
+    p = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+    procs.append(p)
+    t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", sys.stdout), daemon=True)
+    t.start()
+    pumps.append(t)
+  print(f"launch_local: started {len(procs)} processes (pids "
+        f"{', '.join(str(p.pid) for p in procs)}), coordinator 127.0.0.1:{port}", flush=True)
+
+  def report(message: str) -> None:
+    print(f"launch_local: {message}", file=sys.stderr, flush=True)
+
+  first_failure = None
+  while True:
+    codes = [p.poll() for p in procs]
+    failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+    if failed:
+      first_failure = failed[0]
+      break
+    if all(c == 0 for c in codes):
+      for t in pumps:
+        t.join(timeout=5)
+      report(f"all {len(procs)} processes finished")
+      return 0
+    time.sleep(0.05)
+
+  dead = procs[first_failure]
+  report(f"process {first_failure} (pid {dead.pid}) died: {describe_exit(dead.returncode)}")
+  deadline = time.monotonic() + args.grace
+  while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    time.sleep(0.05)
+  for i, p in enumerate(procs):
+    if i == first_failure:
+      continue
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+      report(f"process {i} (pid {p.pid}) did not exit within {args.grace:g} s; killed it")
+    else:
+      report(f"process {i} (pid {p.pid}) then ended: {describe_exit(p.returncode)}")
+  for t in pumps:
+    t.join(timeout=5)
+  code = dead.returncode
+  return code if code > 0 else 128 + (-code)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
