@@ -12,5 +12,7 @@ from mfopt.parallel import DATA_AXIS, LOCAL_AXIS, WORKER_AXES, make_mesh
 # [issue 4: averaging exports]
 # [issue 5: simulator exports]
 # [issue 6: adabound exports]
+# [issue 8: perf exports]
+from mfopt import fastpath  # noqa: E402
 
 __version__ = "0.1.0"

@@ -1,0 +1,240 @@
+r"""Fast path for synchronous workers: one replica per device on the concatenated batch.
+
+Why it is exact. In a synchronous algorithm (``optax.chain(sync_gradients(WORKER_AXES),
+inner)``) all ``W`` worker replicas start equal and apply the same averaged gradient,
+so they stay equal (a test of ``mfopt.train`` proves it). The only per-worker
+quantities left are the BatchNorm statistics: with per-worker BN (``bn_axis_name=None``,
+seed 004 §2.2.3) worker ``w`` normalises its ``B`` examples with *their* mean and
+variance, and keeps its own running averages. Hence ``W`` virtual workers are
+mathematically **one** replica run on the global batch of ``W*B`` examples in which
+every BatchNorm computes its statistics per *group* of ``B`` examples (the group of
+one worker), with the loss
+
+.. math::  L(\theta) = \frac{1}{W}\sum_{w=1}^{W} \frac{1}{B}\sum_{b=1}^{B} \ell(x_{wb}; \theta),
+
+whose gradient is exactly :math:`\frac1W\sum_w g_w`, the all-reduced gradient of
+``sync_gradients``. The running BN statistics stay per worker (``W`` small vectors).
+
+How. The per-group BatchNorm is obtained without touching the models: the model is
+applied under ``jax.vmap`` over the group axis with the parameters *unbatched*
+(closed over) and the batch reshaped ``(W*B, ...) -> (W, B, ...)`` (the worker-stacked
+batch already has that shape). JAX's batching rule for a convolution or matmul whose
+weights are unbatched folds the group axis into the batch dimension, so the compiled
+program runs one convolution over all ``W*B`` examples -- not the grouped convolution
+that ``vmap`` over per-worker *weights* produces (ARCHITECTURE.md, "Virtual workers")
+-- while the BN reductions are taken per group. One gradient, one optimizer update per
+device instead of ``W``.
+
+Several devices. With ``D`` devices each device runs one replica on its ``W/D``
+groups, and the gradient is averaged over the ``D`` replicas by
+``sync_gradients(DATA_AXIS)`` (a ``D``-way all-reduce of one gradient per device,
+instead of a ``W``-way one). On one device there is no collective at all, and the
+counters say so: the transform is ``sync_gradients(None)``, which counts nothing.
+:func:`comm_report` labels its totals ``"fast path"``.
+
+Layout (:class:`FastPathState`): ``params`` and ``opt_state`` carry a leading axis of
+size ``D`` (one replica per device), ``model_state`` a leading worker axis ``W``
+(per-worker BN statistics, as in :class:`mfopt.train.TrainState`); all are sharded
+over :data:`mfopt.parallel.DATA_AXIS`. Batches are the worker-stacked
+``{"x": (W, B, ...), "y": (W, B, ...)}`` of :class:`mfopt.data.WorkerBatcher`, so the
+fast path is a drop-in replacement of :func:`mfopt.train.make_train_step` for
+synchronous algorithms. :func:`to_train_state` converts back to the worker-stacked
+:class:`mfopt.train.TrainState` (for evaluation, checkpoints or comparison).
+
+Not for local algorithms (periodic averaging, block momentum): their replicas diverge,
+so they need the worker-stacked step. Not for synchronised BN across workers
+(``bn_axis_name`` set): a model with one BN over the whole global batch needs no group
+axis at all (run it with ``W = D``).
+
+Example:
+  >>> import jax, numpy as np, optax, mfopt
+  >>> from mfopt import fastpath, models
+  >>> mesh = mfopt.make_mesh(jax.devices()[:1])
+  >>> model = models.get_model("cnn", features=(4,), num_classes=3)
+  >>> x = np.zeros((4, 2, 8, 8, 1), np.float32)  # W=4 workers x B=2 examples
+  >>> batch = {"x": x, "y": np.zeros((4, 2), np.int32)}
+  >>> state = fastpath.init_train_state(model, optax.sgd(0.1, momentum=0.9), x[0],
+  ...                                   num_workers=4, mesh=mesh)
+  >>> step = fastpath.make_train_step(model, optax.sgd(0.1, momentum=0.9), mesh=mesh,
+  ...                                 num_workers=4)
+  >>> state, metrics = step(state, batch)
+  >>> metrics["loss"].shape, fastpath.comm_report(state)["collectives"]
+  ((4,), 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from mfopt import comm as comm_lib
+from mfopt import models as models_lib
+from mfopt import parallel
+from mfopt import train as train_lib
+
+#: How reports name runs of this step (the issue's requirement: the fast path is labelled).
+LABEL = "fast path"
+
+
+class FastPathState(NamedTuple):
+  """State of the fast path.
+
+  Attributes:
+    params: one replica per device, leading axis ``D``.
+    model_state: per-worker BN statistics, leading axis ``W``.
+    opt_state: state of ``optax.chain(sync_gradients(...), inner)``, leading axis ``D``.
+  """
+
+  params: Any
+  model_state: Any
+  opt_state: Any
+
+
+def _num_devices(mesh) -> int:
+  return mesh.shape[parallel.DATA_AXIS]
+
+
+def sync_transform(inner: optax.GradientTransformation, mesh,
+                   comm_dtype: Any = None) -> optax.GradientTransformation:
+  """``optax.chain(sync_gradients(axis), inner)`` with the collectives the fast path needs.
+
+  ``axis`` is :data:`mfopt.parallel.DATA_AXIS` on a mesh of several devices and ``None``
+  (no collective, nothing counted) on one device. The chain has the structure of the
+  worker-stacked step's ``optax.chain(sync_gradients(WORKER_AXES), inner)``, so the two
+  optimizer states compare leaf by leaf.
+  """
+  axis = parallel.DATA_AXIS if _num_devices(mesh) > 1 else None
+  return optax.chain(comm_lib.sync_gradients(axis, comm_dtype), inner)
+
+
+def _check_model(model) -> None:
+  axis = getattr(model, "bn_axis_name", None)
+  if axis is not None:
+    raise ValueError(
+        "fast path needs per-worker BatchNorm (bn_axis_name=None); a model with synchronised "
+        f"BN over all workers is one replica already; got bn_axis_name={axis!r}")
+
+
+def init_train_state(model, inner: optax.GradientTransformation, example_x, *, num_workers: int,
+                     mesh, seed: int = 0, comm_dtype: Any = None) -> FastPathState:
+  """The fast path's initial state: the same initial point as :func:`mfopt.train.init_train_state`.
+
+  Args:
+    model: a flax module with per-worker BN (``bn_axis_name=None``).
+    inner: the optimizer applied after gradient averaging (e.g. ``optax.sgd(lr, momentum=0.9)``).
+    example_x: one worker's example batch (shape and dtype only).
+    num_workers: ``W``, a multiple of the device count.
+    mesh: from :func:`mfopt.make_mesh`.
+    seed: model initialisation seed (same model init as the worker-stacked step).
+    comm_dtype: dtype of the cross-device gradient all-reduce (``None``: gradient dtype).
+
+  Returns:
+    A :class:`FastPathState` sharded over the mesh.
+  """
+  _check_model(model)
+  per_device = parallel.local_workers(num_workers, mesh)
+  params, model_state = models_lib.init_model(model, jax.random.PRNGKey(seed), example_x)
+  opt_state = sync_transform(inner, mesh, comm_dtype).init(params)
+  rows = parallel.process_worker_slice(num_workers, mesh)
+  local_workers = rows.stop - rows.start
+  local_devices = local_workers // per_device
+  host = jax.device_get((params, model_state, opt_state))
+  return FastPathState(
+      params=parallel.shard_workers(parallel.stack_workers(host[0], local_devices), mesh),
+      model_state=parallel.shard_workers(parallel.stack_workers(host[1], local_workers), mesh),
+      opt_state=parallel.shard_workers(parallel.stack_workers(host[2], local_devices), mesh))
+
+
+def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_workers: int,
+                    loss_fn: train_lib.LossFn = train_lib.classification_loss,
+                    comm_dtype: Any = None, donate: bool = True):
+  """Jitted ``(FastPathState, batch) -> (FastPathState, metrics)``: synchronous SGD, fast.
+
+  Equals :func:`mfopt.train.make_train_step` with
+  ``optax.chain(mfopt.sync_gradients(WORKER_AXES, comm_dtype), inner)`` on the same
+  worker-stacked batches (see the module docstring for the proof; ``tests/test_fastpath.py``
+  checks parameters, optimizer state and BN running statistics with ``allclose``).
+
+  Args:
+    model: a flax module with per-worker BN (``bn_axis_name=None``).
+    inner: the optimizer applied to the averaged gradient.
+    mesh: from :func:`mfopt.make_mesh`; one replica runs per device.
+    num_workers: ``W`` (BN groups), a multiple of the device count.
+    loss_fn: per-worker ``(logits, labels) -> (loss, aux)``; the objective is the mean
+      over workers of the per-worker losses.
+    comm_dtype: dtype of the cross-device gradient all-reduce.
+    donate: donate the state buffers.
+
+  Returns:
+    The jitted step. ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over
+    workers; ``metrics`` maps names to ``(W,)`` arrays (per-worker loss and ``aux``;
+    ``update_norm`` is the one replica's, repeated per worker), left on device.
+  """
+  _check_model(model)
+  parallel.local_workers(num_workers, mesh)  # validates before tracing
+  tx = sync_transform(inner, mesh, comm_dtype)
+
+  def device_step(params, model_state, opt_state, batch):
+    params, opt_state = jax.tree.map(lambda a: a[0], (params, opt_state))
+    groups = batch["x"].shape[0]
+
+    def loss_of(p):
+      def one_group(ms, x, y):  # p is closed over (unbatched): no grouped convolutions
+        logits, new_ms = models_lib.apply_model(model, p, ms, x, train=True)
+        loss, aux = loss_fn(logits, y)
+        return loss, aux, new_ms
+
+      losses, aux, new_model_state = jax.vmap(one_group)(model_state, batch["x"], batch["y"])
+      return jnp.mean(losses), (losses, aux, new_model_state)
+
+    (_, (losses, aux, new_model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    update_norm = jnp.broadcast_to(optax.tree.norm(updates), (groups,))
+    metrics = {"loss": losses, **aux, "update_norm": update_norm}
+    params, opt_state = jax.tree.map(lambda a: a[None], (params, opt_state))
+    return params, new_model_state, opt_state, metrics
+
+  mapped = jax.shard_map(device_step, mesh=mesh, in_specs=P(parallel.DATA_AXIS),
+                         out_specs=P(parallel.DATA_AXIS), check_vma=False)
+
+  def step(state: FastPathState, batch):
+    params, model_state, opt_state, metrics = mapped(
+        state.params, state.model_state, state.opt_state, batch)
+    return FastPathState(params, model_state, opt_state), metrics
+
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def to_train_state(state: FastPathState, *, num_workers: int, mesh) -> train_lib.TrainState:
+  """The worker-stacked :class:`mfopt.train.TrainState` the fast path stands for.
+
+  Each device's replica (parameters and optimizer state) is repeated for its ``W/D``
+  workers; BN statistics are already per worker. Use it for evaluation
+  (:func:`mfopt.train.averaged_model`) or to continue with the generic step.
+  """
+  per_device = parallel.local_workers(num_workers, mesh)
+
+  def expand(params, model_state, opt_state):
+    params, opt_state = jax.tree.map(
+        lambda a: jnp.broadcast_to(a, (per_device,) + a.shape[1:]), (params, opt_state))
+    return params, model_state, opt_state
+
+  out = jax.jit(jax.shard_map(expand, mesh=mesh, in_specs=P(parallel.DATA_AXIS),
+                              out_specs=P(parallel.DATA_AXIS), check_vma=False))(*state)
+  return train_lib.TrainState(*out)
+
+
+def comm_report(state: FastPathState) -> dict[str, Any]:
+  """Communication totals of the collectives the fast path actually ran, labelled.
+
+  Returns:
+    :func:`mfopt.comm.comm_totals` of the optimizer state (per device replica: zero on
+    one device; one ``D``-way gradient all-reduce per step otherwise) plus
+    ``"path": "fast path"``.
+  """
+  return {**comm_lib.comm_totals(state.opt_state), "path": LABEL}

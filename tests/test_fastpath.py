@@ -1,0 +1,150 @@
+"""The fast path equals the worker-stacked synchronous step (issue 8, target 4a).
+
+Reference: ``mfopt.train.make_train_step`` with
+``optax.chain(sync_gradients(WORKER_AXES), optax.sgd(lr, momentum=0.9))`` on a tiny CNN
+with per-worker BatchNorm. Checked after several steps: parameters of every worker,
+the momentum buffer, the per-worker BN running statistics and the per-worker losses;
+plus the collectives the fast path runs (compiled HLO) and counts.
+"""
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import mfopt
+from mfopt import fastpath, models, parallel
+from mfopt import train as train_lib
+
+LR = 0.05
+STEPS = 3
+B = 4
+
+
+def _batches(num_workers, steps, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    # Worker-dependent offsets make the per-worker BN statistics differ visibly.
+    x = rng.normal(size=(num_workers, B, 8, 8, 1)).astype(np.float32)
+    x += np.arange(num_workers, dtype=np.float32)[:, None, None, None, None]
+    y = rng.integers(0, 3, size=(num_workers, B)).astype(np.int32)
+    out.append({"x": x, "y": y})
+  return out
+
+
+MODEL = models.get_model("cnn", features=(4, 8), num_classes=3)
+
+
+def _run(num_devices, num_workers):
+  mesh = mfopt.make_mesh(jax.devices()[:num_devices])
+  inner = optax.sgd(LR, momentum=0.9)
+  batches = _batches(num_workers, STEPS)
+  ref_tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), inner)
+  ref_state = train_lib.init_train_state(MODEL, ref_tx, batches[0]["x"][0],
+                                         num_workers=num_workers, mesh=mesh)
+  ref_step = train_lib.make_train_step(MODEL, ref_tx, mesh=mesh, num_workers=num_workers)
+  fast_state = fastpath.init_train_state(MODEL, inner, batches[0]["x"][0],
+                                         num_workers=num_workers, mesh=mesh)
+  fast_step = fastpath.make_train_step(MODEL, inner, mesh=mesh, num_workers=num_workers)
+  ref_metrics, fast_metrics = [], []
+  for batch in batches:
+    sharded = parallel.shard_workers(batch, mesh)
+    ref_state, m = ref_step(ref_state, sharded)
+    ref_metrics.append(jax.device_get(m))
+    fast_state, m = fast_step(fast_state, sharded)
+    fast_metrics.append(jax.device_get(m))
+  hlo = fast_step.lower(fast_state, parallel.shard_workers(batches[0], mesh)).compile().as_text()
+  return dict(mesh=mesh, ref=jax.device_get(ref_state), fast_state=fast_state,
+              fast=jax.device_get(fast_state), ref_metrics=ref_metrics,
+              fast_metrics=fast_metrics, hlo=hlo)
+
+
+# (devices, workers): all workers on one device; two workers on each of 8 devices.
+CASES = [(1, 4), (8, 16)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"D{d}-W{w}" for d, w in CASES])
+def run(request):
+  return request.param, _run(*request.param)
+
+
+def _assert_tree_close(a, b, **tol):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+
+
+def test_params_and_momentum_equal_worker_stacked_step(run):
+  (num_devices, num_workers), r = run
+  ref, fast = r["ref"], r["fast"]
+  per_device = num_workers // num_devices
+  for w in range(num_workers):
+    device = w // per_device
+    pick = lambda t, i: jax.tree.map(lambda a: a[i], t)  # noqa: E731
+    _assert_tree_close(pick(fast.params, device), pick(ref.params, w), rtol=2e-5, atol=2e-6)
+    # opt_state: (sync_gradients counter, sgd momentum trace); compare the momentum.
+    _assert_tree_close(pick(fast.opt_state[1], device), pick(ref.opt_state[1], w),
+                       rtol=2e-5, atol=2e-6)
+  # The parameters moved (the comparison is not between two initial states).
+  moved = max(float(np.abs(a[0] - b).max()) for a, b in zip(
+      jax.tree.leaves(fast.params),
+      jax.tree.leaves(models.init_model(MODEL, jax.random.PRNGKey(0),
+                                        np.zeros((B, 8, 8, 1), np.float32))[0])))
+  assert moved > 1e-3
+
+
+def test_bn_running_statistics_are_per_worker_and_equal(run):
+  (_, num_workers), r = run
+  ref_stats, fast_stats = r["ref"].model_state, r["fast"].model_state
+  _assert_tree_close(fast_stats, ref_stats, rtol=2e-5, atol=2e-6)
+  # Per-worker BN really is per worker: the running means differ between workers.
+  mean0 = np.asarray(ref_stats["batch_stats"]["bn0"]["mean"])
+  assert mean0.shape[0] == num_workers
+  assert np.ptp(mean0, axis=0).max() > 1e-2
+
+
+def test_per_worker_losses_equal(run):
+  _, r = run
+  for ref_m, fast_m in zip(r["ref_metrics"], r["fast_metrics"]):
+    np.testing.assert_allclose(fast_m["loss"], ref_m["loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fast_m["accuracy"], ref_m["accuracy"])
+    np.testing.assert_allclose(fast_m["update_norm"], ref_m["update_norm"], rtol=1e-4)
+
+
+_COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(-start)?\(")
+
+
+def test_counters_report_the_collectives_executed(run):
+  (num_devices, _), r = run
+  hlo_collectives = len(_COLLECTIVE.findall(r["hlo"]))
+  totals = fastpath.comm_report(r["fast_state"])
+  assert totals["path"] == "fast path"
+  param_bytes = mfopt.comm.tree_payload_bytes(jax.tree.map(lambda a: a[0], r["fast"].params))
+  if num_devices == 1:
+    assert hlo_collectives == 0
+    assert totals["collectives"] == 0 and totals["payload_bytes"] == 0
+  else:
+    assert hlo_collectives >= 1
+    assert totals["all_reduces"] == STEPS
+    assert totals["payload_bytes"] == STEPS * param_bytes
+  # No grouped convolution: every convolution has feature_group_count 1 (absent in HLO).
+  assert "feature_group_count" not in r["hlo"]
+
+
+def test_to_train_state_matches_worker_stacked_layout(run):
+  (_, num_workers), r = run
+  state = fastpath.to_train_state(r["fast_state"], num_workers=num_workers, mesh=r["mesh"])
+  _assert_tree_close(jax.device_get(state.params), r["ref"].params, rtol=2e-5, atol=2e-6)
+  assert jax.tree.structure(state.opt_state) == jax.tree.structure(r["ref"].opt_state)
+
+
+def test_rejects_synchronised_bn():
+  mesh = mfopt.make_mesh(jax.devices()[:1])
+  model = models.get_model("cnn", features=(4,), num_classes=3, bn_axis_name="data")
+  with pytest.raises(ValueError, match="bn_axis_name='data'"):
+    fastpath.make_train_step(model, optax.sgd(0.1), mesh=mesh, num_workers=2)
