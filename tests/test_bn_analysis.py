@@ -1,0 +1,122 @@
+"""Seed 000 §3.1 BN analysis: measured statistics on Gaussian data against the correct and printed formulas.
+
+Tolerances. For i.i.d. Gaussian samples of variance s^2, S_t/s^2 ~ chi^2_{M-1} (variance
+2(M-1)), S_e/s^2 ~ chi^2_{M-P}, S_a/s^2 ~ chi^2_{P-1}, and (mu_j - mu)^2 K/s^2 ~ chi^2_1
+(variance 2). The mean over n independent draws therefore has standard deviation
+sqrt(2 dof / n); every check allows 5 such standard deviations (a false failure has
+probability ~6e-7 per check; the seeds are fixed anyway), derived from the chi-square
+variance, not from the data.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from mfopt import bn_analysis as bn
+
+M = 64
+WORKERS = (1, 2, 4, 8, 16, 32)
+TRIALS, FEATURES = 4000, 8
+SIGMA2, MU = 2.5, 3.0
+
+
+@pytest.fixture(scope="module")
+def gaussian():
+  rng = np.random.default_rng(0)
+  return MU + math.sqrt(SIGMA2) * rng.normal(size=(TRIALS, M, FEATURES))
+
+
+@pytest.fixture(scope="module")
+def measured(gaussian):
+  return {P: bn.measure_split_statistics(gaussian, P, np.full(FEATURES, SIGMA2),
+                                         mu=np.full(FEATURES, MU)) for P in WORKERS}
+
+
+def _sd_of_mean(dof, n=TRIALS * FEATURES):
+  return math.sqrt(2 * dof / n)
+
+
+def test_total_sum_of_squares_matches_correct_expectation_for_every_P(measured):
+  for P, m in measured.items():
+    tol = 5 * _sd_of_mean(M - 1)  # ~0.63 on an expectation of 63
+    assert abs(m["S_t"] - (M - 1)) < tol, (P, m["S_t"], tol)
+    assert m["correct_S_t"] == M - 1
+
+
+def test_printed_eq8_departs_from_measurement_for_P_above_1(measured):
+  for P, m in measured.items():
+    gap = bn.printed_e2(M, P) - bn.correct_total_ss(M, P=P)
+    assert gap == pytest.approx(M * (P - 1) / P)  # what eq. 8 adds
+    if P == 1:
+      assert m["printed_e2"] == m["correct_S_t"]  # eq. 8 degenerates to the truth at P = 1
+      assert abs(m["S_t"] - m["printed_e2"]) < 5 * _sd_of_mean(M - 1)
+    else:
+      # measured is gap (>= 32 sigma^2 units) away from eq. 8: > 50 standard deviations
+      assert abs(m["S_t"] - m["printed_e2"]) > 50 * _sd_of_mean(M - 1), (P, m)
+      assert abs(m["z_printed"]) > 50 and abs(m["z_correct"]) < 5
+
+
+def test_within_and_between_parts(measured):
+  for P, m in measured.items():
+    assert abs(m["S_e"] - (M - P)) < 5 * _sd_of_mean(M - P), (P, m["S_e"])
+    if P == 1:
+      assert m["S_a"] == 0.0
+    else:
+      assert abs(m["S_a"] - (P - 1)) < 5 * _sd_of_mean(P - 1), (P, m["S_a"])
+
+
+def test_eq6_is_the_sum_of_squares_not_eq4_variance(measured):
+  m = measured[1]
+  # eq. 4 (1/M) has expectation (M-1)/M, printed eq. 6 says (M-1): off by a factor M.
+  assert abs(m["delta2_B"] - (M - 1) / M) < 5 * _sd_of_mean(M - 1) / M
+  assert bn.printed_e1(M) == M * bn.correct_batch_variance(M)
+
+
+def test_anova_identity_holds_exactly(gaussian):
+  x = gaussian[:5]
+  total = ((x - x.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
+  for P in WORKERS:
+    st = bn.split_statistics(x, P)
+    np.testing.assert_allclose(st["S_t"], total, rtol=1e-12)
+    np.testing.assert_allclose(st["delta2_B"] * M, total, rtol=1e-12)
+
+
+def test_per_worker_statistics_noise_grows_as_1_over_K(measured):
+  for P, m in measured.items():
+    K = M // P
+    # mean noise: (mu_j - mu)^2 K / s^2 ~ chi^2_1, averaged over TRIALS*FEATURES*P values
+    tol = 5 * math.sqrt(2 / (TRIALS * FEATURES * P)) / K
+    assert abs(m["mean_noise"] - 1 / K) < tol, (P, m["mean_noise"], 1 / K)
+    assert m["predicted_mean_noise"] == 1 / K
+    # variance noise against the Gaussian formula (2K-1)/K^2, 5 empirical standard errors
+    assert bn.predicted_variance_noise(K) == pytest.approx((2 * K - 1) / K**2)
+    assert abs(m["var_noise"] - m["predicted_var_noise"]) < 5 * m["var_noise_se"], (P, m)
+  # at fixed M the noise grows with P: 32 workers of 2 samples vs 1 worker of 64
+  assert measured[32]["mean_noise"] > 25 * measured[1]["mean_noise"]
+
+
+def test_variance_noise_formula_with_non_gaussian_kurtosis():
+  rng = np.random.default_rng(1)
+  x = rng.uniform(-1, 1, size=(4000, 32, 4))  # variance 1/3, kurtosis 9/5
+  m = bn.measure_split_statistics(x, 8, np.full(4, 1 / 3), mu=np.zeros(4), kurt=np.full(4, 1.8))
+  assert abs(m["var_noise"] - bn.predicted_variance_noise(4, 1.0, 1.8)) < 5 * m["var_noise_se"]
+  # the Gaussian formula would be wrong here by far more than the sampling error
+  assert abs(m["var_noise"] - bn.predicted_variance_noise(4)) > 10 * m["var_noise_se"]
+  np.testing.assert_allclose(bn.kurtosis(rng.uniform(-1, 1, size=200_000)), 1.8, atol=0.02)
+
+
+def test_formulas_and_validation():
+  assert bn.printed_e1(64, 2.0) == 126.0
+  assert bn.printed_e2(64, 4, 2.0) == 126.0 + 96.0
+  assert bn.correct_within_ss(64, 4) + bn.correct_between_ss(64, 4) == bn.correct_total_ss(64)
+  assert bn.total_ss_std(33, 2.0) == pytest.approx(16.0)
+  assert bn.predicted_variance_noise(1) == 1.0
+  rows = bn.expectation_table(64, (1, 3, 8))
+  assert [r["P"] for r in rows] == [1, 8]  # 3 does not divide 64
+  with pytest.raises(ValueError, match="M must be divisible by P=3 .*got 64"):
+    bn.printed_e2(64, 3)
+  with pytest.raises(ValueError, match="P must be a positive integer, got 0"):
+    bn.printed_e2(64, 0)
+  with pytest.raises(ValueError, match=r"batches must have shape \(trials, M, F\)"):
+    bn.measure_split_statistics(np.zeros((3, 4)), 2, np.ones(1))
