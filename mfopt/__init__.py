@@ -9,6 +9,9 @@ from mfopt.comm import CommStats, comm_totals, sync_gradients
 from mfopt.parallel import DATA_AXIS, LOCAL_AXIS, WORKER_AXES, make_mesh
 
 # [issue 3: MF exports]
+from mfopt import bn_analysis, mf
+from mfopt.mf import (check_mf_conditions, linear_scaling_rule, mf_adam, mf_nesterov, mf_sgd,
+                      noise_scale, scale_by_mf_adam, scale_by_mf_nesterov, scale_by_mf_sgd)
 # [issue 4: averaging exports]
 # [issue 5: simulator exports]
 # [issue 6: adabound exports]
