@@ -13,8 +13,17 @@ from mfopt import bn_analysis, mf
 from mfopt.mf import (check_mf_conditions, linear_scaling_rule, mf_adam, mf_nesterov, mf_sgd,
                       noise_scale, scale_by_mf_adam, scale_by_mf_nesterov, scale_by_mf_sgd)
 # [issue 4: averaging exports]
+from mfopt import averaging, theory  # noqa: E402
+from mfopt.averaging import (PeriodController, adpsgd_period, averaging_metrics,  # noqa: E402
+                             block_momentum, constant_period, periodic_averaging,
+                             scheduled_period, sync_trace)
+from mfopt.qsgd import qsgd  # noqa: E402
 # [issue 5: simulator exports]
+from mfopt import sim  # noqa: E402  simulated asynchronous parameter-server cluster (seed 002)
 # [issue 6: adabound exports]
+from mfopt import adabound as _adabound_module  # noqa: E402
+from mfopt.adabound import (adabound, hybrid_adabound_lars, linear_scaling_adabound,  # noqa: E402
+                            scale_by_adabound, scale_by_linear_scaling_adabound)
 # [issue 8: perf exports]
 from mfopt import fastpath  # noqa: E402
 

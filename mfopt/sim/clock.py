@@ -1,0 +1,178 @@
+"""Virtual clock of the simulated cluster: event queue, worker compute times, the server link.
+
+Everything here is host-side Python/NumPy and *simulated time* (seconds on a
+virtual clock); nothing is measured.
+
+Tie-breaking rule (documented and tested): events are ordered by
+``(time, seq)`` where ``seq`` is a global counter incremented every time an
+event is scheduled. Events at the same simulated instant are therefore
+processed in the order in which they were *scheduled* (FIFO). The initial
+compute of the workers is scheduled in worker-id order, so with equal speeds
+and zero communication, simultaneous arrivals are served in worker-id order.
+
+Compute times are stateless functions of ``(seed, worker, local step)``
+(``np.random.default_rng([seed, 7, worker, step])``), so a resumed simulation
+draws exactly the times an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mfopt import costmodel
+
+# Event kinds (small ints so the queue is plain data).
+COMPUTE_DONE = 0   # a worker finished computing its gradient
+PUSH_ARRIVE = 1    # a worker's message reached the server
+PULL_ARRIVE = 2    # the server's parameters reached a worker
+COLLECTIVE_DONE = 3  # an all-reduce among the workers finished (all-reduce baseline)
+EVENT_NAMES = ("compute_done", "push_arrive", "pull_arrive", "collective_done")
+
+
+class EventQueue:
+  """A deterministic priority queue of ``(time, seq, kind, worker)`` tuples.
+
+  ``seq`` is the scheduling order; it breaks ties between equal times (FIFO).
+  The queue is plain data: :meth:`state_dict` / :meth:`from_state_dict`.
+  """
+
+  def __init__(self):
+    self._heap: list[tuple[float, int, int, int]] = []
+    self._seq = 0
+
+  def push(self, time: float, kind: int, worker: int) -> None:
+    heapq.heappush(self._heap, (float(time), self._seq, int(kind), int(worker)))
+    self._seq += 1
+
+  def pop(self) -> tuple[float, int, int, int]:
+    return heapq.heappop(self._heap)
+
+  def __len__(self) -> int:
+    return len(self._heap)
+
+  def state_dict(self) -> dict[str, Any]:
+    return {"events": [list(e) for e in sorted(self._heap)], "seq": self._seq}
+
+  @classmethod
+  def from_state_dict(cls, d: dict[str, Any]) -> "EventQueue":
+    q = cls()
+    q._heap = [(float(t), int(s), int(k), int(w)) for t, s, k, w in d["events"]]
+    heapq.heapify(q._heap)
+    q._seq = int(d["seq"])
+    return q
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeModel:
+  """Simulated time of one worker gradient step.
+
+  ``time(w, n) = base_s * speed[w] * exp(jitter_sigma * z) * (straggler_slowdown if straggle)``
+  with ``z ~ N(0, 1)`` and ``straggle ~ Bernoulli(straggler_prob)``, both drawn
+  from ``np.random.default_rng([seed, 7, w, n])`` (``n`` = the worker's local step).
+
+  Args:
+    base_s: simulated seconds of one gradient step on a speed-1 worker.
+    speeds: per-worker speed *factors* (multiply the time; > 1 is slower); ``None``
+      draws them from ``speed_spread``.
+    speed_spread: if ``speeds`` is None, ``speed[w] = exp(speed_spread * z_w)``
+      with ``z_w ~ N(0,1)`` from ``default_rng([seed, 11])`` (0 -> equal speeds).
+    jitter_sigma: lognormal jitter of each step (0 -> deterministic).
+    straggler_prob, straggler_slowdown: occasional slow steps.
+  """
+
+  base_s: float = 0.01
+  speeds: Sequence[float] | None = None
+  speed_spread: float = 0.0
+  jitter_sigma: float = 0.0
+  straggler_prob: float = 0.0
+  straggler_slowdown: float = 1.0
+
+  def __post_init__(self):
+    if not self.base_s >= 0:
+      raise ValueError(f"base_s must be >= 0, got {self.base_s!r}")
+    for name in ("speed_spread", "jitter_sigma"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+    if not 0 <= self.straggler_prob <= 1:
+      raise ValueError(f"straggler_prob must be in [0, 1], got {self.straggler_prob!r}")
+    if not self.straggler_slowdown >= 1:
+      raise ValueError(f"straggler_slowdown must be >= 1, got {self.straggler_slowdown!r}")
+    if self.speeds is not None and any(not s > 0 for s in self.speeds):
+      raise ValueError(f"speeds must all be positive, got {self.speeds!r}")
+
+  def speed_factors(self, num_workers: int, seed: int) -> np.ndarray:
+    if self.speeds is not None:
+      if len(self.speeds) != num_workers:
+        raise ValueError(f"speeds must have num_workers={num_workers} entries, got {len(self.speeds)}")
+      return np.asarray(self.speeds, np.float64)
+    z = np.random.default_rng([seed, 11]).standard_normal(num_workers)
+    return np.exp(self.speed_spread * z)
+
+  def time(self, speeds: np.ndarray, seed: int, worker: int, step: int) -> float:
+    t = self.base_s * float(speeds[worker])
+    if self.jitter_sigma == 0 and self.straggler_prob == 0:
+      return t
+    rng = np.random.default_rng([seed, 7, worker, step])
+    z, u = rng.standard_normal(), rng.random()
+    t *= float(np.exp(self.jitter_sigma * z))
+    if u < self.straggler_prob:
+      t *= self.straggler_slowdown
+    return t
+
+
+class ServerLink:
+  """The parameter server's network link; concurrent transfers queue on it (FIFO).
+
+  A transfer of ``S`` bytes requested at time ``now`` starts at
+  ``start = max(now, free_at)``, occupies the link for ``S / bandwidth`` and
+  arrives at ``start + S / bandwidth + latency`` (latency does not occupy the
+  link). With ``duplex=True`` (default: a full-duplex NIC) pushes (into the
+  server) and pulls (out of it) queue on separate directions; with ``False``
+  they share one queue. ``net=None`` is an ideal network (zero time).
+
+  Utilisation of a direction = busy time / simulated time.
+  """
+
+  def __init__(self, net: str | costmodel.Link | None, duplex: bool = True):
+    self.net = None if net is None else costmodel.link(net)
+    self.duplex = bool(duplex)
+    self.free_at = [0.0, 0.0]
+    self.busy = [0.0, 0.0]
+    self.bytes = [0.0, 0.0]
+    self.transfers = [0, 0]
+
+  def transfer(self, now: float, num_bytes: float, direction: int) -> float:
+    """Queues a transfer (``direction`` 0 = push into the server, 1 = pull); returns its arrival time."""
+    self.bytes[direction] += num_bytes
+    self.transfers[direction] += 1
+    if self.net is None:
+      return now
+    lane = direction if self.duplex else 0
+    occupy = num_bytes / self.net.bandwidth
+    start = max(now, self.free_at[lane])
+    self.free_at[lane] = start + occupy
+    self.busy[lane] += occupy
+    return start + occupy + self.net.latency
+
+  def utilisation(self, sim_time: float) -> dict[str, float]:
+    if sim_time <= 0:
+      return {"push": 0.0, "pull": 0.0}
+    if self.duplex:
+      return {"push": self.busy[0] / sim_time, "pull": self.busy[1] / sim_time}
+    u = self.busy[0] / sim_time
+    return {"push": u, "pull": u}
+
+  def state_dict(self) -> dict[str, Any]:
+    return {"free_at": list(self.free_at), "busy": list(self.busy), "bytes": list(self.bytes),
+            "transfers": list(self.transfers)}
+
+  def load_state_dict(self, d: dict[str, Any]) -> None:
+    self.free_at = [float(v) for v in d["free_at"]]
+    self.busy = [float(v) for v in d["busy"]]
+    self.bytes = [float(v) for v in d["bytes"]]
+    self.transfers = [int(v) for v in d["transfers"]]

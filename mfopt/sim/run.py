@@ -1,0 +1,603 @@
+"""The simulated parameter-server cluster: :class:`Simulator` and :func:`simulate`.
+
+This is a *simulation*: time is a deterministic virtual clock ("simulated
+time", seconds), the gradients are real. One parameter server holds θ (version
+``t`` = number of server updates); M workers repeatedly pull a version, compute
+a mini-batch gradient on it (jitted), and push it. Staleness arises from the
+clock only: worker ``w``'s ``n``-th gradient is computed on exactly the version
+it pulled, on the batch ``WorkerBatcher(train, M, b, seed).batch(n)[w]``.
+
+Timing:
+
+* compute: :class:`mfopt.sim.clock.ComputeModel` (speed factors, lognormal
+  jitter, stragglers), stateless in ``(seed, worker, step)``;
+* push and pull: ``payload_bytes / bandwidth + latency`` from
+  :mod:`mfopt.costmodel`, queued FIFO on the server's link
+  (:class:`mfopt.sim.clock.ServerLink`, full duplex by default);
+* the all-reduce baseline uses ``costmodel.all_reduce_time`` instead.
+
+Tie-breaking: events at equal simulated times are processed in the order they
+were scheduled (``(time, seq)``, FIFO); initial computes are scheduled in worker
+order. A pull carries the version current when the server *sends* it.
+
+Batching: a worker's gradient depends only on inputs fixed when its compute
+starts, so the simulator evaluates it lazily: when a compute-done event finds
+its gradient missing, it computes the gradients of *all* workers currently
+computing in one vmapped call (padded to a power of two or M).
+
+Memory: a parameter version is stored once and dropped as soon as no worker,
+in-flight pull, or BB history refers to it.
+
+Checkpointing: :meth:`Simulator.state_dict` returns plain data (NumPy arrays,
+numbers, lists, dicts; the event queue as a list of ``[time, seq, kind,
+worker]``); :meth:`Simulator.load_state_dict` restores it into a simulator built
+with the same arguments, and the continued run is bit-identical to an
+uninterrupted one.
+
+Reference: ``seeds/002_7eb60581c949cce6.txt``; ``spec/seed-002-async-ksync.md`` §4, §7.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+from tqdm.auto import tqdm
+
+from mfopt import costmodel
+from mfopt import data as data_lib
+from mfopt import models as models_lib
+from mfopt import train as train_lib
+from mfopt.sim import bb as bb_lib
+from mfopt.sim import clock as clock_lib
+from mfopt.sim import server as server_lib
+
+IDLE, COMPUTING, PUSHING, PULLING = 0, 1, 2, 3
+
+
+@dataclasses.dataclass
+class WorkerOut:
+  """A worker's finished step: its loss, gradient and (BB) step size."""
+
+  loss: float
+  grad: np.ndarray
+  alpha: float = float("nan")
+  alpha_carry: float = float("nan")
+  num_backtracks: int = 0
+  hit_limit: bool = False
+  bb_applied: bool = False
+
+
+@dataclasses.dataclass
+class Msg:
+  """What a worker pushes: gradient, step size and the version it was computed at."""
+
+  grad: np.ndarray
+  alpha: float
+  version: int
+  loss: float
+
+
+@dataclasses.dataclass
+class SimResult:
+  """Everything a run logs (all times are simulated seconds)."""
+
+  strategy: str
+  history: list[dict[str, Any]]
+  summary: dict[str, Any]
+  k_trace: list[list[float]]            # [server_step, sim_time, k]
+  staleness: dict[int, int]             # τ -> count of pushed gradients
+  lr_traces: list[list[list[float]]]    # per worker: [sim_time, alpha]
+  server_lr_trace: list[list[float]]    # [server_step, sim_time, lr]
+
+  def first_reaching(self, accuracy: float) -> dict[str, Any] | None:
+    """The first history row with ``test_accuracy >= accuracy`` (None if never)."""
+    for row in self.history:
+      if row["test_accuracy"] >= accuracy:
+        return row
+    return None
+
+
+def flat_model(model, params_example):
+  """``(theta0, unravel)`` of a model's parameters as one float32 vector."""
+  theta, unravel = ravel_pytree(params_example)
+  return np.asarray(theta, np.float32), unravel
+
+
+@functools.lru_cache(maxsize=64)
+def _engines(model, loss_fn, bb: bb_lib.BBConfig | None, batch_size: int, num_train: int,
+             input_shape: tuple[int, ...]):
+  """Jitted (plain step, BB step, eval) for a model; cached so simulators share compilations."""
+  params, _ = models_lib.init_model(model, jax.random.PRNGKey(0),
+                                    jnp.zeros((1,) + input_shape, jnp.float32))
+  _, unravel = ravel_pytree(params)
+
+  def loss_flat(theta, x, y):
+    logits = model.apply({"params": unravel(theta)}, x, train=True)
+    return loss_fn(logits, y)[0]
+
+  plain = jax.jit(jax.vmap(jax.value_and_grad(loss_flat)))
+  bb_step = None
+  if bb is not None:
+    bb_step = jax.jit(jax.vmap(bb_lib.make_bb_step(loss_flat, bb, batch_size=batch_size,
+                                                   dataset_size=num_train)))
+
+  def evaluate(theta, x, y):
+    logits = model.apply({"params": unravel(theta)}, x, train=False).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    acc = (jnp.argmax(logits, -1) == y).mean()
+    return loss, acc
+
+  return plain, bb_step, jax.jit(evaluate)
+
+
+def _bucket(n: int, m: int) -> int:
+  b = 1
+  while b < n:
+    b *= 2
+  return min(b, m) if n <= m else n
+
+
+class Simulator:
+  """A deterministic simulated parameter-server cluster (see the module docstring).
+
+  Args:
+    strategy: a :mod:`mfopt.sim.server` strategy object (fresh per simulator).
+    model: a flax model from :mod:`mfopt.models` without mutable state (no BatchNorm).
+    dataset: a :class:`mfopt.data.Dataset`.
+    num_workers: M.
+    per_worker_batch: b.
+    seed: data order, initialisation and compute-time draws.
+    compute: :class:`mfopt.sim.clock.ComputeModel`.
+    network: a :mod:`mfopt.costmodel` preset name or Link, or None (zero time).
+    duplex: full-duplex server link (separate push and pull queues).
+    payload_bytes: bytes of one push or pull; default the float32 parameters.
+    eval_every_samples: evaluate the server model every this many samples processed.
+    init_params: optional flat initial parameters (default: the model initialised from ``seed``).
+    loss_fn: ``(logits, labels) -> (loss, aux)``, default classification loss.
+  """
+
+  def __init__(self, strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset,
+               num_workers: int, per_worker_batch: int, seed: int = 0,
+               compute: clock_lib.ComputeModel | None = None,
+               network: str | costmodel.Link | None = "10gbit", duplex: bool = True,
+               payload_bytes: float | None = None, eval_every_samples: int | None = None,
+               init_params: np.ndarray | None = None, loss_fn=train_lib.classification_loss):
+    for name, value in (("num_workers", num_workers), ("per_worker_batch", per_worker_batch)):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if payload_bytes is not None and not payload_bytes >= 0:
+      raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes!r}")
+    if eval_every_samples is not None and not eval_every_samples > 0:
+      raise ValueError(f"eval_every_samples must be positive, got {eval_every_samples!r}")
+    self.strategy = strategy
+    self.model, self.dataset = model, dataset
+    self.num_workers, self.batch_size, self.seed = int(num_workers), int(per_worker_batch), int(seed)
+    self.compute = compute or clock_lib.ComputeModel()
+    self.network = None if network is None else costmodel.link(network)
+    self.link = clock_lib.ServerLink(self.network, duplex)
+    self.batcher = data_lib.WorkerBatcher(dataset.train, num_workers=num_workers,
+                                          per_worker_batch=per_worker_batch, seed=seed)
+    self.num_train = len(dataset.train)
+    first = self.batcher.batch(0)
+    params, model_state = models_lib.init_model(model, jax.random.PRNGKey(seed), first["x"][0])
+    if model_state:
+      raise ValueError(f"mfopt.sim supports models without mutable state (no BatchNorm); model "
+                       f"{type(model).__name__} has collections {sorted(model_state)}")
+    theta0, unravel = flat_model(model, params)
+    self.unravel = unravel
+    if init_params is not None:
+      theta0 = np.asarray(init_params, np.float32).reshape(theta0.shape)
+    self.dim = theta0.size
+    self.payload_bytes = float(4 * self.dim if payload_bytes is None else payload_bytes)
+    self.eval_every_samples = eval_every_samples
+    self.speeds = self.compute.speed_factors(self.num_workers, self.seed)
+
+    self._loss_fn = loss_fn
+    self._build_engines()
+    self._build_eval()
+
+    m = self.num_workers
+    # ---- server and worker state (plain data) ----
+    self.now = 0.0
+    self.theta = theta0
+    self.version = 0
+    self.versions: dict[int, np.ndarray] = {0: theta0}
+    self.refs: dict[int, int] = collections.defaultdict(int)
+    self.w_version = np.full(m, -1, np.int64)
+    self.w_prev_version = np.full(m, -1, np.int64)
+    self.w_incoming = np.full(m, -1, np.int64)
+    self.w_step = np.zeros(m, np.int64)
+    self.w_phase = np.zeros(m, np.int8)
+    self.w_computed = np.zeros(m, bool)
+    self.w_bcast = np.zeros((m, 3), np.float64)  # k, r, v_hat adopted with the current version
+    self.w_k_grew = np.zeros(m, bool)
+    self.out: list[WorkerOut | None] = [None] * m
+    self.msg: list[Msg | None] = [None] * m
+    bb = strategy.bb
+    self.alpha_carry = np.full(m, bb.alpha0 if bb else np.nan, np.float32)
+    self.has_prev = np.zeros(m, bool)
+    self.g_prev = np.zeros((m, self.dim), np.float32) if bb else None
+    self.broadcast = {"k": 1.0, "r": 0.0, "v_hat": 0.0}
+    self.pushes = np.zeros(m, np.int64)
+    self.pulls = np.zeros(m, np.int64)
+    self.dropped = 0
+    self.collectives = 0
+    self.bb_stats = {"backtracks": 0, "hit_limit": 0, "bb_applied": 0, "steps": 0}
+    # ---- logs ----
+    self.k_trace: list[list[float]] = []
+    self.staleness: collections.Counter = collections.Counter()
+    self.lr_traces: list[list[list[float]]] = [[] for _ in range(m)]
+    self.server_lr_trace: list[list[float]] = []
+    self.history: list[dict[str, Any]] = []
+    self.window: list[float] = []
+    self.next_eval = eval_every_samples or 0
+    self.queue = clock_lib.EventQueue()
+    self._batches: dict[int, dict[str, np.ndarray]] = {}
+
+    self._ref(0)  # the server's current version
+    strategy.reset(self)
+    for w in range(m):  # every worker starts from θ_0 at time 0, in worker order
+      self.adopt(w, 0)
+      self.start_compute(w)
+
+  # ------------------------------------------------------------------ engines
+  def _build_engines(self):
+    shape = tuple(self.dataset.input_shape)
+    self._plain, self._bb, self._eval = _engines(self.model, self._loss_fn, self.strategy.bb,
+                                                 self.batch_size, self.num_train, shape)
+
+  def _build_eval(self):
+    test = self.dataset.test
+    batch = test.get(np.arange(len(test)), None)
+    self._test_x, self._test_y = jnp.asarray(batch["x"]), jnp.asarray(batch["y"])
+
+  def evaluate(self, theta: np.ndarray | None = None) -> dict[str, float]:
+    """Test loss and accuracy of ``theta`` (default: the strategy's evaluated model)."""
+    theta = self.strategy.eval_params(self) if theta is None else theta
+    loss, acc = jax.device_get(self._eval(theta, self._test_x, self._test_y))
+    return {"test_loss": float(loss), "test_accuracy": float(acc)}
+
+  # ------------------------------------------------------------------ derived quantities
+  @property
+  def samples(self) -> int:
+    """Samples processed: gradients completed by all workers times b."""
+    return int(self.w_step.sum()) * self.batch_size
+
+  @property
+  def epoch(self) -> float:
+    return self.samples / self.num_train
+
+  # ------------------------------------------------------------------ version bookkeeping
+  def _ref(self, v: int) -> None:
+    if v >= 0:
+      self.refs[v] += 1
+
+  def _unref(self, v: int) -> None:
+    if v < 0:
+      return
+    self.refs[v] -= 1
+    if self.refs[v] <= 0:
+      del self.refs[v]
+      if v != self.version:
+        self.versions.pop(v, None)
+
+  # ------------------------------------------------------------------ actions for strategies
+  def apply(self, new_theta: np.ndarray, lr: float = float("nan")) -> None:
+    """Installs ``new_theta`` as server version ``t+1``."""
+    old = self.version
+    self.theta = np.asarray(new_theta, np.float32)
+    self.version += 1
+    self.versions[self.version] = self.theta
+    self._ref(self.version)
+    self._unref(old)
+    self.server_lr_trace.append([self.version, self.now, float(lr)])
+
+  def record_update(self, k: int) -> None:
+    self.k_trace.append([self.version, self.now, int(k)])
+
+  def send(self, w: int) -> None:
+    """Worker ``w`` pulls the current version (over the link), then computes."""
+    self.w_incoming[w] = self.version
+    self._ref(self.version)
+    self.w_phase[w] = PULLING
+    self.pulls[w] += 1
+    t = self.link.transfer(self.now, self.payload_bytes, 1) if self.strategy.uses_server else self.now
+    self.queue.push(t, clock_lib.PULL_ARRIVE, w)
+
+  def push(self, w: int) -> None:
+    """Worker ``w`` pushes its finished gradient to the server (over the link)."""
+    o = self.out[w]
+    self.msg[w] = Msg(o.grad, o.alpha, int(self.w_version[w]), o.loss)
+    self.w_phase[w] = PUSHING
+    self.pushes[w] += 1
+    t = self.link.transfer(self.now, self.payload_bytes, 0)
+    self.queue.push(t, clock_lib.PUSH_ARRIVE, w)
+
+  def block(self, w: int) -> None:
+    self.w_phase[w] = IDLE
+
+  def adopt(self, w: int, v: int) -> None:
+    """Worker ``w`` now holds version ``v`` (and the server's broadcast k, r, V̂)."""
+    old = int(self.w_version[w])
+    if self.strategy.bb is not None:
+      self._unref(int(self.w_prev_version[w]))
+      self.w_prev_version[w] = old
+    else:
+      self._unref(old)
+    self.w_version[w] = v
+    self._ref(v)
+    k_old = self.w_bcast[w, 0]
+    self.w_bcast[w] = (self.broadcast["k"], self.broadcast["r"], self.broadcast["v_hat"])
+    self.w_k_grew[w] = self.w_bcast[w, 0] > k_old
+
+  def start_compute(self, w: int) -> None:
+    self.w_phase[w] = COMPUTING
+    self.w_computed[w] = False
+    dt = self.compute.time(self.speeds, self.seed, w, int(self.w_step[w]))
+    self.queue.push(self.now + dt, clock_lib.COMPUTE_DONE, w)
+
+  def start_collective(self) -> None:
+    dt = 0.0 if self.network is None else costmodel.all_reduce_time(
+        self.payload_bytes, self.num_workers, self.network)
+    self.collectives += 1
+    self.queue.push(self.now + dt, clock_lib.COLLECTIVE_DONE, -1)
+
+  # ------------------------------------------------------------------ gradients
+  def _batch(self, step: int) -> dict[str, np.ndarray]:
+    if step not in self._batches:
+      self._batches[step] = self.batcher.batch(step)
+    return self._batches[step]
+
+  def _flush(self) -> None:
+    """Computes the steps of every worker that is computing and has no result yet (one vmapped call)."""
+    pending = [w for w in range(self.num_workers)
+               if self.w_phase[w] == COMPUTING and not self.w_computed[w]]
+    n = len(pending)
+    size = _bucket(n, self.num_workers)
+    rows = pending + [pending[0]] * (size - n)
+    theta = np.stack([self.strategy.worker_params(self, w) for w in rows])
+    x = np.stack([self._batch(int(self.w_step[w]))["x"][w] for w in rows])
+    y = np.stack([self._batch(int(self.w_step[w]))["y"][w] for w in rows])
+    bb = self.strategy.bb
+    if bb is None:
+      loss, grad = jax.device_get(self._plain(theta, x, y))
+      for i, w in enumerate(pending):
+        self.out[w] = WorkerOut(float(loss[i]), np.asarray(grad[i]))
+    else:
+      zeros = np.zeros(self.dim, np.float32)
+      theta_prev = np.stack([self.versions[int(self.w_prev_version[w])]
+                             if self.has_prev[w] and self.w_prev_version[w] >= 0 else zeros
+                             for w in rows])
+      damp = 1.0
+      cfg = getattr(self.strategy, "config", None)
+      if cfg is not None and getattr(cfg, "dampening", False):
+        damp = 1.0 - cfg.gamma
+      k = self.w_bcast[rows, 0]
+      inputs = bb_lib.BBInputs(
+          theta=theta, theta_prev=theta_prev, g_prev=self.g_prev[rows],
+          alpha_prev=self.alpha_carry[rows],
+          has_prev=self.has_prev[rows] & (self.w_prev_version[rows] >= 0),
+          k=k.astype(np.float32), k_grew=self.w_k_grew[rows],
+          r=self.w_bcast[rows, 1].astype(np.float32), v_hat=self.w_bcast[rows, 2].astype(np.float32),
+          c_a=(self.alpha_carry[rows] * damp / np.maximum(k, 1.0)).astype(np.float32))
+      o = jax.device_get(self._bb(inputs, x, y))
+      for i, w in enumerate(pending):
+        self.out[w] = WorkerOut(float(o.loss[i]), np.asarray(o.grad[i]), float(o.alpha[i]),
+                                float(o.alpha_carry[i]), int(o.num_backtracks[i]),
+                                bool(o.hit_limit[i]), bool(o.bb_applied[i]))
+    self.w_computed[pending] = True
+    low = int(self.w_step.min())
+    for s in [s for s in self._batches if s < low]:
+      del self._batches[s]
+
+  def _finish_compute(self, w: int) -> None:
+    if not self.w_computed[w]:
+      self._flush()
+    o = self.out[w]
+    self.w_step[w] += 1
+    self.window.append(o.loss)
+    if self.strategy.bb is not None:
+      self.g_prev[w] = o.grad
+      self.has_prev[w] = True
+      self.alpha_carry[w] = o.alpha_carry
+      self.bb_stats["steps"] += 1
+      self.bb_stats["backtracks"] += o.num_backtracks
+      self.bb_stats["hit_limit"] += int(o.hit_limit)
+      self.bb_stats["bb_applied"] += int(o.bb_applied)
+      self.lr_traces[w].append([self.now, o.alpha])
+    self.strategy.on_compute_done(self, w)
+
+  # ------------------------------------------------------------------ event loop
+  def step(self) -> bool:
+    """Processes one event; returns False if the queue is empty."""
+    if not len(self.queue):
+      return False
+    t, _, kind, w = self.queue.pop()
+    self.now = t
+    if kind == clock_lib.COMPUTE_DONE:
+      self._finish_compute(w)
+    elif kind == clock_lib.PUSH_ARRIVE:
+      if self.strategy.uses_server and not isinstance(self.strategy, server_lib.EASGD):
+        self.staleness[self.version - self.msg[w].version] += 1
+      self.strategy.on_push(self, w)
+    elif kind == clock_lib.PULL_ARRIVE:
+      v = int(self.w_incoming[w])
+      self.w_incoming[w] = -1
+      self.adopt(w, v)
+      self._unref(v)
+      self.start_compute(w)
+    else:
+      self.strategy.on_collective(self)
+    return True
+
+  def _log(self) -> dict[str, Any]:
+    row = {"server_step": self.version, "sim_time": self.now, "samples": self.samples,
+           "epoch": self.epoch,
+           "train_loss": float(np.mean(self.window)) if self.window else float("nan"),
+           **self.evaluate()}
+    self.window = []
+    self.history.append(row)
+    return row
+
+  def run(self, *, max_samples: int | None = None, max_server_steps: int | None = None,
+          max_time: float | None = None, max_events: int | None = None, progress: bool = False,
+          desc: str | None = None, on_log: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Runs events until a limit is reached (at least one limit is required)."""
+    if all(v is None for v in (max_samples, max_server_steps, max_time, max_events)):
+      raise ValueError("run needs at least one of max_samples, max_server_steps, max_time, max_events")
+    bar = tqdm(total=max_samples, desc=desc, disable=not progress, leave=False, unit="samples")
+    done_samples = self.samples
+    events = 0
+    while True:
+      if ((max_samples is not None and self.samples >= max_samples)
+          or (max_server_steps is not None and self.version >= max_server_steps)
+          or (max_time is not None and self.now >= max_time)
+          or (max_events is not None and events >= max_events)):
+        break
+      if not self.step():
+        break
+      events += 1
+      if self.eval_every_samples and self.samples >= self.next_eval:
+        self.next_eval += self.eval_every_samples
+        row = self._log()
+        if on_log is not None:
+          on_log(row)
+      if self.samples != done_samples:
+        bar.update(self.samples - done_samples)
+        done_samples = self.samples
+    bar.close()
+
+  # ------------------------------------------------------------------ results
+  def result(self) -> SimResult:
+    """The logs so far, with a final evaluation appended if the last row is not current."""
+    if not self.history or self.history[-1]["samples"] != self.samples:
+      self._log()
+    util = self.link.utilisation(self.now)
+    staleness = dict(sorted(self.staleness.items()))
+    total = sum(staleness.values())
+    ks = [k for _, _, k in self.k_trace]
+    s = self.strategy
+    summary = {
+        "strategy": s.describe(), "num_workers": self.num_workers,
+        "per_worker_batch": self.batch_size, "server_steps": self.version,
+        "worker_steps": self.w_step.tolist(), "samples": self.samples, "epochs": self.epoch,
+        "sim_time_s": self.now, "test_accuracy": self.history[-1]["test_accuracy"],
+        "test_loss": self.history[-1]["test_loss"],
+        "final_train_loss": self.history[-1]["train_loss"],
+        "pushes_per_worker": float(self.pushes.mean()), "pulls_per_worker": float(self.pulls.mean()),
+        "bytes_per_worker": float((self.pushes + self.pulls).mean() * self.payload_bytes)
+        if s.uses_server else float(self.collectives * self.payload_bytes),
+        "exchanges_per_worker": float((self.pushes + self.pulls).mean()) if s.uses_server
+        else float(self.collectives),
+        "payload_bytes": self.payload_bytes,
+        "link_utilisation_push": util["push"], "link_utilisation_pull": util["pull"],
+        "network": None if self.network is None else self.network.name,
+        "mean_staleness": (sum(k * v for k, v in staleness.items()) / total) if total else 0.0,
+        "max_staleness": max(staleness) if staleness else 0,
+        "mean_k": float(np.mean(ks)) if ks else float("nan"),
+        "dropped_gradients": self.dropped,
+        "versions_stored": len(self.versions),
+    }
+    if s.bb is not None:
+      summary.update({f"bb_{k}": v for k, v in self.bb_stats.items()})
+      summary["alpha_mean_final"] = float(np.nanmean(self.alpha_carry))
+    for attr in ("test_a_fail", "test_b_fail", "forced", "merged", "max_gap"):
+      if hasattr(s, attr):
+        summary[attr] = getattr(s, attr)
+    return SimResult(s.describe(), list(self.history), summary, [list(r) for r in self.k_trace],
+                     staleness, [list(t) for t in self.lr_traces],
+                     [list(r) for r in self.server_lr_trace])
+
+  # ------------------------------------------------------------------ checkpointing
+  def state_dict(self) -> dict[str, Any]:
+    """All mutable state as plain data (NumPy arrays, numbers, lists, dicts)."""
+    def out_d(o):
+      return None if o is None else dataclasses.asdict(o)
+
+    def msg_d(m):
+      return None if m is None else dataclasses.asdict(m)
+
+    return {
+        "now": self.now, "theta": self.theta.copy(), "version": self.version,
+        "versions": {int(k): v.copy() for k, v in self.versions.items()},
+        "refs": {int(k): int(v) for k, v in self.refs.items()},
+        "w_version": self.w_version.copy(), "w_prev_version": self.w_prev_version.copy(),
+        "w_incoming": self.w_incoming.copy(), "w_step": self.w_step.copy(),
+        "w_phase": self.w_phase.copy(), "w_computed": self.w_computed.copy(),
+        "w_bcast": self.w_bcast.copy(), "w_k_grew": self.w_k_grew.copy(),
+        "out": [out_d(o) for o in self.out], "msg": [msg_d(m) for m in self.msg],
+        "alpha_carry": self.alpha_carry.copy(), "has_prev": self.has_prev.copy(),
+        "g_prev": None if self.g_prev is None else self.g_prev.copy(),
+        "broadcast": dict(self.broadcast), "pushes": self.pushes.copy(), "pulls": self.pulls.copy(),
+        "dropped": self.dropped, "collectives": self.collectives, "bb_stats": dict(self.bb_stats),
+        "k_trace": [list(r) for r in self.k_trace], "staleness": dict(self.staleness),
+        "lr_traces": [[list(r) for r in t] for t in self.lr_traces],
+        "server_lr_trace": [list(r) for r in self.server_lr_trace],
+        "history": [dict(r) for r in self.history], "window": list(self.window),
+        "next_eval": self.next_eval, "queue": self.queue.state_dict(),
+        "link": self.link.state_dict(), "strategy": self.strategy.state_dict(),
+    }
+
+  def load_state_dict(self, d: Mapping[str, Any]) -> None:
+    """Restores :meth:`state_dict` output into a simulator built with the same arguments."""
+    self.now = float(d["now"])
+    self.version = int(d["version"])
+    self.versions = {int(k): np.array(v, np.float32) for k, v in d["versions"].items()}
+    self.theta = self.versions[self.version]
+    self.refs = collections.defaultdict(int, {int(k): int(v) for k, v in d["refs"].items()})
+    for name in ("w_version", "w_prev_version", "w_incoming", "w_step", "w_phase", "w_computed",
+                 "w_bcast", "w_k_grew", "alpha_carry", "has_prev", "pushes", "pulls"):
+      setattr(self, name, np.array(d[name], getattr(self, name).dtype))
+    self.out = [None if o is None else WorkerOut(**{**o, "grad": np.array(o["grad"], np.float32)})
+                for o in d["out"]]
+    self.msg = [None if m is None else Msg(**{**m, "grad": np.array(m["grad"], np.float32)})
+                for m in d["msg"]]
+    self.g_prev = None if d["g_prev"] is None else np.array(d["g_prev"], np.float32)
+    self.broadcast = dict(d["broadcast"])
+    self.dropped, self.collectives = int(d["dropped"]), int(d["collectives"])
+    self.bb_stats = dict(d["bb_stats"])
+    self.k_trace = [list(r) for r in d["k_trace"]]
+    self.staleness = collections.Counter({int(k): int(v) for k, v in d["staleness"].items()})
+    self.lr_traces = [[list(r) for r in t] for t in d["lr_traces"]]
+    self.server_lr_trace = [list(r) for r in d["server_lr_trace"]]
+    self.history = [dict(r) for r in d["history"]]
+    self.window = list(d["window"])
+    self.next_eval = d["next_eval"]
+    self.queue = clock_lib.EventQueue.from_state_dict(d["queue"])
+    self.link.load_state_dict(d["link"])
+    self.strategy.load_state_dict(d["strategy"])
+    self._batches = {}
+
+
+def simulate(strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset, num_workers: int,
+             per_worker_batch: int, max_samples: int | None = None,
+             max_server_steps: int | None = None, max_time: float | None = None,
+             seed: int = 0, compute: clock_lib.ComputeModel | None = None,
+             network: str | costmodel.Link | None = "10gbit", duplex: bool = True,
+             payload_bytes: float | None = None, eval_every_samples: int | None = None,
+             progress: bool = False, desc: str | None = None,
+             on_log: Callable[[dict[str, Any]], None] | None = None) -> SimResult:
+  """Runs one simulated training and returns its :class:`SimResult` (simulated time).
+
+  Example::
+
+    ds = mfopt.data.load("mnist1d")
+    res = mfopt.sim.simulate(mfopt.sim.ASP(mfopt.sim.BaseSGD(0.05)), model=get_model("mlp"),
+                             dataset=ds, num_workers=8, per_worker_batch=16, max_samples=20_000)
+    res.summary["sim_time_s"], res.staleness
+  """
+  sim = Simulator(strategy, model=model, dataset=dataset, num_workers=num_workers,
+                  per_worker_batch=per_worker_batch, seed=seed, compute=compute, network=network,
+                  duplex=duplex, payload_bytes=payload_bytes, eval_every_samples=eval_every_samples)
+  sim.run(max_samples=max_samples, max_server_steps=max_server_steps, max_time=max_time,
+          progress=progress, desc=desc, on_log=on_log)
+  return sim.result()

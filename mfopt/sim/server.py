@@ -1,0 +1,607 @@
+"""Server algorithms of the simulated cluster, each a small strategy object (seed 002 §5, spec §1-5).
+
+A strategy reacts to three simulator events (see :class:`mfopt.sim.run.Simulator`):
+
+* ``on_compute_done(sim, w)``: worker ``w`` finished its gradient
+  (``sim.out[w]``: loss, gradient, step size). Parameter-server strategies push it
+  over the server link (``sim.push(w)``).
+* ``on_push(sim, w)``: the message of worker ``w`` reached the server
+  (``sim.msg[w]``: gradient, step size, the version it was computed at).
+* ``on_collective(sim)``: an all-reduce among the workers finished (all-reduce baseline).
+
+and uses the simulator's actions: ``sim.apply(new_theta)`` (a new server
+version), ``sim.send(w)`` (worker ``w`` pulls the current version over the
+link and then computes), ``sim.start_compute(w)``, ``sim.block(w)``,
+``sim.record_update(k)``. All strategies but :class:`KSync` update the server
+with the base optimizer :class:`BaseSGD` (``optax.sgd``, learning rate
+``LR * DR^epoch``, spec §5).
+
+Strategies: :class:`ASP`, :class:`BSP`, :class:`SSP` (s = 3), :class:`DropWorker`
+(keep the fastest 50 %), :class:`EASGD` (TF ElasticAverageOptimizer, moving rate
+``0.9/(interval M)``), :class:`AllReduce` (synchronous ring all-reduce, no
+server) and :class:`KSync` (the seed's model: adaptive k, progressive momentum,
+per-worker BB steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mfopt.sim import bb as bb_lib
+from mfopt.sim import ksync as ksync_lib
+
+
+# ----------------------------------------------------------------------------- base optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseSGD:
+  """The baselines' optimizer: ``optax.sgd(1, momentum)`` scaled by ``lr = LR * DR^floor(epoch)``.
+
+  ``epoch`` = samples processed by all workers so far / N, so the decay is one
+  step per epoch of data (spec §5: decay_steps not given, one epoch assumed) and
+  is the same for every algorithm at equal samples. Scaling optax.sgd's update
+  by ``lr`` afterwards equals a scheduled ``optax.sgd`` (its momentum trace is
+  lr-free).
+
+  Args:
+    learning_rate: LR (Table 3: 0.01 / 0.1 / 0.001).
+    decay_rate: DR (0.99 in Table 3); 1.0 = constant.
+    momentum: None (plain SGD, default [A]) or e.g. 0.9.
+  """
+
+  learning_rate: float = 0.01
+  decay_rate: float = 0.99
+  momentum: float | None = None
+
+  def __post_init__(self):
+    if not self.learning_rate > 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+    if not 0 < self.decay_rate <= 1:
+      raise ValueError(f"decay_rate must be in (0, 1], got {self.decay_rate!r}")
+    if self.momentum is not None and not 0 <= self.momentum < 1:
+      raise ValueError(f"momentum must be in [0, 1) or None, got {self.momentum!r}")
+
+  def lr(self, epoch: float) -> float:
+    return float(self.learning_rate * self.decay_rate ** math.floor(epoch))
+
+  def tx(self) -> optax.GradientTransformation:
+    return optax.sgd(1.0, momentum=self.momentum)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_apply(momentum: float | None):
+  tx = optax.sgd(1.0, momentum=momentum)
+
+  def apply(theta, g, state, lr):
+    updates, state = tx.update(g, state, theta)
+    return theta + lr * updates, state
+
+  return jax.jit(apply)
+
+
+class _Optimizer:
+  """Host wrapper: a jitted ``(theta, g, state, lr) -> (theta, state)`` and its plain-array state."""
+
+  def __init__(self, base: BaseSGD, dim: int):
+    self.base = base
+    self._state = base.tx().init(jnp.zeros(dim, jnp.float32))
+    self._treedef = jax.tree.structure(self._state)
+    self._apply = _jitted_apply(base.momentum)
+
+  def step(self, theta: np.ndarray, g: np.ndarray, epoch: float) -> np.ndarray:
+    lr = np.float32(self.base.lr(epoch))
+    theta, self._state = self._apply(theta, np.asarray(g, np.float32), self._state, lr)
+    return np.asarray(theta)
+
+  def state_dict(self) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(self._state)]
+
+  def load_state_dict(self, leaves: list[np.ndarray]) -> None:
+    self._state = jax.tree.unflatten(self._treedef, [jnp.asarray(x) for x in leaves])
+
+
+# ----------------------------------------------------------------------------- strategy base
+
+
+class Strategy:
+  """Base class; subclasses override the event hooks. ``name`` labels reports."""
+
+  name = "strategy"
+  #: the per-worker BB config, or None (workers only compute gradients)
+  bb: bb_lib.BBConfig | None = None
+  #: True if workers exchange through the parameter server's link
+  uses_server: bool = True
+
+  def reset(self, sim) -> None:
+    """Called once at construction, after the simulator's own state exists."""
+
+  def on_compute_done(self, sim, w: int) -> None:
+    sim.push(w)
+
+  def on_push(self, sim, w: int) -> None:
+    raise NotImplementedError
+
+  def on_collective(self, sim) -> None:
+    raise NotImplementedError
+
+  def eval_params(self, sim) -> np.ndarray:
+    return sim.theta
+
+  def worker_params(self, sim, w: int) -> np.ndarray:
+    """The parameters worker ``w`` computes its gradient on (its pulled version)."""
+    return sim.versions[sim.w_version[w]]
+
+  def state_dict(self) -> dict[str, Any]:
+    return {}
+
+  def load_state_dict(self, d: dict[str, Any]) -> None:
+    del d
+
+  def describe(self) -> str:
+    return self.name
+
+
+class _OptStrategy(Strategy):
+  """A strategy whose server applies :class:`BaseSGD`."""
+
+  def __init__(self, base: BaseSGD | None = None):
+    self.base = base or BaseSGD()
+
+  def reset(self, sim) -> None:
+    self.opt = _Optimizer(self.base, sim.dim)
+
+  def _update(self, sim, g: np.ndarray) -> None:
+    sim.apply(self.opt.step(sim.theta, g, sim.epoch), lr=self.base.lr(sim.epoch))
+
+  def state_dict(self) -> dict[str, Any]:
+    return {"opt": self.opt.state_dict()}
+
+  def load_state_dict(self, d: dict[str, Any]) -> None:
+    self.opt.load_state_dict(d["opt"])
+
+
+# ----------------------------------------------------------------------------- ASP / SSP
+
+
+class ASP(_OptStrategy):
+  """Asynchronous parallel (TF async PS): every arriving gradient is applied at once.
+
+  ``θ ← θ - η g_i(θ_v)``; the worker then pulls the newest θ. Staleness unbounded.
+  """
+
+  name = "ASP"
+
+  def on_push(self, sim, w: int) -> None:
+    self._update(sim, sim.msg[w].grad)
+    sim.send(w)
+
+
+class SSP(_OptStrategy):
+  """Stale synchronous parallel (Ho et al. 2013) with staleness bound ``s`` (3, spec §5).
+
+  Gradients are applied on arrival as in ASP. A worker's clock ``c_i`` is the
+  number of gradients it has pushed. After a push, worker ``i`` may start its
+  next gradient only if ``c_i + 1 - min_j c_j <= s``; otherwise it blocks until
+  the slowest worker catches up (then it pulls the newest θ). Hence at every
+  push ``c_i - min_j c_j <= s`` (``sim.ssp_max_gap`` records the largest gap seen).
+  """
+
+  name = "SSP"
+
+  def __init__(self, staleness: int = 3, base: BaseSGD | None = None):
+    super().__init__(base)
+    if not isinstance(staleness, int) or staleness < 1:
+      raise ValueError(f"staleness must be a positive integer, got {staleness!r}")
+    self.staleness = staleness
+
+  def reset(self, sim) -> None:
+    super().reset(sim)
+    self.clock = np.zeros(sim.num_workers, np.int64)
+    self.blocked: list[int] = []
+    self.max_gap = 0
+
+  def _may_start(self, w: int) -> bool:
+    return self.clock[w] + 1 - self.clock.min() <= self.staleness
+
+  def on_push(self, sim, w: int) -> None:
+    self._update(sim, sim.msg[w].grad)
+    self.clock[w] += 1
+    self.max_gap = max(self.max_gap, int(self.clock[w] - self.clock.min()))
+    still = []
+    for b in self.blocked:  # FIFO over the workers blocked so far
+      if self._may_start(b):
+        sim.send(b)
+      else:
+        still.append(b)
+    self.blocked = still
+    if self._may_start(w):
+      sim.send(w)
+    else:
+      self.blocked.append(w)
+      sim.block(w)
+
+  def state_dict(self):
+    return {**super().state_dict(), "clock": self.clock.copy(), "blocked": list(self.blocked),
+            "max_gap": self.max_gap}
+
+  def load_state_dict(self, d):
+    super().load_state_dict(d)
+    self.clock = np.array(d["clock"], np.int64)
+    self.blocked = [int(b) for b in d["blocked"]]
+    self.max_gap = int(d["max_gap"])
+
+  def describe(self):
+    return f"SSP(s={self.staleness})"
+
+
+# ----------------------------------------------------------------------------- collecting strategies
+
+
+class _Collect(Strategy):
+  """Synchronous collection of fresh gradients for the current version (BSP, DropWorker, KSync).
+
+  A fresh gradient (computed at the current version t) is added to the step's
+  collection and its worker waits for version t+1; when :meth:`_ready` says so
+  the server updates and releases all waiting workers (each pulls θ_{t+1}). A
+  stale gradient is handed to :meth:`_stale` and its worker pulls at once.
+  Fresh gradients are summed in float64, so the mean does not depend on the
+  arrival order beyond rounding of the final cast.
+  """
+
+  def reset(self, sim) -> None:
+    self.waiting: list[int] = []
+    self.sum = np.zeros(sim.dim, np.float64)
+
+  def on_push(self, sim, w: int) -> None:
+    msg = sim.msg[w]
+    if msg.version == sim.version:
+      self._fresh(sim, w, msg)
+      self.waiting.append(w)
+      sim.block(w)
+      if self._ready(sim):
+        n = len(self.waiting)
+        self._update(sim, n)
+        sim.record_update(k=n)
+        self._clear(sim)
+        released, self.waiting = self.waiting, []
+        for b in released:
+          sim.send(b)
+    else:
+      self._stale(sim, w, msg)
+      sim.send(w)
+
+  def _fresh(self, sim, w, msg) -> None:
+    self.sum += msg.grad
+
+  def _clear(self, sim) -> None:
+    self.sum[:] = 0.0
+
+  def _stale(self, sim, w, msg) -> None:
+    sim.dropped += 1
+
+  def _ready(self, sim) -> bool:
+    raise NotImplementedError
+
+  def _update(self, sim, n: int) -> None:
+    raise NotImplementedError
+
+  def state_dict(self):
+    return {"waiting": list(self.waiting), "sum": self.sum.copy()}
+
+  def load_state_dict(self, d):
+    self.waiting = [int(b) for b in d["waiting"]]
+    self.sum = np.array(d["sum"], np.float64)
+
+
+class BSP(_Collect, _OptStrategy):
+  """Bulk synchronous (TF SyncReplicasOptimizer, replicas_to_aggregate = M).
+
+  ``θ_{t+1} = θ_t - η_t (1/M) Σ_i g_i(θ_t)``. In optimisation terms this is the
+  synchronous all-reduce step; only the timing differs (server link).
+  """
+
+  name = "BSP"
+
+  def __init__(self, base: BaseSGD | None = None):
+    _OptStrategy.__init__(self, base)
+
+  def reset(self, sim):
+    _OptStrategy.reset(self, sim)
+    _Collect.reset(self, sim)
+
+  def _ready(self, sim):
+    return len(self.waiting) == sim.num_workers
+
+  def _update(self, sim, n):
+    _OptStrategy._update(self, sim, (self.sum / n).astype(np.float32))
+
+  def state_dict(self):
+    return {**_Collect.state_dict(self), **_OptStrategy.state_dict(self)}
+
+  def load_state_dict(self, d):
+    _Collect.load_state_dict(self, d)
+    _OptStrategy.load_state_dict(self, d)
+
+
+class DropWorker(BSP):
+  """Straggler dropping (Chen et al.; drop rate 50 %, spec §5): BSP over the fastest ``ceil((1-rate) M)``.
+
+  Gradients arriving for an old version are discarded (SyncReplicasOptimizer
+  with ``replicas_to_aggregate = M/2``); their workers pull the newest θ.
+  """
+
+  name = "DropWorker"
+
+  def __init__(self, drop_rate: float = 0.5, base: BaseSGD | None = None):
+    super().__init__(base)
+    if not 0 <= drop_rate < 1:
+      raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate!r}")
+    self.drop_rate = drop_rate
+
+  def reset(self, sim):
+    super().reset(sim)
+    self.k = max(1, math.ceil((1 - self.drop_rate) * sim.num_workers))
+
+  def _ready(self, sim):
+    return len(self.waiting) == self.k
+
+  def describe(self):
+    return f"DropWorker(drop={self.drop_rate:g})"
+
+
+@dataclasses.dataclass(frozen=True)
+class KSyncConfig:
+  """The seed's model (spec §1.2, §2, §4). Defaults are the spec's (the ``faithful`` preset).
+
+  Args:
+    gamma: momentum decay γ = 0.9 [A].
+    dampening: ``u = γu + (1-γ)G`` and ``(1-γ)`` on stale merges (spec caution 1); off = literal [A].
+    k_rule: ``"adaptive"`` (the k-test) or a fixed integer k (ablation, Figs. 13-14).
+    ktest: :class:`mfopt.sim.ksync.KTestConfig`.
+    stale_merge: ``"additive"`` (``u += γ^(τ-1) α_i/k_v g``, default) or ``"drop"`` [A].
+    stale_cutoff: drop stale gradients once ``γ^τ < stale_cutoff`` (None = never, default) [A].
+    bb: per-worker BB config, or None to use ``lr_fallback`` (``BaseSGD`` schedule) for every α_i.
+    lr_fallback: the schedule used when ``bb`` is None.
+    r0: the noise ratio broadcast before the first update (0) [A].
+  Not implemented (optional in spec §1.2/§2.3): the re-averaging merge, OrMo catch-up, the
+  predictive k rule.
+  """
+
+  gamma: float = 0.9
+  dampening: bool = False
+  k_rule: str | int = "adaptive"
+  ktest: ksync_lib.KTestConfig = ksync_lib.KTestConfig()
+  stale_merge: str = "additive"
+  stale_cutoff: float | None = None
+  bb: bb_lib.BBConfig | None = bb_lib.BBConfig()
+  lr_fallback: BaseSGD = BaseSGD()
+  r0: float = 0.0
+
+  def __post_init__(self):
+    if not 0 <= self.gamma < 1:
+      raise ValueError(f"gamma must be in [0, 1), got {self.gamma!r}")
+    if not (self.k_rule == "adaptive" or (isinstance(self.k_rule, int) and self.k_rule >= 1)):
+      raise ValueError(f"k_rule must be 'adaptive' or a positive integer, got {self.k_rule!r}")
+    if self.stale_merge not in ("additive", "drop"):
+      raise ValueError(f"stale_merge must be 'additive' or 'drop', got {self.stale_merge!r}")
+    if self.stale_cutoff is not None and not 0 < self.stale_cutoff < 1:
+      raise ValueError(f"stale_cutoff must be in (0, 1) or None, got {self.stale_cutoff!r}")
+
+
+class KSync(_Collect):
+  """Adaptive k-synchronisation with progressive momentum and per-worker BB steps (seed 002).
+
+  Server (spec §4): fresh gradients enter Welford statistics and
+  ``A = Σ α_i g_i``; after each with ``n >= k_min`` the k-test runs, and when it
+  passes (or ``n = k_max``)::
+
+    u ← γ u + A/n        (dampened: γ u + (1-γ) A/n)
+    θ ← θ - u
+
+  and ``k_last = n``, ``r_last = Ê/‖ḡ‖²``, ``V̂`` are broadcast with θ. A stale
+  gradient computed at version ``v`` (``τ = t - v``) is merged into the momentum,
+  ``u ← u + γ^(τ-1) (α_i / k_v) g`` (dampened: times ``1-γ``), so the next
+  update's ``γ u`` gives it the weight ``γ^τ`` of its own iteration's slot.
+  """
+
+  name = "KSync"
+
+  def __init__(self, config: KSyncConfig | None = None, label: str | None = None):
+    self.config = config or KSyncConfig()
+    self.bb = self.config.bb
+    self.label = label
+
+  def reset(self, sim):
+    super().reset(sim)
+    c = self.config
+    self.k_max = (c.ktest.resolved_k_max(sim.num_workers) if c.k_rule == "adaptive"
+                  else min(int(c.k_rule), sim.num_workers))
+    self.welford = ksync_lib.Welford(sim.dim)
+    self.u = np.zeros(sim.dim, np.float32)
+    self.kbuf: dict[int, int] = {}
+    self.test_a_fail = 0
+    self.test_b_fail = 0
+    self.forced = 0
+    self.merged = 0
+    sim.broadcast.update(k=float(c.ktest.k_min if c.k_rule == "adaptive" else self.k_max),
+                         r=float(c.r0), v_hat=0.0)
+
+  def _alpha(self, sim, msg) -> float:
+    return float(msg.alpha) if self.bb is not None else self.config.lr_fallback.lr(sim.epoch)
+
+  def _fresh(self, sim, w, msg):
+    self.sum += self._alpha(sim, msg) * msg.grad.astype(np.float64)
+    self.welford.add(msg.grad)
+
+  def _ready(self, sim):
+    n = len(self.waiting)
+    if self.config.k_rule != "adaptive":
+      return n >= self.k_max
+    if n >= max(self.config.ktest.k_min, 2):
+      res = ksync_lib.k_test(self.welford, self.config.ktest)
+      if res.passed:
+        return True
+      self.test_a_fail += int(not res.test_a)
+      self.test_b_fail += int(not res.test_b)
+    if n >= self.k_max:
+      self.forced += 1
+      return True
+    return False
+
+  def _update(self, sim, n):
+    c = self.config
+    g = (self.sum / n).astype(np.float32)
+    if c.dampening:
+      g = np.float32(1 - c.gamma) * g
+    self.u = np.float32(c.gamma) * self.u + g
+    sim.apply(sim.theta - self.u, lr=float(np.mean([sim.msg[w].alpha for w in self.waiting]))
+              if self.bb is not None else c.lr_fallback.lr(sim.epoch))
+    self.kbuf[sim.version - 1] = n
+    if n >= 2:
+      res = ksync_lib.k_test(self.welford, c.ktest)
+      sim.broadcast.update(k=float(n), r=res.e_hat / max(res.grad_sq_norm, 1e-30), v_hat=res.v_hat)
+    else:
+      sim.broadcast.update(k=float(n))
+
+  def _clear(self, sim):
+    super()._clear(sim)
+    self.welford.reset()
+
+  def _stale(self, sim, w, msg):
+    c = self.config
+    tau = sim.version - msg.version
+    if c.stale_merge == "drop" or msg.version not in self.kbuf or (
+        c.stale_cutoff is not None and c.gamma ** tau < c.stale_cutoff):
+      sim.dropped += 1
+      return
+    scale = c.gamma ** (tau - 1) * self._alpha(sim, msg) / self.kbuf[msg.version]
+    if c.dampening:
+      scale *= 1 - c.gamma
+    self.u = self.u + np.float32(scale) * msg.grad
+    self.merged += 1
+
+  def state_dict(self):
+    return {**super().state_dict(), "welford": self.welford.state_dict(), "u": self.u.copy(),
+            "kbuf": [[int(k), int(v)] for k, v in self.kbuf.items()],
+            "counters": [self.test_a_fail, self.test_b_fail, self.forced, self.merged]}
+
+  def load_state_dict(self, d):
+    super().load_state_dict(d)
+    self.welford.load_state_dict(d["welford"])
+    self.u = np.array(d["u"], np.float32)
+    self.kbuf = {int(k): int(v) for k, v in d["kbuf"]}
+    self.test_a_fail, self.test_b_fail, self.forced, self.merged = (int(x) for x in d["counters"])
+
+  def describe(self):
+    if self.label:
+      return self.label
+    k = "adaptive k" if self.config.k_rule == "adaptive" else f"k={self.config.k_rule}"
+    return f"KSync({k})"
+
+
+# ----------------------------------------------------------------------------- all-reduce, EASGD
+
+
+class AllReduce(BSP):
+  """Synchronous ring all-reduce among the workers (Horovod/NCCL baseline; no server link).
+
+  Same optimisation as :class:`BSP`; the step ends ``all_reduce_time(payload, M)``
+  (cost model) after the slowest worker's gradient, and every worker then has θ_{t+1}.
+  """
+
+  name = "all-reduce"
+  uses_server = False
+
+  def on_compute_done(self, sim, w):
+    self.sum += sim.out[w].grad
+    self.waiting.append(w)
+    sim.block(w)
+    if len(self.waiting) == sim.num_workers:
+      sim.start_collective()
+
+  def on_collective(self, sim):
+    n = len(self.waiting)
+    self._update(sim, n)
+    sim.record_update(k=n)
+    self._clear(sim)
+    released, self.waiting = self.waiting, []
+    for b in released:
+      sim.adopt(b, sim.version)
+      sim.start_compute(b)
+
+
+class EASGD(Strategy):
+  """Elastic averaging (TF ElasticAverageOptimizer, "EAO", spec §5).
+
+  Each worker runs SGD on its own copy ``x_i`` with the elastic term
+  ``(ρ/2)‖x_i - x̃_loc‖²``, ``ρ = a/η`` (so a local step is
+  ``x_i ← x_i - η g - a (x_i - x̃_loc)``). Every ``interval`` local steps it
+  pushes ``x_i``; the server sets ``x̃_loc ← x̃``, ``Δ = x_i - x̃_loc``,
+  ``x̃ ← x̃ + aΔ`` and the worker continues from ``x_i - aΔ`` with the new
+  ``x̃_loc`` once the pull arrives. ``a = 0.9/(interval·M)`` (TF default).
+  The evaluated model is the centre ``x̃``; one server step = one exchange.
+  """
+
+  name = "EASGD"
+
+  def __init__(self, interval: int = 20, base: BaseSGD | None = None, moving_rate: float | None = None):
+    if not isinstance(interval, int) or interval < 1:
+      raise ValueError(f"interval must be a positive integer, got {interval!r}")
+    if moving_rate is not None and not 0 < moving_rate <= 1:
+      raise ValueError(f"moving_rate must be in (0, 1], got {moving_rate!r}")
+    self.interval = interval
+    self.base = base or BaseSGD()
+    self.moving_rate = moving_rate
+
+  def reset(self, sim):
+    m = sim.num_workers
+    self.a = self.moving_rate if self.moving_rate is not None else 0.9 / (self.interval * m)
+    self.local = np.tile(sim.theta, (m, 1))
+    self.center_loc = np.tile(sim.theta, (m, 1))
+    self.local_steps = np.zeros(m, np.int64)
+
+  def worker_params(self, sim, w):
+    return self.local[w]
+
+  def eval_params(self, sim):
+    return sim.theta
+
+  def on_compute_done(self, sim, w):
+    eta = np.float32(self.base.lr(sim.epoch))
+    g = sim.out[w].grad
+    x = self.local[w]
+    self.local[w] = x - eta * g - np.float32(self.a) * (x - self.center_loc[w])
+    self.local_steps[w] += 1
+    if self.local_steps[w] % self.interval == 0:
+      sim.push(w)
+    else:
+      sim.start_compute(w)
+
+  def on_push(self, sim, w):
+    center = sim.theta.copy()
+    delta = self.local[w] - center
+    self.center_loc[w] = center
+    self.local[w] = self.local[w] - np.float32(self.a) * delta
+    sim.apply(center + np.float32(self.a) * delta, lr=self.base.lr(sim.epoch))
+    sim.send(w)
+
+  def state_dict(self):
+    return {"local": self.local.copy(), "center_loc": self.center_loc.copy(),
+            "local_steps": self.local_steps.copy()}
+
+  def load_state_dict(self, d):
+    self.local = np.array(d["local"], np.float32)
+    self.center_loc = np.array(d["center_loc"], np.float32)
+    self.local_steps = np.array(d["local_steps"], np.int64)
+
+  def describe(self):
+    return f"EASGD(tau={self.interval})"
