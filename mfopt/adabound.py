@@ -1,0 +1,479 @@
+"""AdaBound/AMSBound, linear-scaling AdaBound, and the hybrid AdaBound-warmup + LARS SGD.
+
+Seed 004 (``seeds/004_634240290224c5bb.txt``): §2.1.1 (AdaBound, Luo et al. 2019) and
+§2.2.1 (linear-scaling AdaBound as a warmup, then linear-scaling SGD with LARS and an
+exponentially decaying learning rate). SPEC.md "Seed 004" resolves the seed's ambiguities; the
+choices made here are listed in each docstring.
+
+AdaBound follows the authors' reference implementation, the ``adabound`` package (PyPI 0.0.5,
+``adabound/adabound.py``), step for step::
+
+    t += 1
+    g = g + weight_decay * p                      # L2, added to the gradient
+    m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2 ;  (AMSBound: v_max = max(v_max, v))
+    step = lr * sqrt(1 - b2^t) / (1 - b1^t)
+    final = final_lr * lr / base_lr              # a decayed lr also decays the bounds
+    lower = final * (1 - 1 / (gamma t + 1)) ;  upper = final * (1 + 1 / (gamma t))
+    p -= clip(step / (sqrt(v) + eps), lower, upper) * m
+
+Because the bounds clip the *lr-scaled* per-coordinate step, ``scale_by_adabound`` takes the
+learning rate (unlike ``optax.scale_by_adam``): the ``scale_by_`` layer returns the positive
+step, and the sign flip is the final ``optax.scale(-1)`` of the alias.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+__all__ = [
+    "AdaBoundState",
+    "LinearScalingAdaBoundState",
+    "HybridState",
+    "scale_by_adabound",
+    "adabound",
+    "scale_by_linear_scaling_adabound",
+    "linear_scaling_adabound",
+    "linear_scaling_bounds",
+    "hybrid_adabound_lars",
+    "hybrid_lars_learning_rate",
+]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_unit(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+def _check_nonneg(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
+    raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+
+
+def _check_pos(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0:
+    raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _check_pos_int(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_lr(name: str, value: Any) -> None:
+  if callable(value):
+    return
+  _check_nonneg(name, value)
+
+
+# ----------------------------------------------------------------------------- AdaBound
+
+
+class AdaBoundState(NamedTuple):
+  """State of :func:`scale_by_adabound`.
+
+  Attributes:
+    count: int32 number of updates so far (the reference's ``state['step']``).
+    mu: first moment ``m`` (EMA of gradients).
+    nu: second moment ``v`` (EMA of squared gradients).
+    nu_max: running maximum of ``nu`` (AMSBound); an empty tuple for AdaBound.
+  """
+
+  count: chex.Array
+  mu: optax.Updates
+  nu: optax.Updates
+  nu_max: Any
+
+
+def _bias_correction(decay: float, t: jax.Array) -> jax.Array:
+  """``1 - decay**t`` as ``-expm1(t log decay)``: accurate in float32 even for decay = 0.999."""
+  if decay == 0.0:
+    return jnp.ones_like(t)
+  return -jnp.expm1(t * math.log(decay))
+
+
+def _float_count(count: jax.Array, tree: Any) -> jax.Array:
+  """The step count in the widest floating dtype of ``tree`` (float64 under x64 tests)."""
+  dtypes = [x.dtype for x in jax.tree.leaves(tree)] or [jnp.float32]
+  return count.astype(jnp.result_type(*dtypes, jnp.float32))
+
+
+def _moments(grads, state, b1, b2, amsbound):
+  mu = optax.tree.update_moment(grads, state.mu, b1, 1)
+  nu = optax.tree.update_moment_per_elem_norm(grads, state.nu, b2, 2)
+  nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu) if amsbound else ()
+  return mu, nu, nu_max
+
+
+def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0.1,
+                      gamma: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
+                      eps: float = 1e-8, amsbound: bool = False
+                      ) -> optax.GradientTransformation:
+  r"""AdaBound's bounded per-coordinate step (positive; no sign flip, no weight decay).
+
+  .. math::
+     \eta_t = \mathrm{clip}\Big(\frac{\alpha_t \sqrt{1-\beta_2^t}/(1-\beta_1^t)}
+              {\sqrt{v_t}+\epsilon},\ \eta^{lo}_t,\ \eta^{hi}_t\Big),\quad
+     u_t = \eta_t \odot m_t,
+
+  with :math:`\eta^{lo}_t = f_t(1 - 1/(\gamma t + 1))`, :math:`\eta^{hi}_t = f_t(1 + 1/(\gamma t))`
+  and :math:`f_t = \mathrm{final\_lr}\cdot\alpha_t/\alpha_0` (the reference's workaround so that a
+  learning-rate schedule also decays the bounds). AMSBound replaces :math:`v_t` by its running
+  maximum.
+
+  Args:
+    learning_rate: Adam learning rate ``alpha`` (a float or a schedule ``count -> lr``; with a
+      schedule, ``alpha_0 = schedule(0)`` plays the reference's ``base_lr`` and must be nonzero).
+    final_lr: the SGD learning rate both bounds converge to.
+    gamma: convergence speed of the bounds, in [0, 1).
+    b1, b2: moment decay rates, in [0, 1).
+    eps: added to ``sqrt(v)``, as in the reference.
+    amsbound: use the running maximum of ``v`` (AMSBound).
+
+  Returns:
+    An ``optax.GradientTransformation`` with :class:`AdaBoundState`; its updates are the
+    positive steps ``eta * m`` (apply with ``optax.scale(-1)``).
+
+  Seed: 004 §2.1.1; reference: ``adabound`` 0.0.5 ``AdaBound.step``.
+  """
+  _check_lr("learning_rate", learning_rate)
+  _check_nonneg("final_lr", final_lr)
+  _check_unit("gamma", gamma)
+  _check_unit("b1", b1)
+  _check_unit("b2", b2)
+  _check_nonneg("eps", eps)
+
+  def init_fn(params):
+    zeros = optax.tree.zeros_like(params)
+    return AdaBoundState(count=jnp.zeros([], jnp.int32), mu=zeros,
+                         nu=optax.tree.zeros_like(params),
+                         nu_max=optax.tree.zeros_like(params) if amsbound else ())
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu, nu, nu_max = _moments(updates, state, b1, b2, amsbound)
+    count = optax.safe_increment(state.count)
+    if callable(learning_rate):
+      lr = learning_rate(state.count)
+      final = final_lr * lr / learning_rate(0)
+    else:
+      lr, final = learning_rate, final_lr
+    t = _float_count(count, mu)
+    step_size = lr * jnp.sqrt(_bias_correction(b2, t)) / _bias_correction(b1, t)
+    lower = final * (1.0 - 1.0 / (gamma * t + 1.0))
+    upper = final * (1.0 + 1.0 / (gamma * t))
+    denom = nu_max if amsbound else nu
+
+    def one(m, v):
+      rate = jnp.clip((step_size / (jnp.sqrt(v) + eps)).astype(v.dtype),
+                      lower.astype(v.dtype), upper.astype(v.dtype))
+      return rate * m
+
+    out = jax.tree.map(one, mu, denom)
+    return out, AdaBoundState(count=count, mu=mu, nu=nu, nu_max=nu_max)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adabound(learning_rate: optax.ScalarOrSchedule = 1e-3, final_lr: float = 0.1,
+             gamma: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+             weight_decay: float = 0.0, amsbound: bool = False
+             ) -> optax.GradientTransformation:
+  r"""AdaBound / AMSBound (Luo et al. 2019) with the reference implementation's semantics.
+
+  ``optax.chain(add_decayed_weights(weight_decay), scale_by_adabound(...), scale(-1))``: the
+  L2 weight decay is added to the gradient before the moments, exactly as the ``adabound``
+  package does (it is not AdamW-style decoupled decay). See :func:`scale_by_adabound` for
+  the update rule.
+
+  Args:
+    learning_rate: Adam learning rate (float or schedule). Default 1e-3 as in the reference.
+    final_lr: final SGD learning rate (default 0.1).
+    gamma: convergence speed of the bound functions (default 1e-3).
+    b1, b2, eps: Adam hyperparameters.
+    weight_decay: L2 penalty added to the gradient (default 0).
+    amsbound: AMSBound variant.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mfopt
+    >>> tx = mfopt.adabound(1e-3, final_lr=0.1)
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.full(3, 0.5)}, state, params)
+    >>> [round(float(u), 6) for u in updates["w"]]   # bounded: at t=1 the upper bound is ~100
+    [-0.001, -0.001, -0.001]
+
+  Seed: 004 §2.1.1 (SPEC.md: reference-implementation semantics).
+  """
+  _check_nonneg("weight_decay", weight_decay)
+  parts = []
+  if weight_decay:
+    parts.append(optax.add_decayed_weights(weight_decay))
+  parts += [scale_by_adabound(learning_rate, final_lr, gamma, b1, b2, eps, amsbound),
+            optax.scale(-1.0)]
+  return optax.chain(*parts)
+
+
+# ----------------------------------------------------------------------------- linear scaling
+
+
+def linear_scaling_bounds(epoch, *, base_lr: float, num_workers: int, warmup_epochs: float,
+                          b2: float = 0.999):
+  r"""The seed's bounds at fractional epoch ``t`` (seed 004 §2.2.1).
+
+  .. math::
+     B_u = lr N + \frac{1}{(1-\beta_2) t} - \frac{1}{(1-\beta_2) T},\qquad
+     B_l = \frac{t}{T}\, lr N,
+
+  with ``t`` clamped to ``[0, T]`` (a choice: after the warmup both bounds stay at ``lr N``;
+  the printed formulas would cross, ``B_l > B_u``). ``B_u = +inf`` at ``t = 0``.
+  Works on Python floats and on traced arrays.
+
+  Returns:
+    ``(B_l, B_u)``.
+  """
+  t = jnp.minimum(jnp.asarray(epoch), warmup_epochs)
+  lrn = base_lr * num_workers
+  lower = t / warmup_epochs * lrn
+  # 1/((1-b2)t) - 1/((1-b2)T) written as (T-t)/((1-b2) t T): no cancellation, exactly lr*N at T
+  upper = lrn + (warmup_epochs - t) / ((1.0 - b2) * t * warmup_epochs)
+  return lower, upper
+
+
+class LinearScalingAdaBoundState(NamedTuple):
+  """State of :func:`scale_by_linear_scaling_adabound`: int32 ``count``, moments ``mu``, ``nu``."""
+
+  count: chex.Array
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+def scale_by_linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_per_epoch: int,
+                                     alpha: float = 1e-3, warmup_epochs: float = 10,
+                                     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+                                     ) -> optax.GradientTransformation:
+  r"""Linear-scaling AdaBound's step (positive, no sign): ``clip(alpha/sqrt(V_t), B_l, B_u) * m_t``.
+
+  At the ``k``-th update (``k = 1, 2, ...``) the fractional epoch is ``t = k / steps_per_epoch``
+  and the bounds are :func:`linear_scaling_bounds`. Choices where seed 004 §2.2.1 is silent:
+
+  * **bias correction**: ``alpha`` is multiplied by ``sqrt(1 - b2^k) / (1 - b1^k)`` before the
+    clip, as in the AdaBound reference (the seed says that with ``B_u = inf, B_l = 0`` the method
+    *is* Adam, which is bias-corrected); ``eps`` is added to ``sqrt(v)`` as in the reference.
+  * ``t`` is clamped at ``T``; from then on the step is ``lr N * m_t`` (linear-scaling SGD with
+    EMA momentum).
+
+  Args:
+    base_lr: per-worker SGD learning rate ``lr`` (seed: 0.1).
+    num_workers: ``N``, the linear-scaling factor.
+    steps_per_epoch: optimizer steps per epoch of the global batch.
+    alpha: Adam learning rate (the seed's "initial learning rate").
+    warmup_epochs: ``T``.
+    b1, b2, eps: Adam hyperparameters.
+
+  Returns:
+    An ``optax.GradientTransformation`` with :class:`LinearScalingAdaBoundState`.
+
+  Seed: 004 §2.2.1 (bounds ``B_u``, ``B_l``; steps 2-6 of the warmup loop).
+  """
+  _check_pos("base_lr", base_lr)
+  _check_pos_int("num_workers", num_workers)
+  _check_pos_int("steps_per_epoch", steps_per_epoch)
+  _check_pos("alpha", alpha)
+  _check_pos("warmup_epochs", warmup_epochs)
+  _check_unit("b1", b1)
+  _check_unit("b2", b2)
+  _check_nonneg("eps", eps)
+
+  def init_fn(params):
+    return LinearScalingAdaBoundState(count=jnp.zeros([], jnp.int32),
+                                      mu=optax.tree.zeros_like(params),
+                                      nu=optax.tree.zeros_like(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    count = optax.safe_increment(state.count)
+    t = _float_count(count, mu)
+    step_size = alpha * jnp.sqrt(_bias_correction(b2, t)) / _bias_correction(b1, t)
+    lower, upper = linear_scaling_bounds(t / steps_per_epoch, base_lr=base_lr,
+                                         num_workers=num_workers, warmup_epochs=warmup_epochs,
+                                         b2=b2)
+
+    def one(m, v):
+      rate = jnp.clip((step_size / (jnp.sqrt(v) + eps)).astype(v.dtype),
+                      lower.astype(v.dtype), upper.astype(v.dtype))
+      return rate * m
+
+    return (jax.tree.map(one, mu, nu),
+            LinearScalingAdaBoundState(count=count, mu=mu, nu=nu))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_per_epoch: int,
+                            alpha: float = 1e-3, warmup_epochs: float = 10, b1: float = 0.9,
+                            b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+  r"""Linear-scaling AdaBound (seed 004 §2.2.1): Adam whose per-coordinate rate is clipped to
+  ``[B_l, B_u]``, moving smoothly from Adam (``t = 0``) to linear-scaling SGD ``lr N`` (``t = T``).
+
+  .. math::  x_{t+1} = x_t - \mathrm{clip}(\alpha/\sqrt{V_t}, B_l, B_u)\, m_t
+
+  See :func:`scale_by_linear_scaling_adabound` for the arguments and the choices made.
+
+  Example:
+    >>> import jax.numpy as jnp, mfopt
+    >>> tx = mfopt.linear_scaling_adabound(base_lr=0.1, num_workers=8, steps_per_epoch=10)
+    >>> params = jnp.ones(2)
+    >>> updates, _ = tx.update(jnp.array([1.0, 100.0]), tx.init(params), params)
+    >>> [round(float(u), 6) for u in updates]  # 2nd clipped at B_l = (0.1/10)*0.8, times m = 10
+    [-0.001, -0.08]
+  """
+  return optax.chain(
+      scale_by_linear_scaling_adabound(base_lr=base_lr, num_workers=num_workers,
+                                       steps_per_epoch=steps_per_epoch, alpha=alpha,
+                                       warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps),
+      optax.scale(-1.0))
+
+
+# ----------------------------------------------------------------------------- hybrid
+
+
+class HybridState(NamedTuple):
+  """State of :func:`hybrid_adabound_lars`.
+
+  Attributes:
+    count: int32 updates so far (both phases).
+    adabound: :class:`LinearScalingAdaBoundState` (frozen after the switch).
+    lars: the ``optax.lars`` state (untouched before the switch; its own counts start at 0
+      at the switch).
+  """
+
+  count: chex.Array
+  adabound: LinearScalingAdaBoundState
+  lars: Any
+
+
+def _warmup_steps(warmup_epochs: float, steps_per_epoch: int) -> int:
+  return int(math.floor(warmup_epochs * steps_per_epoch + 1e-9))
+
+
+def hybrid_lars_learning_rate(*, num_workers: int, steps_per_epoch: int, base_lr: float = 0.1,
+                              decay: float = 0.9) -> optax.Schedule:
+  """The SGD phase's global learning rate as a function of steps since the switch.
+
+  ``lr * N * decay ** floor(c / steps_per_epoch)`` for the ``c``-th SGD step (``c = 0, 1, ...``):
+  the exponent is the number of *completed epochs since the switch*, so the first SGD epoch runs
+  at ``lr N`` (where the warmup's bounds ended). The seed prints ``kappa^epoch``; counted from
+  epoch 0 it would jump from ``lr N`` to ``lr N 0.9^T`` at the switch (SPEC.md: counted from
+  the switch). Staircase per epoch, as the seed's per-epoch loop.
+  """
+  peak = base_lr * num_workers
+
+  def schedule(count):
+    return peak * decay ** (count // steps_per_epoch)
+
+  return schedule
+
+
+def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: float = 0.1,
+                         alpha: float = 1e-3, warmup_epochs: float = 10, decay: float = 0.9,
+                         momentum: float = 0.9, weight_decay: float = 1e-4,
+                         trust_coefficient: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
+                         eps: float = 1e-8) -> optax.GradientTransformation:
+  r"""AdaBound warmup + linear-scaling SGD with LARS (seed 004 §2.2.1, "the hybrid").
+
+  For the first ``S = floor(T * steps_per_epoch)`` updates: :func:`linear_scaling_adabound`
+  (no weight decay: the seed adopts weight decay "in SGD"). From update ``S`` on:
+  ``optax.lars(lr_c, weight_decay, trust_coefficient=..., momentum=...)`` with
+  :func:`hybrid_lars_learning_rate`, i.e.
+
+  .. math::
+     g' = g + \lambda w,\quad
+     v \leftarrow \mu v + \alpha_c\, \tau \frac{\lVert w\rVert}{\lVert g'\rVert} g',\quad
+     w \leftarrow w - v,\qquad \alpha_c = lr\, N\, \kappa^{\lfloor c/\text{steps\_per\_epoch}\rfloor}
+
+  per parameter tensor (optax's LARS; trust ratio 1 where ``||w||`` or ``||g'||`` is 0).
+
+  The switch is in the graph: ``lax.cond`` on the int32 step count (under the worker ``vmap``
+  it becomes a select; either way there is no recompilation and no host sync). Choices: the
+  LARS momentum buffer starts at zero at the switch (AdaBound's ``m`` is not carried over);
+  the decay is counted from the switch (see :func:`hybrid_lars_learning_rate`); the LARS masks
+  are optax's defaults (every tensor, biases and BN scales included).
+
+  Args:
+    num_workers: ``N``.
+    steps_per_epoch: optimizer steps per epoch of the global batch.
+    base_lr: per-worker SGD learning rate ``lr``.
+    alpha: AdaBound's (Adam) learning rate during the warmup.
+    warmup_epochs: ``T``.
+    decay: ``kappa``, per-epoch decay of the SGD learning rate.
+    momentum: LARS momentum.
+    weight_decay: L2 weight decay of the SGD phase.
+    trust_coefficient: LARS trust coefficient (You et al.: 0.001).
+    b1, b2, eps: AdaBound's Adam hyperparameters.
+
+  Returns:
+    An ``optax.GradientTransformation`` with :class:`HybridState`.
+
+  Example:
+    >>> import jax.numpy as jnp, mfopt
+    >>> tx = mfopt.hybrid_adabound_lars(num_workers=8, steps_per_epoch=10, warmup_epochs=1)
+    >>> state = tx.init(jnp.ones(3))
+    >>> int(state.count)
+    0
+
+  Seed: 004 §2.2.1 (both loops), §3.1 (defaults T=10, lr=0.1, kappa=0.9, wd=1e-4).
+  """
+  _check_unit("momentum", momentum)
+  _check_nonneg("weight_decay", weight_decay)
+  _check_pos("trust_coefficient", trust_coefficient)
+  if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+    raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+  warm = scale_by_linear_scaling_adabound(
+      base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch, alpha=alpha,
+      warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
+  switch = _warmup_steps(warmup_epochs, steps_per_epoch)
+  if switch < 1:
+    raise ValueError(f"warmup_epochs * steps_per_epoch must be >= 1 (one warmup step), got "
+                     f"warmup_epochs={warmup_epochs!r}, steps_per_epoch={steps_per_epoch!r}")
+  lars = optax.lars(hybrid_lars_learning_rate(num_workers=num_workers,
+                                              steps_per_epoch=steps_per_epoch,
+                                              base_lr=base_lr, decay=decay),
+                    weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+                    momentum=momentum)
+
+  def init_fn(params):
+    return HybridState(count=jnp.zeros([], jnp.int32), adabound=warm.init(params),
+                       lars=lars.init(params))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("hybrid_adabound_lars needs params (LARS trust ratio, weight decay)")
+
+    def warmup(_):
+      u, s = warm.update(updates, state.adabound, params)
+      return jax.tree.map(jnp.negative, u), s, state.lars
+
+    def sgd(_):
+      u, s = lars.update(updates, state.lars, params)
+      return u, state.adabound, s
+
+    new_updates, ab, lr_state = lax.cond(state.count < switch, warmup, sgd, None)
+    return new_updates, HybridState(count=optax.safe_increment(state.count), adabound=ab,
+                                    lars=lr_state)
+
+  return optax.GradientTransformation(init_fn, update_fn)

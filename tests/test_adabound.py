@@ -1,0 +1,346 @@
+"""AdaBound/AMSBound, linear-scaling AdaBound and the hybrid against NumPy references.
+
+The references below are written independently of ``mfopt.adabound``:
+* ``np_adabound`` transcribes ``adabound`` 0.0.5 ``AdaBound.step`` (the authors' PyTorch code)
+  line by line, in float64 Python/NumPy;
+* ``np_hybrid`` transcribes seed 004 §2.2.1 (bounds over fractional epochs, the clip, the switch
+  at T) and LARS from You et al. 2017 (``v = m v + lr * eta ||w||/||g + wd w|| (g + wd w)``).
+Float64 runs use ``jax.enable_x64`` as a context manager, so nothing leaks into other tests.
+"""
+
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mfopt
+# ``mfopt.adabound`` is the optimizer function; the module is reached through sys.modules.
+ab = importlib.import_module("mfopt.adabound")
+
+STEPS = 200
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+def _quadratic(d=12, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(d, d))
+  a = q @ q.T / d + np.diag(rng.uniform(0.1, 3.0, size=d))
+  b = rng.normal(size=d)
+  x0 = {"x": rng.normal(size=d)}
+
+  def np_grad(p):
+    return {"x": a @ p["x"] - b}
+
+  def jax_loss(p):
+    return 0.5 * p["x"] @ jnp.asarray(a, p["x"].dtype) @ p["x"] - jnp.asarray(b, p["x"].dtype) @ p["x"]
+
+  return x0, np_grad, jax_loss
+
+
+def _mlp(d=5, h=7, n=16, seed=1):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, d))
+  y = np.sin(x.sum(1, keepdims=True))
+  p0 = {"w1": rng.normal(size=(d, h)) / math.sqrt(d), "b1": np.zeros(h),
+        "w2": rng.normal(size=(h, 1)) / math.sqrt(h), "b2": np.zeros(1)}
+
+  def np_grad(p):
+    z = x @ p["w1"] + p["b1"]
+    a = np.tanh(z)
+    out = a @ p["w2"] + p["b2"]
+    r = (out - y) / n  # d/d out of 0.5*mean((out-y)^2)
+    gw2 = a.T @ r
+    gb2 = r.sum(0)
+    da = r @ p["w2"].T * (1 - a ** 2)
+    return {"w1": x.T @ da, "b1": da.sum(0), "w2": gw2, "b2": gb2}
+
+  def jax_loss(p):
+    dt = p["w1"].dtype
+    out = jnp.tanh(jnp.asarray(x, dt) @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return 0.5 * jnp.mean((out - jnp.asarray(y, dt)) ** 2)
+
+  return p0, np_grad, jax_loss
+
+
+PROBLEMS = {"quadratic": _quadratic, "mlp": _mlp}
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def np_adabound(p0, grad_fn, steps, lr, final_lr=0.1, gamma=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                weight_decay=0.0, amsbound=False, lr_at=None):
+  """adabound 0.0.5 AdaBound.step, transcribed (one param group; lr_at(step0) = scheduler)."""
+  p = {k: np.array(v, np.float64) for k, v in p0.items()}
+  state = {k: {"step": 0, "exp_avg": np.zeros_like(v), "exp_avg_sq": np.zeros_like(v),
+               "max_exp_avg_sq": np.zeros_like(v)} for k, v in p.items()}
+  base_lr = lr
+  traj = []
+  for i in range(steps):
+    group_lr = lr if lr_at is None else lr_at(i)
+    grads = grad_fn(p)
+    for k in p:
+      grad, st = grads[k], state[k]
+      st["step"] += 1
+      if weight_decay != 0:
+        grad = grad + weight_decay * p[k]
+      beta1, beta2 = betas
+      st["exp_avg"] = st["exp_avg"] * beta1 + (1 - beta1) * grad
+      st["exp_avg_sq"] = st["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad
+      if amsbound:
+        st["max_exp_avg_sq"] = np.maximum(st["max_exp_avg_sq"], st["exp_avg_sq"])
+        denom = np.sqrt(st["max_exp_avg_sq"]) + eps
+      else:
+        denom = np.sqrt(st["exp_avg_sq"]) + eps
+      bias_correction1 = 1 - beta1 ** st["step"]
+      bias_correction2 = 1 - beta2 ** st["step"]
+      step_size = group_lr * math.sqrt(bias_correction2) / bias_correction1
+      fl = final_lr * group_lr / base_lr
+      lower_bound = fl * (1 - 1 / (gamma * st["step"] + 1))
+      upper_bound = fl * (1 + 1 / (gamma * st["step"]))
+      step = np.clip(np.full_like(denom, step_size) / denom, lower_bound, upper_bound) * st["exp_avg"]
+      p[k] = p[k] - step
+    traj.append({k: v.copy() for k, v in p.items()})
+  return traj
+
+
+def np_hybrid(p0, grad_fn, steps, *, base_lr, num_workers, steps_per_epoch, alpha, warmup_epochs,
+              b1=0.9, b2=0.999, eps=1e-8, decay=0.9, momentum=0.9, weight_decay=1e-4,
+              trust=1e-3, switch=True):
+  """Seed 004 §2.2.1 (AdaBound warmup + LARS SGD), written from the seed's equations."""
+  p = {k: np.array(v, np.float64) for k, v in p0.items()}
+  m = {k: np.zeros_like(v) for k, v in p.items()}
+  v2 = {k: np.zeros_like(v) for k, v in p.items()}
+  buf = {k: np.zeros_like(v) for k, v in p.items()}
+  lrn = base_lr * num_workers
+  big_t = warmup_epochs
+  n_warm = int(math.floor(warmup_epochs * steps_per_epoch + 1e-9)) if switch else steps + 1
+  traj, rates = [], []
+  for i in range(steps):
+    g = grad_fn(p)
+    if i < n_warm:
+      k_ = i + 1
+      t = min(k_ / steps_per_epoch, big_t)  # fractional epoch, clamped at T
+      b_u = lrn + 1 / ((1 - b2) * t) - 1 / ((1 - b2) * big_t)
+      b_l = t / big_t * lrn
+      for k in p:
+        m[k] = b1 * m[k] + (1 - b1) * g[k]
+        v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
+        a_t = alpha * math.sqrt(1 - b2 ** k_) / (1 - b1 ** k_)
+        rate = np.minimum(np.maximum(a_t / (np.sqrt(v2[k]) + eps), b_l), b_u)
+        p[k] = p[k] - rate * m[k]
+      rates.append((b_l, b_u))
+    else:
+      c = i - n_warm
+      lr_c = lrn * decay ** (c // steps_per_epoch)
+      for k in p:
+        gk = g[k] + weight_decay * p[k]
+        wn, gn = np.linalg.norm(p[k]), np.linalg.norm(gk)
+        local = trust * wn / gn if wn > 0 and gn > 0 else 1.0
+        buf[k] = momentum * buf[k] + lr_c * local * gk
+        p[k] = p[k] - buf[k]
+    traj.append({k: v.copy() for k, v in p.items()})
+  return traj, rates
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def _run(tx, p0, jax_loss, steps, dtype):
+  params = jax.tree.map(lambda a: jnp.asarray(a, dtype), p0)
+
+  @jax.jit
+  def go(params):
+    def body(carry, _):
+      p, s = carry
+      g = jax.grad(jax_loss)(p)
+      u, s = tx.update(g, s, p)
+      p = optax.apply_updates(p, u)
+      return (p, s), p
+    _, traj = jax.lax.scan(body, (params, tx.init(params)), None, length=steps)
+    return traj
+
+  return jax.device_get(go(params))
+
+
+def _assert_traj(got, want, rtol):
+  """Relative error of every step's parameters, scaled by that leaf's magnitude."""
+  for k in want[0]:
+    g = np.asarray(got[k], np.float64)
+    w = np.stack([s[k] for s in want])
+    scale = np.maximum(np.abs(w).max(axis=tuple(range(1, w.ndim)), keepdims=True), 1e-3)
+    err = (np.abs(g - w) / scale).max()
+    assert err <= rtol, f"leaf {k}: max relative error {err:.3e} > {rtol:.0e}"
+  # The trajectory really moved (a no-op optimizer cannot pass).
+  first, last = want[0], want[-1]
+  assert max(np.abs(first[k] - last[k]).max() for k in first) > 1e-2
+
+
+CONFIGS = [
+    dict(lr=1e-3, final_lr=0.1, gamma=1e-3),
+    dict(lr=1e-2, final_lr=0.05, gamma=1e-2, amsbound=True),
+    dict(lr=3e-3, final_lr=0.3, gamma=0.1, weight_decay=1e-2),
+    dict(lr=1e-2, final_lr=0.02, gamma=0.5, weight_decay=5e-3, amsbound=True,
+         betas=(0.8, 0.99), eps=1e-6),
+]
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+@pytest.mark.parametrize("cfg", range(len(CONFIGS)))
+def test_adabound_matches_reference_float64(problem, cfg):
+  kw = CONFIGS[cfg]
+  p0, np_grad, jax_loss = PROBLEMS[problem]()
+  want = np_adabound(p0, np_grad, STEPS, **kw)
+  b1, b2 = kw.get("betas", (0.9, 0.999))
+  with jax.enable_x64(True):
+    tx = mfopt.adabound(kw["lr"], final_lr=kw["final_lr"], gamma=kw["gamma"], b1=b1, b2=b2,
+                        eps=kw.get("eps", 1e-8), weight_decay=kw.get("weight_decay", 0.0),
+                        amsbound=kw.get("amsbound", False))
+    got = _run(tx, p0, jax_loss, STEPS, jnp.float64)
+  _assert_traj(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+@pytest.mark.parametrize("cfg", [0, 3])
+def test_adabound_matches_reference_float32(problem, cfg):
+  kw = CONFIGS[cfg]
+  p0, np_grad, jax_loss = PROBLEMS[problem]()
+  want = np_adabound(p0, np_grad, STEPS, **kw)
+  b1, b2 = kw.get("betas", (0.9, 0.999))
+  tx = mfopt.adabound(kw["lr"], final_lr=kw["final_lr"], gamma=kw["gamma"], b1=b1, b2=b2,
+                      eps=kw.get("eps", 1e-8), weight_decay=kw.get("weight_decay", 0.0),
+                      amsbound=kw.get("amsbound", False))
+  got = _run(tx, p0, jax_loss, STEPS, jnp.float32)
+  _assert_traj(got, want, 1e-5)
+
+
+def test_adabound_schedule_decays_the_bounds_like_the_reference():
+  """With a scheduler the reference scales final_lr by lr/base_lr; so does mfopt."""
+  p0, np_grad, jax_loss = _quadratic(seed=3)
+  sched = lambda i: 1e-2 * 0.98 ** i  # noqa: E731
+  want = np_adabound(p0, np_grad, STEPS, 1e-2, final_lr=0.2, gamma=0.05, lr_at=sched)
+  with jax.enable_x64(True):
+    # (optax's schedules return float32 even under x64, so the schedule is written out here)
+    tx = mfopt.adabound(lambda c: 1e-2 * 0.98 ** c, final_lr=0.2, gamma=0.05)
+    got = _run(tx, p0, jax_loss, STEPS, jnp.float64)
+  _assert_traj(got, want, 1e-10)
+  # and it matters: ignoring the scaling of final_lr gives a different trajectory
+  other = np_adabound(p0, np_grad, STEPS, 1e-2, final_lr=0.2, gamma=0.05,
+                      lr_at=lambda i: 1e-2 if i == 0 else sched(i) * (1 + 1e-9))
+  assert np.abs(other[-1]["x"] - want[-1]["x"]).max() < 1e-6  # sanity of the reference
+  fixed = np_adabound(p0, np_grad, STEPS, 1e-2, final_lr=0.2, gamma=0.05)
+  assert np.abs(fixed[-1]["x"] - want[-1]["x"]).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- seed 004 §2.2.1
+
+HYBRID = dict(base_lr=0.05, num_workers=4, steps_per_epoch=10, alpha=0.01, warmup_epochs=3)
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_linear_scaling_adabound_matches_seed_equations_float64(problem):
+  p0, np_grad, jax_loss = PROBLEMS[problem]()
+  steps = 45  # runs past T (30 steps): bounds then stay at lr*N
+  want, _ = np_hybrid(p0, np_grad, steps, switch=False, **HYBRID)
+  with jax.enable_x64(True):
+    got = _run(mfopt.linear_scaling_adabound(**HYBRID), p0, jax_loss, steps, jnp.float64)
+  _assert_traj(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_hybrid_matches_seed_equations_across_the_switch_float64(problem):
+  p0, np_grad, jax_loss = PROBLEMS[problem]()
+  steps = 70  # 30 AdaBound steps, then 4 SGD epochs (lr decays 3 times)
+  kw = dict(HYBRID, decay=0.7, momentum=0.9, weight_decay=1e-3)
+  want, _ = np_hybrid(p0, np_grad, steps, trust=0.5, **kw)
+  with jax.enable_x64(True):
+    tx = mfopt.hybrid_adabound_lars(trust_coefficient=0.5, **kw)
+    got = _run(tx, p0, jax_loss, steps, jnp.float64)
+  _assert_traj(got, want, 1e-10)
+  # The two phases really differ: a run without the switch leaves the SGD phase's path.
+  no_switch, _ = np_hybrid(p0, np_grad, steps, switch=False, **HYBRID)
+  k = next(iter(want[0]))
+  assert np.abs(no_switch[-1][k] - want[-1][k]).max() > 1e-4
+
+
+def test_hybrid_switch_is_in_graph_one_trace():
+  traces = []
+  tx = mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=2, warmup_epochs=1)
+
+  @jax.jit
+  def step(p, s):
+    traces.append(1)
+    u, s = tx.update(2.0 * p, s, p)
+    return optax.apply_updates(p, u), s
+
+  p = jnp.linspace(-1.0, 1.0, 5)
+  s = tx.init(p)
+  seen = []
+  for _ in range(6):
+    p, s = step(p, s)
+    seen.append((int(s.adabound.count), int(s.count)))
+  assert len(traces) == 1
+  # AdaBound counts the 2 warmup steps, then freezes while LARS runs.
+  assert [a for a, _ in seen] == [1, 2, 2, 2, 2, 2]
+  assert [c for _, c in seen] == [1, 2, 3, 4, 5, 6]
+
+
+def test_bounds_bind_early_in_warmup():
+  """Some coordinates sit exactly at B_u and others exactly at B_l in the first steps."""
+  n, spe, big_t = 8, 1, 10
+  tx = ab.scale_by_linear_scaling_adabound(base_lr=0.1, num_workers=n, steps_per_epoch=spe,
+                                           warmup_epochs=big_t)
+  rng = np.random.default_rng(0)
+  g = jnp.asarray(np.concatenate([rng.uniform(1e-8, 1e-6, 20), rng.uniform(1e-4, 1e-2, 20),
+                                  rng.uniform(5.0, 50.0, 20)]) * rng.choice([-1, 1], 60),
+                  jnp.float32)
+  state = tx.init(g)
+  for k in (1, 2, 3):
+    u, state = tx.update(g, state, None)
+    lo, hi = ab.linear_scaling_bounds(k / spe, base_lr=0.1, num_workers=n, warmup_epochs=big_t)
+    rate = np.asarray(u) / np.asarray(state.mu)  # effective per-coordinate learning rate
+    at_hi = np.isclose(rate, float(hi), rtol=1e-6)
+    at_lo = np.isclose(rate, float(lo), rtol=1e-6)
+    assert at_hi[:20].all() and at_lo[40:].all(), (k, rate)
+    assert not (at_hi | at_lo)[20:40].any()  # the middle band is unclipped Adam
+    # the unclipped Adam rate really lies outside the bounds for the clipped coordinates
+    adam = 1e-3 * math.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k) / (np.sqrt(np.asarray(state.nu)) + 1e-8)
+    assert (adam[:20] > float(hi)).all() and (adam[40:] < float(lo)).all()
+  # B_u falls and B_l rises with t, and both reach lr*N at T
+  lo_t, hi_t = ab.linear_scaling_bounds(big_t, base_lr=0.1, num_workers=n, warmup_epochs=big_t)
+  assert float(lo_t) == pytest.approx(0.8) and float(hi_t) == pytest.approx(0.8)
+  assert float(ab.linear_scaling_bounds(0.0, base_lr=0.1, num_workers=n,
+                                        warmup_epochs=big_t)[1]) == math.inf
+
+
+def test_lars_learning_rate_counts_decay_from_the_switch():
+  sched = ab.hybrid_lars_learning_rate(num_workers=8, steps_per_epoch=5, base_lr=0.1, decay=0.9)
+  got = [float(sched(jnp.asarray(c))) for c in (0, 4, 5, 14, 15)]
+  np.testing.assert_allclose(got, [0.8, 0.8, 0.72, 0.8 * 0.81, 0.8 * 0.729], rtol=1e-6)
+
+
+@pytest.mark.parametrize("make,arg,value", [
+    (lambda v: mfopt.adabound(1e-3, final_lr=v), "final_lr", -0.1),
+    (lambda v: mfopt.adabound(1e-3, gamma=v), "gamma", 1.0),
+    (lambda v: mfopt.adabound(1e-3, b1=v), "b1", 1.0),
+    (lambda v: mfopt.adabound(1e-3, weight_decay=v), "weight_decay", -1.0),
+    (lambda v: mfopt.adabound(v), "learning_rate", -1e-3),
+    (lambda v: mfopt.linear_scaling_adabound(base_lr=0.1, num_workers=v, steps_per_epoch=3),
+     "num_workers", 0),
+    (lambda v: mfopt.linear_scaling_adabound(base_lr=0.1, num_workers=2, steps_per_epoch=v),
+     "steps_per_epoch", 2.5),
+    (lambda v: mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=3, decay=v), "decay", 0.0),
+    (lambda v: mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=3, momentum=v),
+     "momentum", 1.0),
+    (lambda v: mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=3, warmup_epochs=v),
+     "warmup_epochs", 0.1),
+])
+def test_bad_arguments_are_named(make, arg, value):
+  with pytest.raises(ValueError, match=arg):
+    make(value)
