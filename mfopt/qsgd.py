@@ -88,6 +88,19 @@ def dequantize(q: jax.Array, norms: jax.Array, bits: int = 8,
   return (x * (norms[:, None] / s)).reshape(-1)[:n]
 
 
+def _all_gather(x: jax.Array, axis_name: AxisName) -> jax.Array:
+  """All-gather over one axis or a tuple of axes (one axis at a time, innermost first).
+
+  A single ``all_gather`` over a tuple mixing a mesh axis and a ``vmap`` axis is
+  rejected by JAX 0.10 ("axis size doesn't match"); gathering per axis gives the
+  same ``(W, ...)`` result in worker order and is one logical exchange.
+  """
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  for axis in reversed(axes):
+    x = lax.all_gather(x, axis)
+  return x.reshape((-1,) + x.shape[len(axes):])
+
+
 def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
          seed: int = 0) -> optax.GradientTransformation:
   r"""Mean over workers of QSGD-quantized gradients (stochastic, unbiased), via ``all_gather``.
@@ -113,9 +126,9 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
     >>> import jax.numpy as jnp, optax, mfopt
     >>> tx = mfopt.qsgd(None)
     >>> state = tx.init({"w": jnp.zeros(3)})
-    >>> g, state = tx.update({"w": jnp.array([0.0, 3.0, -4.0])}, state)
-    >>> g["w"].tolist()  # exact here: every |v_i| * s / ||v|| is an integer
-    [0.0, 3.0, -4.0]
+    >>> g, state = tx.update({"w": jnp.array([0.0, 0.0, -2.0])}, state)
+    >>> g["w"].tolist()  # exact here: every |v_i| * s / ||v|| is an integer level
+    [0.0, 0.0, -2.0]
 
   Seed: 001 §IV (QSGD-8bit baseline, ref. [14]).
   """
@@ -143,8 +156,8 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
       mean = dequantize(q, norms, bits, bucket_size)
       comm = state.comm
     else:
-      all_q = lax.all_gather(q, axis_name)          # (W, n) int8
-      all_norms = lax.all_gather(norms, axis_name)  # (W, buckets) float32
+      all_q = _all_gather(q, axis_name)          # (W, n) int8
+      all_norms = _all_gather(norms, axis_name)  # (W, buckets) float32
       deq = jax.vmap(lambda a, b: dequantize(a, b, bits, bucket_size))(all_q, all_norms)
       mean = jnp.mean(deq, axis=0)
       comm = state.comm._replace(count=state.comm.count + 1)

@@ -105,7 +105,7 @@ def bound(mu: float, N: float, eta: float, *, P: float, B: float, K: float,
     >>> from mfopt import theory
     >>> c = theory.ProblemConstants(L=1.0, sigma2=1.0, M=1.0, f_gap=1.0, delta=0.5)
     >>> round(theory.bound(0.0, 100, 0.01, P=8, B=32, K=4, c=c), 6)
-    0.002005
+    0.571798
   """
   return float(sum(bound_terms(mu, N, eta, P=P, B=B, K=K, c=c).values()))
 

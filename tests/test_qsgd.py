@@ -1,0 +1,113 @@
+"""QSGD: unbiased quantization, exchanged as int8 + scales with all_gather, counted bytes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mfopt
+from mfopt import costmodel, parallel
+from mfopt.comm import CollectiveKind
+from mfopt.qsgd import dequantize, qsgd_payload_bytes, quantize
+
+
+def test_quantization_is_unbiased_statistically():
+  """Mean of T independent quantizations -> v; tolerance 5 standard errors per coordinate.
+
+  Var[Q(v)_i] = (||v_b|| / s)^2 p (1 - p) <= (||v_b|| / s)^2 / 4, so the standard error of
+  the mean of T draws is at most ||v_b|| / (2 s sqrt(T)). bits=4 (s = 7) makes the levels
+  coarse, so a biased rounding would miss by far more than the tolerance (checked below).
+  """
+  rng = np.random.default_rng(0)
+  n, bucket, bits, draws = 1000, 128, 4, 4000
+  v = jnp.asarray((rng.normal(size=n) * rng.uniform(0.01, 3.0, size=n)).astype(np.float32))
+  keys = jax.random.split(jax.random.PRNGKey(1), draws)
+  q_and_norms = jax.jit(jax.vmap(lambda k: quantize(v, k, bits, bucket)))(keys)
+  deq = jax.jit(jax.vmap(lambda q, s: dequantize(q, s, bits, bucket)))(*q_and_norms)
+  mean = np.asarray(deq).mean(0)
+  norms = np.asarray(q_and_norms[1][0])
+  s = 2 ** (bits - 1) - 1
+  se = np.repeat(norms, bucket)[:n] / (2 * s * np.sqrt(draws))
+  assert np.all(np.abs(mean - np.asarray(v)) <= 5 * se)
+  # Power: deterministic (floor) rounding is biased by far more than the tolerance.
+  floor = np.floor(np.abs(np.asarray(v)) / np.repeat(norms, bucket)[:n] * s) * np.sign(v) \
+      * np.repeat(norms, bucket)[:n] / s
+  assert np.max(np.abs(floor - np.asarray(v)) / se) > 20
+  # Each draw is a valid code: |q| <= s, int8.
+  assert q_and_norms[0].dtype == jnp.int8 and int(jnp.abs(q_and_norms[0]).max()) <= s
+
+
+def test_payload_bytes_are_int8_plus_scales_about_a_quarter_of_fp32():
+  params = {"a": jnp.zeros((10, 100)), "b": jnp.zeros(300)}  # 1300 parameters
+  n = 1300
+  assert qsgd_payload_bytes(n, 8, 512) == n + 4 * 3
+  state = mfopt.qsgd(mfopt.WORKER_AXES).init(params)
+  assert int(state.comm.payload_bytes) == n + 12
+  assert int(state.comm.kind) == CollectiveKind.ALL_GATHER
+  ratio = (n + 12) / (4 * n)
+  assert 0.25 < ratio < 0.26
+
+
+def test_all_gather_wire_bytes_overtake_ring_all_reduce_as_workers_grow():
+  n = 1_000_000
+  q = qsgd_payload_bytes(n)
+  f = 4 * n
+
+  def ratio(workers):
+    return (costmodel.wire_bytes(q, workers, CollectiveKind.ALL_GATHER)
+            / costmodel.wire_bytes(f, workers, CollectiveKind.ALL_REDUCE))
+
+  # (w-1) q vs 2 (w-1)/w f: equal at w = 2 f / q = 7.93...
+  assert ratio(4) < 1 < ratio(8) < ratio(16) < ratio(32)
+  np.testing.assert_allclose(ratio(16), 15 * q / (2 * 15 / 16 * f))
+
+
+def test_distributed_qsgd_equals_mean_of_per_worker_quantizations_w16():
+  workers = 16
+  mesh = parallel.make_mesh()
+  tx = optax.chain(mfopt.qsgd(mfopt.WORKER_AXES, bits=8, bucket_size=64, seed=3), optax.sgd(1.0))
+  rng = np.random.default_rng(2)
+  grads = {"a": rng.normal(size=(workers, 50)).astype(np.float32),
+           "b": rng.normal(size=(workers, 5, 6)).astype(np.float32)}
+  params = jax.tree.map(np.zeros_like, grads)
+
+  def step(p, g):
+    state = tx.init(p)
+    updates, state = tx.update(g, state, p)
+    return updates, state
+
+  fn = jax.jit(parallel.per_worker(step, mesh, workers))
+  updates, state = fn(parallel.shard_workers(params, mesh), parallel.shard_workers(grads, mesh))
+  lowered = jax.jit(parallel.per_worker(step, mesh, workers)).lower(
+      parallel.shard_workers(params, mesh), parallel.shard_workers(grads, mesh))
+  text = lowered.compile().as_text()
+  assert re.search(r"s8\[[^\]]*\]\S* all-gather", text)
+  assert not re.search(r"s8\[[^\]]*\]\S* all-reduce", text)
+  # Reference: dequantize each worker's code (same keys) and average.
+  deq = []
+  for w in range(workers):
+    flat = np.concatenate([grads["a"][w].reshape(-1), grads["b"][w].reshape(-1)])
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(3), 0), w)
+    q, s = quantize(jnp.asarray(flat), key, 8, 64)
+    deq.append(np.asarray(dequantize(q, s, 8, 64)))
+  want = -np.mean(deq, axis=0)
+  got = jax.device_get(updates)
+  for w in range(workers):
+    flat = np.concatenate([got["a"][w].reshape(-1), got["b"][w].reshape(-1)])
+    np.testing.assert_allclose(flat, want, rtol=1e-6, atol=1e-7)
+  exact = -np.concatenate([grads["a"].mean(0), grads["b"].reshape(workers, -1).mean(0)])
+  assert np.abs(want - exact).max() > 0  # it is a quantized, not exact, mean
+  np.testing.assert_allclose(want, exact, atol=0.05)
+  totals = mfopt.comm_totals(state)
+  assert totals["all_gathers"] == 1 and totals["all_gather_bytes"] == 80 + 4 * 2
+
+
+@pytest.mark.parametrize("kw,match", [({"bits": 1}, r"bits must be an integer in \[2, 8\], got 1"),
+                                      ({"bits": 9}, r"got 9"),
+                                      ({"bucket_size": 0}, r"bucket_size must be a positive")])
+def test_bad_arguments(kw, match):
+  with pytest.raises(ValueError, match=match):
+    mfopt.qsgd(None, **kw)

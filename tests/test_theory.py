@@ -1,0 +1,94 @@
+"""Seed 003 theory helper: Theorem 1's bound, its conditions, and Lemmas 5-7 checked numerically."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mfopt import theory
+
+C = theory.ProblemConstants(L=1.0, sigma2=4.0, M=1.0, f_gap=10.0, delta=0.5)
+
+
+def test_bound_at_mu_zero_is_k_avg_bound_and_terms_match_closed_form():
+  """mu = 0 gives Zhou & Cong's K-AVG bound (seed 003 Remark 2), written out independently."""
+  n, eta, p, b, k = 500, 0.01, 8, 32, 4
+  d = C.delta
+  kavg = (2 * C.f_gap / (n * (k - 1 + d) * eta)
+          + C.L**2 * eta**2 * C.sigma2 * (2 * k - 1) * k * (k - 1) / (6 * (k - 1 + d) * b)
+          + 2 * C.L * k**2 * C.sigma2 * eta / (p * b * (k - 1 + d)))
+  assert theory.bound(0.0, n, eta, P=p, B=b, K=k, c=C) == pytest.approx(kavg, rel=1e-12)
+  # With momentum: the optimisation term shrinks by (1 - mu); the others grow.
+  t0 = theory.bound_terms(0.0, n, eta, P=p, B=b, K=k, c=C)
+  t5 = theory.bound_terms(0.5, n, eta, P=p, B=b, K=k, c=C)
+  assert t5["optimization"] == pytest.approx(0.5 * t0["optimization"])
+  assert t5["drift"] == pytest.approx(4 * t0["drift"])
+  assert t5["noise"] == pytest.approx(2 * t0["noise"] * (1 + 0.25 / (2 * 0.25)))
+  assert t0["momentum"] == 0 and t5["momentum"] == pytest.approx(
+      C.L * eta * 0.25 * k**2 * C.M / ((k - 1 + d) * 0.125))
+
+
+def test_conditions_boundary_matches_quadratic_formula():
+  k, mu = 6, 0.3
+  # 1 = a x^2 + b x with x = eta L / (1 - mu): a = (K+1)(K-2)/2, b = 2K.
+  a, b = (k + 1) * (k - 2) / 2, 2 * k
+  x = (-b + np.sqrt(b * b + 4 * a)) / (2 * a)
+  eta_max = x * (1 - mu) / C.L
+  assert theory.conditions(mu, eta_max * 0.999, K=k, c=C)["step_ok"]
+  assert not theory.conditions(mu, eta_max * 1.001, K=k, c=C)["step_ok"]
+  assert not theory.conditions(mu, 0.8, K=1, c=C)["delta_ok"]  # (0.8/0.7)^2 > 0.5
+
+
+def test_lemma6_optimal_momentum_grows_with_learners():
+  """N P B K fixed: the bound-optimal mu does not decrease, and grows, as P increases."""
+  c = theory.ProblemConstants(L=1.0, sigma2=20.0, M=0.05, f_gap=50.0, delta=0.5)
+  mus = [theory.optimal_momentum(p, samples=2e6, eta=0.01, B=32, K=8, c=c) for p in (6, 12, 24, 48)]
+  assert all(np.isfinite(mus))
+  assert all(b >= a for a, b in zip(mus, mus[1:]))
+  assert mus[-1] > mus[0] > 0
+  # The optimum is a true minimiser on its grid: neighbours are no better.
+  n = 2e6 / (6 * 32 * 8)
+  g = lambda m: theory.bound(m, n, 0.01, P=6, B=32, K=8, c=c)  # noqa: E731
+  assert g(mus[0]) <= g(mus[0] - 0.01) and g(mus[0]) <= g(mus[0] + 0.01)
+
+
+def test_lemmas_5_and_7_optimal_period():
+  """N K fixed; where condition (11)/(12) holds, K_opt(mu) > 1 and K_opt(mu) <= K_opt(0)."""
+  c = theory.ProblemConstants(L=1.0, sigma2=1.0, M=0.1, f_gap=100.0, delta=0.5)
+  samples, eta, p, b = 5e4, 0.005, 8, 16
+  k0 = theory.optimal_period(0.0, samples=samples, eta=eta, P=p, B=b, c=c)
+  assert theory.lemma5_condition(0.0, samples=samples, eta=eta, P=p, B=b, c=c)
+  assert k0 > 1
+  for mu in (0.3, 0.5, 0.7):
+    assert theory.lemma5_condition(mu, samples=samples, eta=eta, P=p, B=b, c=c)
+    k_mu = theory.optimal_period(mu, samples=samples, eta=eta, P=p, B=b, c=c)
+    assert 1 < k_mu <= k0
+  assert theory.optimal_period(0.9, samples=samples, eta=eta, P=p, B=b, c=c) < k0
+
+
+def test_estimate_constants_on_a_quadratic_with_known_answers():
+  """f_i(w) = 0.5 sum h (w - x_i)^2: L = max h, sigma2 = sum h^2 Var(x), grad F = h (w - mean x)."""
+  rng = np.random.default_rng(0)
+  h = np.array([3.0, 1.0, 0.5], np.float32)
+  x = rng.normal(size=(400, 3)).astype(np.float32)
+  w = np.ones(3, np.float32)
+
+  def loss(params, batch):
+    return jnp.mean(0.5 * jnp.sum(h * (params["w"] - batch["x"]) ** 2, axis=1))
+
+  est = theory.estimate_constants(loss, {"w": jnp.asarray(w)}, {"x": jnp.asarray(x)}, iters=30)
+  assert est.L == pytest.approx(3.0, rel=1e-3)
+  assert est.sigma2 == pytest.approx(float(np.sum(h**2 * x.var(0))), rel=1e-4)
+  assert est.M == pytest.approx(float(np.sum((h * (w - x.mean(0))) ** 2)), rel=1e-4)
+
+
+@pytest.mark.parametrize("kw,match", [({"L": 0.0}, r"L must be positive, got 0.0"),
+                                      ({"delta": 1.0}, r"delta must be in \(0, 1\), got 1.0")])
+def test_bad_constants(kw, match):
+  args = dict(L=1.0, sigma2=1.0, M=1.0, f_gap=1.0, delta=0.5) | kw
+  with pytest.raises(ValueError, match=match):
+    theory.ProblemConstants(**args)
+
+
+def test_bad_mu():
+  with pytest.raises(ValueError, match=r"mu must be in \[0, 1\), got 1.0"):
+    theory.bound(1.0, 10, 0.1, P=1, B=1, K=1, c=C)
