@@ -1,0 +1,222 @@
+"""mfopt.checkpoint: exact round trip, keep-N, checksum, fallback past corrupt checkpoints, atomicity."""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mfopt import checkpoint, parallel
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+class Inner(NamedTuple):
+  count: jax.Array
+  mu: dict
+
+
+class State(NamedTuple):
+  params: dict
+  opt: tuple
+
+
+def make_state(step: int, mesh=None):
+  """A worker-stacked state whose every value is a function of ``step`` (so a restore is checkable)."""
+  mesh = mesh or parallel.make_mesh()
+  rng = np.random.default_rng(step)
+  tree = State(
+      params={"w": rng.normal(size=(8, 3, 5)).astype(np.float32),
+              "b": rng.normal(size=(8, 5)).astype(jnp.bfloat16)},
+      opt=(Inner(count=np.full((8,), step, np.int32),
+                 mu={"w": rng.normal(size=(8, 3, 5)).astype(np.float32)}),
+           np.full((8, 2), np.nan, np.float32)))  # NaN diagnostics are legal state
+  return parallel.shard_workers(tree, mesh)
+
+
+def assert_tree_equal(a, b):
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb
+  for x, y in zip(la, lb):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(x, y)
+
+
+def reference_checksum(tree):
+  """NumPy re-derivation of tree_checksum: sums of the uint32 words times 2i+1, mod 2**32."""
+  out = []
+  for leaf in jax.tree.leaves(jax.device_get(tree)):
+    a = np.ascontiguousarray(np.asarray(leaf)).ravel()
+    if a.dtype.itemsize == 2:
+      words = a.view(np.uint16).astype(np.uint64)
+    elif a.dtype == np.bool_:
+      words = a.astype(np.uint64)
+    else:
+      words = a.view(np.uint32).astype(np.uint64)
+    i = np.arange(words.size, dtype=np.uint64)
+    weights = (2 * i + 1) % 2**32
+    first = int((words * weights % 2**32).sum() % 2**32)
+    second = int((words ^ (weights * 0x9E3779B1 % 2**32)).sum() % 2**32)
+    out.append([first, second])
+  return out
+
+
+def test_checksum_matches_numpy_and_sees_one_changed_element():
+  state = make_state(3)
+  assert checkpoint.tree_checksum(state) == reference_checksum(state)
+  host = jax.device_get(state)
+  w = np.array(host.params["w"])
+  w[5, 2, 4] = np.nextafter(w[5, 2, 4], np.float32(np.inf))  # one ulp
+  changed = host._replace(params={**host.params, "w": w})
+  assert checkpoint.tree_checksum(changed)[1][0] != checkpoint.tree_checksum(host)[1][0]  # leaf 1 is "w"
+  swapped = np.array(host.params["w"])
+  swapped[[0, 1]] = swapped[[1, 0]]  # same multiset of values, different places
+  assert (checkpoint.tree_checksum(host._replace(params={**host.params, "w": swapped}))[1][0]
+          != checkpoint.tree_checksum(host)[1][0])
+
+
+def test_round_trip_is_exact_and_keeps_the_newest_n(tmp_path):
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=2, fingerprint={"seed": 1})
+  for step in (5, 10, 15):
+    ckpt.save(step, make_state(step), {"history": [{"step": step, "loss": 0.1 + step}]})
+  assert ckpt.steps() == [10, 15]
+  assert ckpt.describe_last_good() == f"step 15 at {tmp_path.absolute() / '15'}"
+  ckpt.close()
+  fresh = checkpoint.RunCheckpointer(tmp_path, keep=2, fingerprint={"seed": 1})
+  restored = fresh.restore_latest(make_state(0))
+  assert restored.step == 15 and restored.meta["history"] == [{"step": 15, "loss": 15.1}]
+  assert_tree_equal(restored.state, make_state(15))
+  assert type(restored.state.opt[0]) is Inner  # the target's NamedTuple types come back
+  assert restored.state.params["w"].sharding == make_state(0).params["w"].sharding
+
+
+def test_nothing_saved_restores_none(tmp_path):
+  assert checkpoint.RunCheckpointer(tmp_path / "absent").restore_latest(make_state(0)) is None
+
+
+def _data_files(step_dir):
+  return sorted(p for p in (step_dir / "state").rglob("*") if p.is_file() and "/d/" in str(p))
+
+
+def _truncate(step_dir):
+  for p in _data_files(step_dir):
+    with open(p, "r+b") as f:
+      f.truncate(max(0, p.stat().st_size // 2))
+
+
+def _flip(step_dir):
+  # One flipped bit in the middle of each (compressed) chunk: a decoder error or different numbers.
+  for p in _data_files(step_dir):
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    p.write_bytes(bytes(raw))
+
+
+def _stale_state(step_dir):
+  # Perfectly readable arrays that are not the ones written for this step: only the checksum
+  # can tell (orbax itself restores them without complaint).
+  shutil.rmtree(step_dir / "state")
+  shutil.copytree(step_dir.parent / "10" / "state", step_dir / "state")
+
+
+def _drop_meta(step_dir):
+  (step_dir / "meta" / "metadata").unlink()
+
+
+def _garble_meta(step_dir):
+  (step_dir / "meta" / "metadata").write_text('{"step": 20, "history": [')
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip, _stale_state, _drop_meta, _garble_meta])
+def test_corrupt_newest_falls_back_to_previous_and_says_so(tmp_path, capsys, damage):
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  for step in (10, 20):
+    ckpt.save(step, make_state(step), {"history": [step]})
+  ckpt.close()
+  damage(tmp_path / "20")
+  again = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  restored = again.restore_latest(make_state(0))
+  assert restored.step == 10 and restored.meta["history"] == [10]
+  assert_tree_equal(restored.state, make_state(10))
+  err = capsys.readouterr().err
+  assert "checkpoint step 20" in err and "corrupt or truncated" in err
+  assert "falling back to the previous checkpoint" in err and "step 10" in err
+  if damage is _stale_state:
+    assert "checksum mismatch" in err
+  # The bad one is moved aside (kept for inspection); training can save step 20 again.
+  assert (tmp_path / "corrupt-20-0").is_dir() and again.steps() == [10]
+  again.save(20, make_state(20), {"history": [20]})
+  assert again.restore_latest(make_state(0)).step == 20
+
+
+def test_all_corrupt_is_an_error_not_a_silent_restart(tmp_path):
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  ckpt.save(10, make_state(10), {})
+  ckpt.close()
+  _truncate(tmp_path / "10")
+  with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint.*step 10"):
+    checkpoint.RunCheckpointer(tmp_path).restore_latest(make_state(0))
+
+
+def test_other_run_is_refused_naming_fields_unless_allowed(tmp_path, capsys):
+  ckpt = checkpoint.RunCheckpointer(tmp_path, fingerprint={"seed": 0, "opt": {"lr": 0.1}, "w": 8})
+  ckpt.save(10, make_state(10), {})
+  ckpt.close()
+  other = {"seed": 1, "opt": {"lr": 0.2}, "w": 8}
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match=r"differing fields \(checkpoint -> now\): opt.lr: 0.1 -> 0.2; seed: 0 -> 1\."):
+    checkpoint.RunCheckpointer(tmp_path, fingerprint=other).restore_latest(make_state(0))
+  assert (tmp_path / "10").is_dir()  # refused, not treated as corrupt
+  restored = checkpoint.RunCheckpointer(tmp_path, fingerprint=other,
+                                        allow_mismatch=True).restore_latest(make_state(0))
+  assert restored.step == 10 and "resuming anyway" in capsys.readouterr().err
+
+
+def test_config_diff_and_bad_keep():
+  assert checkpoint.config_diff({"a": 1, "b": {"c": (1, 2)}}, {"a": 1, "b": {"c": [1, 2]}}) == []
+  assert checkpoint.config_diff({"a": 1}, {"b": 2}) == ["a: 1 -> (absent)", "b: (absent) -> 2"]
+  for keep in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match=f"keep must be a positive integer, got {keep!r}"):
+      checkpoint.RunCheckpointer("/tmp/x", keep=keep)
+
+
+def saver_main(directory):
+  """Child: saves steps 1, 2, 3, ... as fast as it can until killed (see the test below)."""
+  jax.config.update("jax_num_cpu_devices", 8)
+  ckpt = checkpoint.RunCheckpointer(directory, keep=2)
+  step = 1
+  while True:
+    ckpt.save(step, make_state(step), {"history": [step]})
+    print(f"SAVED {step}", flush=True)
+    step += 1
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.12])
+def test_sigkill_during_saves_never_corrupts_the_last_good_checkpoint(tmp_path, delay):
+  code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_checkpoint; "
+          f"test_checkpoint.saver_main({str(tmp_path)!r})")
+  proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+  saved = 0
+  for line in proc.stdout:  # wait for a few saves, then kill at an arbitrary moment
+    saved = int(line.split()[1])
+    if saved >= 3:
+      time.sleep(delay)
+      os.kill(proc.pid, signal.SIGKILL)
+      break
+  proc.wait(timeout=30)
+  assert proc.returncode == -signal.SIGKILL
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=2)
+  restored = ckpt.restore_latest(make_state(0))
+  assert restored.step >= saved
+  assert_tree_equal(restored.state, make_state(restored.step))
+  assert restored.meta["history"] == [restored.step]
