@@ -29,6 +29,7 @@ from mfopt import comm as comm_lib
 from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import parallel
+from mfopt import precision as precision_lib
 
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -90,6 +91,11 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over workers.
   ``metrics`` maps names to per-worker arrays of shape ``(W,)`` (loss, accuracy,
   ``update_norm``), left on device.
+
+  Mixed precision needs no argument: the model's ``dtype`` is the compute dtype
+  (``mfopt.precision.apply_policy``); if ``tx`` is wrapped by
+  ``mfopt.precision.dynamic_loss_scale`` the loss is scaled by its fp16 loss scale, an
+  overflowing step keeps the BN statistics, and ``loss_scale``/``overflow`` join the metrics.
   """
 
   def worker_step(params, model_state, opt_state, batch):
@@ -98,10 +104,22 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
       loss, aux = loss_fn(logits, batch["y"])
       return loss, (aux, new_model_state)
 
-    (loss, (aux, new_model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    # fp16 loss scaling is on iff tx is wrapped by mfopt.precision.dynamic_loss_scale (decided
+    # at trace time: without it the compiled step is exactly the plain one).
+    dynamic_scale = precision_lib.loss_scale_of(opt_state)
+    if dynamic_scale is None:
+      (loss, (aux, new_model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    else:
+      (loss, (aux, new_model_state)), grads = precision_lib.scaled_value_and_grad(
+          loss_of, dynamic_scale)(params)
+    old_model_state = model_state
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = {"loss": loss, **aux, "update_norm": optax.tree.norm(updates)}
+    if dynamic_scale is not None:  # overflow: BN statistics kept; loss scale in the metrics
+      new_model_state, extra = precision_lib.finish_step(opt_state, new_model_state,
+                                                         old_model_state)
+      metrics.update(extra)
     return params, new_model_state, opt_state, metrics
 
   mapped = parallel.per_worker(worker_step, mesh, num_workers)

@@ -1,0 +1,325 @@
+r"""Mixed precision (seed 004 §2.2.2): a dtype policy, and dynamic loss scaling for fp16.
+
+**Policy.** ``get_policy("params=float32,compute=bfloat16,output=float32")`` (or the shorthands
+``"fp32"``, ``"bf16"``, ``"fp16"``) names three dtypes; :func:`apply_policy` sets the model's
+``dtype`` attribute (its *compute* dtype). The mfopt models always create float32 parameters
+(the fp32 master weights; the optimizer state follows the parameters, so it is float32 too),
+cast them to the compute dtype inside each layer, keep BatchNorm statistics and reductions in
+float32, and return float32 logits, so softmax, cross-entropy, ``exp`` and ``log`` run in
+float32 (``mfopt.train.classification_loss``) -- the operators the seed says must avoid fp16.
+Hence ``params`` and ``output`` must be float32 here; only ``compute`` varies.
+
+**Dynamic loss scaling** (fp16 only; bf16 has float32's range and needs none). Wrap the whole
+optimizer, communication included: ``tx = mfopt.precision.dynamic_loss_scale(tx)``.
+``mfopt.train.make_train_step`` sees the :class:`LossScaleState` in the optimizer state and
+computes gradients with flax's ``DynamicScale.value_and_grad`` (loss multiplied by the current
+scale, backward pass in fp16, gradients cast to float32 and divided by the scale). The wrapper
+then runs the inner transform and decides, per worker, from two flags and *no extra
+collective*:
+
+* ``local_finite``: this worker's unscaled gradient is finite;
+* ``updates_finite``: the inner transform's updates are finite.
+
+``overflow = not (local_finite and updates_finite)`` backs the scale off (x ``backoff_factor``)
+and resets the growth counter; ``updates_finite == False`` *reverts* the step: zero updates, the
+inner state kept (its communication counters excepted: the collective did run), BatchNorm
+statistics kept (done by the train step).
+
+* **Synchronous algorithms** (``chain(sync_gradients(axes), opt)``): a non-finite gradient on any
+  worker makes the all-reduced mean non-finite on *every* worker (inf/NaN survive a sum), so the
+  flag rides the existing gradient all-reduce: all workers revert and halve their scales
+  together, and the replicas and their scales stay identical.
+* **Local algorithms** (``periodic_averaging(inner, ...)``, block momentum): put
+  :func:`skip_nonfinite` *inside*, around the local optimizer:
+  ``dynamic_loss_scale(periodic_averaging(skip_nonfinite(optax.sgd(...)), axes, period))``.
+  An overflowing worker then skips only its own local step (zero local update, local optimizer
+  state unchanged) and halves only its own scale (scales are per worker), while the averaging
+  transform still counts the step, so a due averaging happens on schedule with the worker's
+  unchanged parameters; its updates are finite, so the wrapper does not revert the controller.
+  No collective is added to local steps.
+
+The scale update is flax's rule (``DynamicScale.value_and_grad``, flax 0.12.8), restated in
+:func:`next_dynamic_scale` because flax applies it only to the finiteness of the local
+gradient it computes itself, while the synchronous decision needs the all-reduced one; a test
+checks the two agree. Reused from flax: the ``DynamicScale`` state and hyperparameters, and
+``value_and_grad`` for the scaling and unscaling.
+
+Not done: gradients reach ``sync_gradients`` already unscaled, so an fp16 all-reduce
+(``comm_dtype=jnp.float16``) exchanges unscaled gradients (prefer ``comm_dtype=jnp.bfloat16``,
+same bytes, float32 range).
+
+Seed: 004 §2.2.2 (items 1-3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training.dynamic_scale import DynamicScale
+
+from mfopt.comm import CommStats
+
+__all__ = [
+    "Policy",
+    "get_policy",
+    "apply_policy",
+    "LossScaleState",
+    "dynamic_loss_scale",
+    "skip_nonfinite",
+    "next_dynamic_scale",
+    "loss_scale_of",
+    "scaled_value_and_grad",
+    "finish_step",
+    "with_policy",
+]
+
+_ALIASES = {
+    "float32": jnp.float32, "fp32": jnp.float32, "f32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "fp16": jnp.float16, "f16": jnp.float16, "half": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Dtypes of a mixed-precision run: parameters (master weights), computation, model output."""
+
+  params: Any = jnp.float32
+  compute: Any = jnp.float32
+  output: Any = jnp.float32
+
+  @property
+  def name(self) -> str:
+    return f"params={jnp.dtype(self.params).name},compute={jnp.dtype(self.compute).name}," \
+           f"output={jnp.dtype(self.output).name}"
+
+  @property
+  def needs_loss_scaling(self) -> bool:
+    """True for float16 computation (its range needs a dynamic loss scale)."""
+    return jnp.dtype(self.compute) == jnp.float16
+
+
+def _dtype(field: str, text: str):
+  key = text.strip().lower()
+  if key not in _ALIASES:
+    raise ValueError(f"{field} must be one of {sorted(set(_ALIASES))}, got {text!r}")
+  return _ALIASES[key]
+
+
+def get_policy(spec: str | Policy) -> Policy:
+  """Parses ``"params=float32,compute=bfloat16,output=float32"`` (missing fields: float32).
+
+  A bare dtype (``"bf16"``, ``"fp16"``, ``"float32"``) sets ``compute`` only.
+
+  Raises:
+    ValueError: unknown field or dtype, or ``params``/``output`` other than float32 (the
+      models keep float32 master weights and float32 logits; see the module docstring).
+
+  >>> get_policy("compute=bf16").name
+  'params=float32,compute=bfloat16,output=float32'
+  """
+  if isinstance(spec, Policy):
+    policy = spec
+  elif isinstance(spec, str):
+    fields = {}
+    if "=" not in spec:
+      fields["compute"] = _dtype("policy", spec)
+    else:
+      for part in spec.split(","):
+        if "=" not in part:
+          raise ValueError(f"policy must look like 'params=float32,compute=bfloat16', got {spec!r}")
+        key, value = (s.strip() for s in part.split("=", 1))
+        if key not in ("params", "compute", "output"):
+          raise ValueError(f"policy field must be params, compute or output, got {key!r} in {spec!r}")
+        fields[key] = _dtype(key, value)
+    policy = Policy(**fields)
+  else:
+    raise ValueError(f"policy must be a string or a Policy, got {spec!r}")
+  for field in ("params", "output"):
+    if jnp.dtype(getattr(policy, field)) != jnp.float32:
+      raise ValueError(f"{field} must be float32 (fp32 master weights and fp32 loss, seed 004 "
+                       f"§2.2.2), got {jnp.dtype(getattr(policy, field)).name!r}")
+  return policy
+
+
+def apply_policy(model, policy: str | Policy):
+  """The model with its ``dtype`` (computation dtype) set to the policy's ``compute``."""
+  policy = get_policy(policy)
+  if not hasattr(model, "dtype"):
+    raise ValueError(f"model must have a 'dtype' attribute (the compute dtype), got {model!r}")
+  return model.clone(dtype=policy.compute)
+
+
+# ----------------------------------------------------------------------------- loss scaling
+
+
+class LossScaleState(NamedTuple):
+  """State of :func:`dynamic_loss_scale`.
+
+  Attributes:
+    dynamic_scale: flax ``DynamicScale`` (``scale`` float32, ``fin_steps`` int32).
+    inner_state: the wrapped transform's state.
+    finite: bool, whether the last step was free of overflow on this worker.
+    overflows: int32, steps with an overflow so far on this worker.
+  """
+
+  dynamic_scale: DynamicScale
+  inner_state: Any
+  finite: jax.Array
+  overflows: jax.Array
+
+
+def next_dynamic_scale(ds: DynamicScale, finite: jax.Array) -> DynamicScale:
+  """flax's ``DynamicScale`` update for a given finiteness flag (see module docstring)."""
+  grow = ds.fin_steps == ds.growth_interval
+  fin_scale = jnp.where(grow & finite,
+                        jnp.minimum(ds.scale * ds.growth_factor, jnp.finfo(jnp.float32).max),
+                        ds.scale)
+  inf_scale = ds.scale * ds.backoff_factor
+  if ds.minimum_scale is not None:
+    inf_scale = jnp.maximum(inf_scale, ds.minimum_scale)
+  new_scale = jnp.where(finite, fin_scale, inf_scale)
+  new_fin_steps = jnp.where(grow | (~finite), 0, ds.fin_steps + 1)
+  return ds.replace(fin_steps=new_fin_steps.astype(jnp.int32),
+                    scale=new_scale.astype(jnp.float32))
+
+
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _is_comm(x) -> bool:
+  return isinstance(x, CommStats)
+
+
+def _keep_old_state(revert, new, old):
+  """``old`` where ``revert``, except communication counters (the collective did run)."""
+  def pick(n, o):
+    if isinstance(n, CommStats):
+      return n
+    return jnp.where(revert, o, n)
+  return jax.tree.map(pick, new, old, is_leaf=_is_comm)
+
+
+def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float = 2.0 ** 15,
+                       growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                       growth_interval: int = 2000) -> optax.GradientTransformation:
+  """Wraps ``inner`` (communication included) with a per-worker dynamic fp16 loss scale.
+
+  The train step scales the loss by ``state.dynamic_scale.scale`` and passes unscaled
+  float32 gradients; this transform runs ``inner``, reverts the step where the updates are
+  not finite, and updates the scale (module docstring: synchronous vs local semantics).
+
+  Args:
+    inner: any optax transform, e.g. ``chain(sync_gradients(axes), opt)``.
+    init_scale: initial loss scale (flax's default is 2**16; 2**15 leaves one halving of
+      headroom below fp16's max 65504).
+    growth_factor, backoff_factor, growth_interval: flax ``DynamicScale`` hyperparameters.
+
+  Returns:
+    An ``optax.GradientTransformation`` with :class:`LossScaleState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = dynamic_loss_scale(optax.sgd(0.1))
+    >>> s = tx.init({"w": jnp.ones(2)})
+    >>> u, s = tx.update({"w": jnp.array([1.0, jnp.inf])}, s, {"w": jnp.ones(2)})
+    >>> u["w"], float(s.dynamic_scale.scale), bool(s.finite)
+    (Array([0., 0.], dtype=float32), 16384.0, False)
+  """
+  for name, value in (("init_scale", init_scale), ("growth_factor", growth_factor)):
+    if not value > 0:
+      raise ValueError(f"{name} must be positive, got {value!r}")
+  if not 0 < backoff_factor < 1:
+    raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+  if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval <= 0:
+    raise ValueError(f"growth_interval must be a positive integer, got {growth_interval!r}")
+
+  def init_fn(params):
+    ds = DynamicScale(growth_factor=growth_factor, backoff_factor=backoff_factor,
+                      growth_interval=growth_interval, fin_steps=jnp.zeros([], jnp.int32),
+                      scale=jnp.asarray(init_scale, jnp.float32))
+    return LossScaleState(dynamic_scale=ds, inner_state=inner.init(params),
+                          finite=jnp.array(True), overflows=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    local_finite = _all_finite(updates)
+    new_updates, new_inner = inner.update(updates, state.inner_state, params)
+    updates_finite = _all_finite(new_updates)
+    finite = local_finite & updates_finite
+    revert = ~updates_finite
+    new_updates = jax.tree.map(lambda u: jnp.where(revert, jnp.zeros_like(u), u), new_updates)
+    new_inner = _keep_old_state(revert, new_inner, state.inner_state)
+    return new_updates, LossScaleState(
+        dynamic_scale=next_dynamic_scale(state.dynamic_scale, finite), inner_state=new_inner,
+        finite=finite, overflows=state.overflows + (~finite).astype(jnp.int32))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``optax.apply_if_finite`` that never gives up: a non-finite gradient is a skipped step.
+
+  For the *local* optimizer of a local algorithm under :func:`dynamic_loss_scale`: the
+  worker's local update is zero and its local optimizer state unchanged when its own gradient
+  overflowed. Do not use it around a communicating transform (its check is per worker).
+  """
+  return optax.apply_if_finite(inner, max_consecutive_errors=2 ** 31 - 1)
+
+
+def with_policy(tx: optax.GradientTransformation, policy: str | Policy,
+                **loss_scale_kwargs) -> optax.GradientTransformation:
+  """``dynamic_loss_scale(tx)`` if the policy computes in float16, else ``tx`` unchanged."""
+  return dynamic_loss_scale(tx, **loss_scale_kwargs) if get_policy(policy).needs_loss_scaling else tx
+
+
+# ----------------------------------------------------------------------------- train-step hooks
+
+
+def loss_scale_of(opt_state: Any) -> DynamicScale | None:
+  """The ``DynamicScale`` of the :class:`LossScaleState` in ``opt_state`` (top level or in a
+  chain), or ``None`` when the optimizer has no loss scaling. Used by the train step at trace
+  time, so optimizers without it compile exactly as before."""
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+           if isinstance(s, LossScaleState)]
+  if len(found) > 1:
+    raise ValueError(f"optimizer state must hold at most one LossScaleState, got {len(found)}")
+  return found[0].dynamic_scale if found else None
+
+
+def _loss_scale_state(opt_state: Any) -> LossScaleState:
+  return next(s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+              if isinstance(s, LossScaleState))
+
+
+def scaled_value_and_grad(fun: Callable[..., Any], dynamic_scale: DynamicScale):
+  """``jax.value_and_grad(fun, has_aux=True)`` with the loss scaled by ``dynamic_scale``.
+
+  flax's ``DynamicScale.value_and_grad``: the returned loss and float32 gradients are
+  unscaled. Its own finiteness flag and next scale are discarded here; the
+  :func:`dynamic_loss_scale` transform decides after the inner transform has run.
+  """
+  grad_fn = dynamic_scale.value_and_grad(fun, has_aux=True)
+
+  def wrapped(params):
+    result = grad_fn(params)
+    return result.aux, result.grad
+
+  return wrapped
+
+
+def finish_step(opt_state: Any, new_model_state: Any, old_model_state: Any
+                ) -> tuple[Any, Mapping[str, jax.Array]]:
+  """After the update: keep the old model state (BN statistics) on overflow; extra metrics."""
+  state = _loss_scale_state(opt_state)
+  model_state = jax.tree.map(lambda n, o: jnp.where(state.finite, n, o),
+                             new_model_state, old_model_state)
+  return model_state, {"loss_scale": state.dynamic_scale.scale,
+                       "overflow": (~state.finite).astype(jnp.float32)}

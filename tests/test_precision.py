@@ -1,0 +1,228 @@
+"""Mixed precision: policy parsing, bf16/fp16 vs fp32 training, fp16 dynamic loss scaling.
+
+Overflow is injected by scaling one worker's inputs so that the *backward* pass overflows
+fp16 under the loss scale (the forward pass stays finite).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.dynamic_scale import DynamicScale
+
+import mfopt
+from mfopt import models, parallel, precision, train
+
+W = 4
+FEATURES, CLASSES, B = 6, 5, 8
+
+
+def _mesh():
+  return parallel.make_mesh(jax.devices()[:W])
+
+
+def _batch(rng, scale_worker=None, factor=1.0):
+  x = rng.normal(size=(W, B, FEATURES)).astype(np.float32)
+  if scale_worker is not None:
+    x[scale_worker] *= factor
+  y = rng.integers(0, CLASSES, size=(W, B)).astype(np.int32)
+  return {"x": x, "y": y}
+
+
+def _model(policy):
+  return precision.apply_policy(models.get_model("mlp", hidden=(32,), num_classes=CLASSES), policy)
+
+
+def _np(tree):
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+def test_policy_parsing_and_errors():
+  p = precision.get_policy("params=float32,compute=bfloat16,output=float32")
+  assert p.compute == jnp.bfloat16 and not p.needs_loss_scaling
+  assert precision.get_policy("fp16").needs_loss_scaling
+  assert precision.get_policy("compute=fp32").compute == jnp.float32
+  m = precision.apply_policy(models.get_model("cnn"), "bf16")
+  assert m.dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="params"):
+    precision.get_policy("params=bfloat16,compute=bfloat16")
+  with pytest.raises(ValueError, match="compute"):
+    precision.get_policy("compute=int8")
+  with pytest.raises(ValueError, match="policy field"):
+    precision.get_policy("weights=float32")
+  with pytest.raises(ValueError, match="backoff_factor"):
+    precision.dynamic_loss_scale(optax.sgd(0.1), backoff_factor=2.0)
+
+
+def test_scale_rule_equals_flax_dynamic_scale():
+  """next_dynamic_scale(ds, finite) reproduces DynamicScale.value_and_grad's own update."""
+  rng = np.random.default_rng(0)
+  flags = rng.random(40) < 0.8
+  ours = DynamicScale(growth_interval=3, fin_steps=jnp.zeros([], jnp.int32),
+                      scale=jnp.asarray(2.0 ** 10, jnp.float32))
+  theirs = ours
+  fn = jax.jit(lambda ds, c: ds.value_and_grad(lambda x: x * c)(jnp.float32(1.0)))
+  scales = []
+  for f in flags:
+    theirs, finite, _, _ = fn(theirs, jnp.float32(1.0 if f else np.inf))
+    assert bool(finite) == bool(f)
+    ours = precision.next_dynamic_scale(ours, jnp.asarray(f))
+    assert float(ours.scale) == float(theirs.scale)
+    assert int(ours.fin_steps) == int(theirs.fin_steps)
+    scales.append(float(ours.scale))
+  assert max(scales) > 2.0 ** 10 and min(scales) < 2.0 ** 10  # it grew and shrank
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+
+@pytest.fixture(scope="module")
+def fifty_steps():
+  """Final params after 50 synchronous SGD steps in fp32, bf16 and fp16 (+loss scaling)."""
+  mesh = _mesh()
+  out = {}
+  for name in ("fp32", "bf16", "fp16"):
+    model = _model(name)
+    tx = precision.with_policy(
+        optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1, momentum=0.9)), name)
+    rng = np.random.default_rng(7)
+    b0 = _batch(rng)
+    state = train.init_train_state(model, tx, b0["x"][0], num_workers=W, mesh=mesh, seed=1)
+    p0 = parallel.unstack_worker(state.params)
+    step = train.make_train_step(model, tx, mesh=mesh, num_workers=W)
+    for _ in range(50):
+      state, metrics = step(state, parallel.shard_workers(_batch(rng), mesh))
+    out[name] = (p0, parallel.unstack_worker(state.params), _np(metrics), _np(state.opt_state))
+  return out
+
+
+@pytest.mark.parametrize("name,tol", [("bf16", 5e-2), ("fp16", 1e-2)])  # measured 2.4e-2, 2.0e-3
+def test_low_precision_stays_close_to_fp32_over_50_steps(fifty_steps, name, tol):
+  """Stated tolerance: ||p_lp - p_fp32|| <= tol * ||p_fp32 - p_0|| (relative to the distance moved)."""
+  p0, p32, _, _ = fifty_steps["fp32"]
+  _, plp, metrics, opt_state = fifty_steps[name]
+  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+  moved = np.linalg.norm(flat(p32) - flat(p0))
+  err = np.linalg.norm(flat(plp) - flat(p32)) / moved
+  assert moved > 0.5
+  assert err < tol, f"{name}: relative deviation {err:.2e}"
+  assert err > 1e-7  # it really computed in low precision
+  # Master weights stay float32.
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(plp))
+  if name == "fp16":
+    assert (metrics["overflow"] == 0).all() and (metrics["loss_scale"] > 0).all()
+
+
+# ----------------------------------------------------------------------------- overflow
+
+
+def test_fp16_overflow_sync_skips_on_every_worker_and_halves_scale():
+  mesh = _mesh()
+  model = _model("fp16")
+  tx = precision.dynamic_loss_scale(
+      optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1, momentum=0.9)))
+  rng = np.random.default_rng(0)
+  b = _batch(rng)
+  state = train.init_train_state(model, tx, b["x"][0], num_workers=W, mesh=mesh)
+  step = train.make_train_step(model, tx, mesh=mesh, num_workers=W, donate=False)
+  for _ in range(2):
+    state, m = step(state, parallel.shard_workers(_batch(rng), mesh))
+  assert (np.asarray(m["overflow"]) == 0).all()
+  before = _np(state)
+  scale0 = before.opt_state.dynamic_scale.scale[0]
+  # Worker 2's inputs x300: its fp16 backward pass overflows under the loss scale.
+  state, m = step(state, parallel.shard_workers(_batch(rng, scale_worker=2, factor=300.0), mesh))
+  after = _np(state)
+  assert np.isfinite(np.asarray(m["loss"])).all()  # the forward pass was fine
+  np.testing.assert_array_equal(np.asarray(m["overflow"]), np.ones(W))
+  np.testing.assert_array_equal(after.opt_state.dynamic_scale.scale, np.full(W, scale0 / 2))
+  # Skipped on every worker: parameters, momentum, BN-free model state all unchanged.
+  for a, c in zip(jax.tree.leaves(after.params), jax.tree.leaves(before.params)):
+    np.testing.assert_array_equal(a, c)
+  trace_after = after.opt_state.inner_state[1][0].trace
+  trace_before = before.opt_state.inner_state[1][0].trace
+  jax.tree.map(np.testing.assert_array_equal, trace_after, trace_before)
+  # The all-reduce did run and is counted; the non-finite flag needed no extra collective.
+  assert mfopt.comm_totals(after.opt_state)["all_reduces"] == 3
+  # Next step is normal again at the halved scale, and the replicas are still identical.
+  state, m = step(state, parallel.shard_workers(_batch(rng), mesh))
+  final = _np(state)
+  assert (np.asarray(m["overflow"]) == 0).all()
+  np.testing.assert_array_equal(final.opt_state.dynamic_scale.scale, np.full(W, scale0 / 2))
+  for leaf in jax.tree.leaves(final.params):
+    assert (leaf == leaf[:1]).all()
+  assert any(np.abs(a - c).max() > 0 for a, c in zip(jax.tree.leaves(final.params),
+                                                     jax.tree.leaves(before.params)))
+
+
+def _local_tx(period):
+  inner = precision.skip_nonfinite(optax.sgd(0.1, momentum=0.9))
+  if period is None:  # local steps only, no averaging: the reference for the averaged run
+    return precision.dynamic_loss_scale(inner)
+  return precision.dynamic_loss_scale(mfopt.periodic_averaging(inner, mfopt.WORKER_AXES, period))
+
+
+def test_fp16_overflow_local_algorithm_skips_one_worker_and_averages_on_schedule():
+  mesh = _mesh()
+  model = _model("fp16")
+  txs = {"avg": _local_tx(2), "local": _local_tx(None)}
+  rng = np.random.default_rng(1)
+  batches = [_batch(rng), _batch(rng, scale_worker=1, factor=300.0), _batch(rng),
+             _batch(rng, scale_worker=3, factor=300.0), _batch(rng)]
+  states, steps = {}, {}
+  for k, tx in txs.items():
+    states[k] = train.init_train_state(model, tx, batches[0]["x"][0], num_workers=W, mesh=mesh)
+    steps[k] = train.make_train_step(model, tx, mesh=mesh, num_workers=W, donate=False)
+  hist = {k: [] for k in txs}
+  for b in batches[:2]:
+    for k in txs:
+      states[k], m = steps[k](states[k], parallel.shard_workers(b, mesh))
+      hist[k].append((_np(states[k]), _np(m)))
+  # Step 0 (local) identical in both runs; step 1 is due: worker 1 overflowed and skipped its
+  # local step, yet the averaging happened, over worker 1's unchanged parameters.
+  s_avg, m_avg = hist["avg"][1]
+  s_loc, m_loc = hist["local"][1]
+  np.testing.assert_array_equal(m_avg["overflow"], [0, 1, 0, 0])
+  np.testing.assert_array_equal(s_avg.opt_state.dynamic_scale.scale, [2.0 ** 15, 2.0 ** 14] + [2.0 ** 15] * 2)
+  p_before = hist["local"][0][0].params
+  for leaf_loc, leaf_before in zip(jax.tree.leaves(s_loc.params), jax.tree.leaves(p_before)):
+    np.testing.assert_array_equal(leaf_loc[1], leaf_before[1])  # worker 1 skipped
+    assert np.abs(leaf_loc[0] - leaf_before[0]).max() > 0       # worker 0 stepped
+  for leaf_avg, leaf_loc in zip(jax.tree.leaves(s_avg.params), jax.tree.leaves(s_loc.params)):
+    np.testing.assert_allclose(leaf_avg, np.broadcast_to(leaf_loc.mean(0), leaf_avg.shape),
+                               rtol=1e-6, atol=1e-7)
+  avg_state = mfopt.averaging.find_averaging_state(s_avg.opt_state)
+  assert (np.asarray(avg_state.count) == 2).all() and (np.asarray(avg_state.param_comm.count) == 1).all()
+  # Worker 1's local optimizer state (momentum) is the one from before the skipped step.
+  tr_now = avg_state.inner_state.inner_state[0].trace
+  tr_before = mfopt.averaging.find_averaging_state(hist["avg"][0][0].opt_state).inner_state.inner_state[0].trace
+  for a, c in zip(jax.tree.leaves(tr_now), jax.tree.leaves(tr_before)):
+    np.testing.assert_array_equal(a[1], c[1])
+    assert np.abs(a[0] - c[0]).max() > 0
+  # Steps 2 (local, worker 3 overflows at 3) and 3 (due): averaging still every 2 steps.
+  state = states["avg"]
+  for b in batches[2:4]:
+    state, m = steps["avg"](state, parallel.shard_workers(b, mesh))
+  avg_state = mfopt.averaging.find_averaging_state(_np(state).opt_state)
+  assert (np.asarray(avg_state.count) == 4).all() and (np.asarray(avg_state.param_comm.count) == 2).all()
+  for leaf in jax.tree.leaves(_np(state).params):
+    np.testing.assert_allclose(leaf, np.broadcast_to(leaf[0], leaf.shape), rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(_np(m)["overflow"], [0, 0, 0, 1])
+  np.testing.assert_array_equal(_np(state).opt_state.overflows, [0, 1, 0, 1])
+
+
+def test_plain_optimizer_compiles_to_the_same_step():
+  """Without dynamic_loss_scale the train step's program is unchanged (no loss-scale ops)."""
+  mesh = _mesh()
+  model = _model("fp32")
+  tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1))
+  b = _batch(np.random.default_rng(0))
+  state = train.init_train_state(model, tx, b["x"][0], num_workers=W, mesh=mesh)
+  step = train.make_train_step(model, tx, mesh=mesh, num_workers=W, donate=False)
+  _, metrics = step(state, parallel.shard_workers(b, mesh))
+  assert set(metrics) == {"loss", "accuracy", "update_norm"}
+  assert precision.loss_scale_of(state.opt_state) is None
