@@ -1,0 +1,147 @@
+"""Two processes x 4 CPU devices (gloo on 127.0.0.1) train like one process with 8 devices.
+
+Processes are started with ``scripts/launch_local.py`` (free port, gloo CPU
+collectives, short heartbeat timeout); the child code is ``child_main`` below.
+Checks: same final parameters as the 1-process run (allclose: the reduction
+order differs), the 2-process checkpoint restores onto the 1-process mesh, and
+killing one process makes the other exit non-zero within 30 s with the
+launcher naming the dead process.
+"""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import mfopt
+from mfopt import checkpoint, data, distributed, models, parallel, runner, train
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+LAUNCH = ROOT / "scripts" / "launch_local.py"
+NUM_STEPS, LOG_EVERY = 10, 5
+
+
+def _setup(num_steps):
+  dataset = data.load("synthetic", num_train=512, num_test=64, input_shape=(12,), num_classes=4)
+  model = models.get_model("mlp", hidden=(8,), num_classes=4)
+  tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1, momentum=0.9))
+  return dict(model=model, tx=tx, dataset=dataset, num_workers=8, per_worker_batch=4,
+              num_steps=num_steps, log_every=LOG_EVERY, seed=2, progress=False)
+
+
+def child_main(out, num_steps):
+  """One process of the job: join, train with checkpoints, process 0 writes the final params."""
+  distributed.initialize()  # MFOPT_* from the launcher: 4 CPU devices, gloo, coordinator
+  runner.enable_compilation_cache(os.environ.get("MFOPT_JAX_CACHE") or ROOT / ".jax_cache")
+  assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+
+  def on_log(row):
+    print(f"STEP {row['step']}", flush=True)
+
+  result = train.fit(**_setup(num_steps), checkpoint_dir=pathlib.Path(out) / "ckpt",
+                     on_log=on_log)
+  params = train._to_host(result.state.params, parallel.make_mesh())
+  if jax.process_index() == 0:
+    leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
+    np.savez(pathlib.Path(out) / "params.npz", *leaves)
+    (pathlib.Path(out) / "history.json").write_text(json.dumps(result.history))
+
+
+def _launch(out, num_steps, heartbeat=5):
+  code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
+          f"test_multiprocess.child_main({str(out)!r}, {num_steps})")
+  return subprocess.Popen(
+      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout",
+       str(heartbeat), "--grace", "40", "--", "-c", code],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_processes_match_one_process_and_checkpoint_restores_on_one(tmp_path):
+  proc = _launch(tmp_path, NUM_STEPS)
+  out, err = proc.communicate(timeout=150)
+  assert proc.returncode == 0, (out + err)[-4000:]
+  assert "all 2 processes finished" in err
+
+  reference = train.fit(**_setup(NUM_STEPS), mesh=parallel.make_mesh())  # 1 process, 8 devices
+  want = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(reference.state.params))]
+  with np.load(tmp_path / "params.npz") as z:
+    got = [z[f"arr_{i}"] for i in range(len(z.files))]
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+  moved = max(float(np.abs(w - w0).max()) for w, w0 in zip(
+      want, jax.tree.leaves(jax.device_get(train.init_train_state(
+          _setup(1)["model"], _setup(1)["tx"], np.zeros((4, 12), np.float32), num_workers=8,
+          mesh=parallel.make_mesh(), seed=2).params))))
+  assert moved > 1e-3  # training moved the parameters: the comparison is not of the init
+  history = json.loads((tmp_path / "history.json").read_text())
+  for a, b in zip(history, reference.history):
+    assert a["step"] == b["step"]
+    np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-5)
+
+  # The checkpoint written by both processes restores onto this single process's 8 devices.
+  fresh = train.init_train_state(_setup(1)["model"], _setup(1)["tx"], np.zeros((4, 12), np.float32),
+                                 num_workers=8, mesh=parallel.make_mesh(), seed=2)
+  restored = checkpoint.RunCheckpointer(tmp_path / "ckpt", allow_mismatch=True).restore_latest(fresh)
+  assert restored.step == NUM_STEPS
+  for g, r in zip(got, jax.tree.leaves(jax.device_get(restored.state.params))):
+    np.testing.assert_array_equal(g, r)
+
+
+def test_killing_one_process_stops_the_other_and_launcher_names_it(tmp_path):
+  proc = _launch(tmp_path, 10_000, heartbeat=5)
+  first = proc.stdout.readline()  # "launch_local: started 2 processes (pids A, B), ..."
+  pids = [int(p) for p in re.search(r"pids (\d+), (\d+)", first).groups()]
+  for line in proc.stdout:  # wait until both train (past the first checkpoint)
+    if line.startswith("[p1] STEP 10"):
+      break
+  os.kill(pids[1], signal.SIGKILL)
+  killed_at = time.monotonic()
+  out, err = proc.communicate(timeout=60)
+  elapsed = time.monotonic() - killed_at
+  assert proc.returncode != 0
+  assert f"process 1 (pid {pids[1]}) died: killed by SIGKILL" in err, err[-3000:]
+  match = re.search(rf"process 0 \(pid {pids[0]}\) then ended: (.*)", err)
+  assert match, err[-3000:]  # it ended by itself ("did not exit within" would be a hang)
+  assert match.group(1) != "exit code 0"
+  assert elapsed < 30, elapsed
+  # The run's checkpoints stay usable (the last good one restores in this process).
+  ckpt = checkpoint.RunCheckpointer(tmp_path / "ckpt", allow_mismatch=True)
+  fresh = train.init_train_state(_setup(1)["model"], _setup(1)["tx"], np.zeros((4, 12), np.float32),
+                                 num_workers=8, mesh=parallel.make_mesh(), seed=2)
+  assert ckpt.restore_latest(fresh).step >= 5
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(coordinator_address="127.0.0.1:1234"), r"incomplete: num_processes, process_id missing"),
+    (dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2),
+     r"process_id must be in \[0, 2\), got 2"),
+    (dict(coordinator_address="localhost", num_processes=2, process_id=0),
+     r"coordinator_address must look like host:port, got 'localhost'"),
+    (dict(coordinator_address="h:1", num_processes="two", process_id=0),
+     r"num_processes must be an integer, got 'two'"),
+    (dict(coordinator_address="h:1", num_processes=0, process_id=0), r"num_processes must be >= 1"),
+])
+def test_distributed_settings_are_validated(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    distributed.resolve(**kwargs, environ={})
+
+
+def test_distributed_settings_from_environment():
+  env = {"MFOPT_COORDINATOR": "10.0.0.1:8476", "MFOPT_NUM_PROCESSES": "4", "MFOPT_PROCESS_ID": "3",
+         "MFOPT_HEARTBEAT_TIMEOUT": "20"}
+  assert distributed.resolve(environ=env) == distributed.DistributedConfig("10.0.0.1:8476", 4, 3, 20)
+  assert distributed.resolve(process_id=1, environ=env).process_id == 1  # flags win
+  assert distributed.resolve(environ={}) is None
+  assert distributed.resolve(environ={"MFOPT_DISTRIBUTED": "1"}) == distributed.DistributedConfig(
+      None, None, None, None)
