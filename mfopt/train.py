@@ -13,6 +13,7 @@ fetches them every ``log_every`` steps (no host sync in the hot loop).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -225,19 +226,25 @@ def check_finite(window: list[Mapping[str, Any]], first_step: int, *, detected_a
             checkpoint=checkpoint)
 
 
+@functools.lru_cache(maxsize=None)
+def _replicate_fn(mesh, first_worker_only: bool):
+  """Jitted copy of a tree onto every device of ``mesh`` (optionally only worker 0's row)."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  if first_worker_only:
+    return jax.jit(lambda t: jax.tree.map(lambda x: x[:1], t), out_shardings=replicated)
+  return jax.jit(lambda t: t, out_shardings=replicated)
+
+
 def _to_host(tree: Any, mesh) -> Any:
   """``jax.device_get`` that also works for worker-sharded arrays of a multi-process run."""
   if jax.process_count() > 1:
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    tree = jax.jit(lambda t: t, out_shardings=replicated)(tree)
+    tree = _replicate_fn(mesh, False)(tree)
   return jax.device_get(tree)
 
 
 def _comm_totals(opt_state: Any, mesh) -> dict[str, int]:
   if jax.process_count() > 1:  # worker 0's counters, replicated to every process
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_state = jax.jit(lambda t: jax.tree.map(lambda x: x[:1], t),
-                        out_shardings=replicated)(opt_state)
+    opt_state = _replicate_fn(mesh, True)(opt_state)
   return comm_lib.comm_totals(opt_state)
 
 
