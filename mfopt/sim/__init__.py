@@ -9,7 +9,7 @@ k-test and :mod:`mfopt.sim.bb` for the per-worker Barzilai-Borwein step.
 from mfopt.sim.bb import BBConfig, make_bb_step
 from mfopt.sim.clock import ComputeModel, EventQueue, ServerLink
 from mfopt.sim.ksync import KTestConfig, Welford, choose_k, k_test
-from mfopt.sim.presets import PRESETS, ksync, ksync_config
+from mfopt.sim.presets import PRESETS, ksync_config, ksync_preset
 from mfopt.sim.run import SimResult, Simulator, simulate
 from mfopt.sim.server import (ASP, BSP, EASGD, SSP, AllReduce, BaseSGD, DropWorker, KSync,
                               KSyncConfig, Strategy)
@@ -17,6 +17,6 @@ from mfopt.sim.server import (ASP, BSP, EASGD, SSP, AllReduce, BaseSGD, DropWork
 __all__ = [
     "ASP", "BSP", "EASGD", "SSP", "AllReduce", "BaseSGD", "DropWorker", "KSync", "KSyncConfig",
     "Strategy", "BBConfig", "make_bb_step", "ComputeModel", "EventQueue", "ServerLink",
-    "KTestConfig", "Welford", "choose_k", "k_test", "PRESETS", "ksync", "ksync_config",
+    "KTestConfig", "Welford", "choose_k", "k_test", "PRESETS", "ksync_config", "ksync_preset",
     "SimResult", "Simulator", "simulate",
 ]

@@ -41,7 +41,7 @@ def ksync_config(preset: str = "faithful", *, alpha0: float = 0.01, **overrides)
   return dataclasses.replace(cfg, **overrides)
 
 
-def ksync(preset: str = "faithful", *, alpha0: float = 0.01, label: str | None = None,
+def ksync_preset(preset: str = "faithful", *, alpha0: float = 0.01, label: str | None = None,
           **overrides) -> server_lib.KSync:
   """A fresh :class:`KSync` strategy for ``preset`` (labelled ``"KSync[<preset>]"``)."""
   return server_lib.KSync(ksync_config(preset, alpha0=alpha0, **overrides),

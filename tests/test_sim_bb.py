@@ -1,0 +1,137 @@
+"""Per-worker Barzilai-Borwein step with Armijo backtracking (seed 002 Alg. 2, spec §3-4)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mfopt import data, models, sim
+from mfopt.sim import bb as bb_lib
+
+
+def quad_loss(theta, x, y):
+  del y
+  return 0.5 * jnp.sum(x * theta ** 2)
+
+
+def _inputs(theta, theta_prev, g_prev, alpha_prev=0.05, k=1.0, r=0.0, v_hat=0.0, c_a=0.0, has_prev=True):
+  f = np.float32
+  return bb_lib.BBInputs(jnp.asarray(theta, f), jnp.asarray(theta_prev, f), jnp.asarray(g_prev, f),
+                         f(alpha_prev), np.bool_(has_prev), f(k), np.bool_(False), f(r), f(v_hat), f(c_a))
+
+
+@pytest.mark.parametrize("nu", ["cheap", "exact"])
+def test_deterministic_quadratic_full_batch_step_is_one_over_nu(nu):
+  rng = np.random.default_rng(0)
+  d = 50
+  a = rng.uniform(1.0, 1.5, d).astype(np.float32)
+  theta_prev = rng.normal(size=d).astype(np.float32)
+  theta = (theta_prev - 0.3 * a * theta_prev).astype(np.float32)
+  g_prev = (a * theta_prev).astype(np.float32)  # B = N: the gradient is exact
+  cfg = sim.BBConfig(alpha0=0.05, nu=nu, clamp=False)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=1, dataset_size=1))
+  out = step(_inputs(theta, theta_prev, g_prev), a, jnp.zeros(()))
+  s = theta.astype(np.float64) - theta_prev
+  nu_ref = (s @ (a * s)) / (s @ s)
+  assert bool(out.bb_applied) and int(out.num_backtracks) == 0 and not bool(out.hit_limit)
+  np.testing.assert_allclose(float(out.alpha), 1.0 / nu_ref, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(out.grad), a * theta, rtol=1e-6)
+
+
+def test_smoothing_clamp_and_safeguards():
+  rng = np.random.default_rng(1)
+  d = 20
+  a = rng.uniform(1.0, 2.0, d).astype(np.float32)
+  tp = rng.normal(size=d).astype(np.float32)
+  th = (tp - 0.1 * a * tp).astype(np.float32)
+  gp = a * tp
+  s = th.astype(np.float64) - tp
+  nu_ref = (s @ (a * s)) / (s @ s)
+  # B = k b = 10 < N = 100: w = 0.1, α̃ = (1 - r)/ν, clamped to [1e-6, 10 α0]
+  cfg = sim.BBConfig(alpha0=0.01, max_bt=0)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=2, dataset_size=100))
+  out = step(_inputs(th, tp, gp, alpha_prev=0.02, k=5.0, r=0.3), a, jnp.zeros(()))
+  expected = 0.9 * 0.02 + 0.1 * min(0.7 / nu_ref, 0.1)
+  np.testing.assert_allclose(float(out.alpha), expected, rtol=1e-6)
+  # r is capped at 1 - eps
+  out = step(_inputs(th, tp, gp, alpha_prev=0.02, k=5.0, r=5.0), a, jnp.zeros(()))
+  np.testing.assert_allclose(float(out.alpha), 0.9 * 0.02 + 0.1 * max(1e-3 / nu_ref, 1e-6), rtol=1e-5)
+  # negative curvature <s, y> <= 0: keep α_prev
+  out = step(_inputs(th, tp, -gp, alpha_prev=0.02), -a, jnp.zeros(()))
+  assert not bool(out.bb_applied) and float(out.alpha) == np.float32(0.02)
+  # ‖s‖² <= 1e-12: keep α_prev
+  out = step(_inputs(tp, tp, gp, alpha_prev=0.02), a, jnp.zeros(()))
+  assert not bool(out.bb_applied) and float(out.alpha) == np.float32(0.02)
+
+
+def test_armijo_never_returns_a_violating_step_unless_at_the_limit():
+  rng = np.random.default_rng(2)
+  d_in, c = 6, 4
+
+  def loss(theta, x, y):
+    logits = x @ theta.reshape(d_in, c)
+    return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(y.shape[0]), y])
+
+  n_hit = n_ok = 0
+  for max_bt in (3,):
+    cfg = sim.BBConfig(alpha0=1.0, max_bt=max_bt)
+    step = jax.jit(jax.vmap(bb_lib.make_bb_step(loss, cfg, batch_size=8, dataset_size=1000)))
+    B = 128
+    theta = rng.normal(scale=2.0, size=(B, d_in * c)).astype(np.float32)
+    x = rng.normal(scale=3.0, size=(B, 8, d_in)).astype(np.float32)
+    y = rng.integers(0, c, size=(B, 8))
+    alpha0 = np.exp(rng.uniform(np.log(1e-3), np.log(1e3), B)).astype(np.float32)
+    zeros = np.zeros_like(theta)
+    f32 = lambda v: np.full(B, v, np.float32)  # noqa: E731
+    inp = bb_lib.BBInputs(theta, zeros, zeros, alpha0, np.zeros(B, bool), f32(1), np.zeros(B, bool),
+                          f32(0), f32(0), f32(0))
+    out = jax.device_get(step(inp, x, y))
+    single = jax.jit(loss)
+    for i in range(B):
+      alpha, g = float(out.alpha[i]), np.asarray(out.grad[i])
+      lhs = float(single(theta[i] - np.float32(alpha) * g, x[i], y[i]))
+      rhs = float(out.loss[i]) - 0.1 * alpha * float(g @ g)
+      violated = lhs > rhs + 1e-6 * abs(rhs)
+      assert alpha == pytest.approx(float(alpha0[i]) * 0.5 ** int(out.num_backtracks[i]), rel=1e-6)
+      if bool(out.hit_limit[i]):
+        n_hit += 1
+        assert int(out.num_backtracks[i]) == max_bt
+      else:
+        n_ok += 1
+        assert not violated, (max_bt, i, lhs, rhs)
+  assert n_hit > 0 and n_ok > 0  # both branches were exercised
+
+
+def test_simulator_counts_backtrack_limit_hits():
+  ds = data.load("mnist1d")
+  model = models.get_model("mlp", hidden=(), num_classes=10)
+  # α_0 = 1e5 cannot be cut to an Armijo step in 10 halvings at first; later the carried α is small
+  cfg = sim.KSyncConfig(bb=sim.BBConfig(alpha0=1e5, max_bt=10, clamp=False))
+  s = sim.Simulator(sim.KSync(cfg), model=model, dataset=ds, num_workers=4, per_worker_batch=16,
+                    network=None, compute=sim.ComputeModel(0.01, speed_spread=0.3))
+  hits = []
+  orig = s._finish_compute
+
+  def spy(w):
+    if not s.w_computed[w]:
+      s._flush()
+    hits.append((s.out[w].hit_limit, s.out[w].num_backtracks))
+    orig(w)
+
+  s._finish_compute = spy
+  s.run(max_samples=16 * 40)
+  r = s.result().summary
+  assert r["bb_steps"] == len(hits) == 40
+  assert r["bb_hit_limit"] == sum(h for h, _ in hits) > 0
+  assert r["bb_backtracks"] == sum(n for _, n in hits)
+  assert all(n == 10 for h, n in hits if h)
+  assert r["bb_hit_limit"] < len(hits)  # and not every step hit it
+
+
+def test_bb_config_errors_name_the_argument():
+  with pytest.raises(ValueError, match="nu"):
+    sim.BBConfig(nu="approx")
+  with pytest.raises(ValueError, match="alpha0"):
+    sim.BBConfig(alpha0=0.0)
+  with pytest.raises(ValueError, match="max_bt"):
+    sim.BBConfig(max_bt=-1)

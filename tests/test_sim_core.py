@@ -1,0 +1,233 @@
+"""mfopt.sim: clock, link contention, timing, determinism, checkpointing, memory, progressive momentum."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from mfopt import costmodel, data, models, sim
+from mfopt.sim import clock
+
+
+@pytest.fixture(scope="module")
+def ds():
+  return data.load("mnist1d")
+
+
+@pytest.fixture(scope="module")
+def linear():
+  return models.get_model("mlp", hidden=(), num_classes=10)
+
+
+def test_event_queue_orders_by_time_then_scheduling_order():
+  q = sim.EventQueue()
+  q.push(1.0, clock.PUSH_ARRIVE, 3)
+  q.push(0.5, clock.COMPUTE_DONE, 2)
+  q.push(1.0, clock.COMPUTE_DONE, 0)
+  q.push(1.0, clock.PULL_ARRIVE, 1)
+  q2 = sim.EventQueue.from_state_dict(pickle.loads(pickle.dumps(q.state_dict())))
+  for queue in (q, q2):
+    assert [queue.pop()[3] for _ in range(4)] == [2, 3, 0, 1]
+
+
+def test_server_link_queues_transfers_fifo_and_reports_utilisation():
+  net = costmodel.Link("test", bandwidth=1000.0, latency=0.5)
+  link = sim.ServerLink(net, duplex=True)
+  arrivals = [link.transfer(0.0, 100.0, 0) for _ in range(3)]
+  np.testing.assert_allclose(arrivals, [0.6, 0.7, 0.8])
+  assert link.transfer(0.05, 100.0, 1) == pytest.approx(0.65)  # the pull lane is free
+  assert link.transfer(2.0, 100.0, 0) == pytest.approx(2.6)    # idle link: no queueing
+  u = link.utilisation(4.0)
+  assert u == {"push": pytest.approx(0.4 / 4.0), "pull": pytest.approx(0.1 / 4.0)}
+  half = sim.ServerLink(net, duplex=False)
+  half.transfer(0.0, 100.0, 0)
+  assert half.transfer(0.0, 100.0, 1) == pytest.approx(0.7)  # shares one queue
+  assert sim.ServerLink(None).transfer(3.0, 1e9, 0) == 3.0
+
+
+def test_compute_model_is_stateless_and_seeded():
+  cm = sim.ComputeModel(0.1, speeds=[1.0, 2.0], jitter_sigma=0.3)
+  sp = cm.speed_factors(2, seed=0)
+  a = [cm.time(sp, 0, w, n) for w in range(2) for n in range(5)]
+  b = [cm.time(sp, 0, w, n) for w in range(2) for n in range(5)]
+  c = [cm.time(sp, 1, w, n) for w in range(2) for n in range(5)]
+  assert a == b and a != c
+  z = np.random.default_rng([0, 7, 1, 3]).standard_normal()
+  assert cm.time(sp, 0, 1, 3) == pytest.approx(0.1 * 2.0 * np.exp(0.3 * z))
+  always = sim.ComputeModel(0.1, straggler_prob=1.0, straggler_slowdown=4.0)
+  assert always.time(np.ones(1), 0, 0, 0) == pytest.approx(0.4)
+  spread = sim.ComputeModel(0.1, speed_spread=0.5).speed_factors(4, seed=3)
+  np.testing.assert_allclose(spread, np.exp(0.5 * np.random.default_rng([3, 11]).standard_normal(4)))
+  with pytest.raises(ValueError, match="straggler_prob"):
+    sim.ComputeModel(straggler_prob=2.0)
+
+
+def test_simulated_time_of_asp_bsp_and_all_reduce(ds, linear):
+  S = 4 * 410  # float32 parameters of the linear model
+  net = costmodel.Link("slow", bandwidth=1e5, latency=1e-3)
+  T = S / 1e5 + 1e-3
+  base = sim.BaseSGD(0.1)
+  # ASP, one worker: compute, push, pull, compute, ...: version n lands at n c + n T + (n-1) T
+  s = sim.Simulator(sim.ASP(base), model=linear, dataset=ds, num_workers=1, per_worker_batch=8,
+                    network=net, compute=sim.ComputeModel(0.05))
+  s.run(max_server_steps=5)
+  assert s.now == pytest.approx(5 * 0.05 + 5 * T + 4 * T)
+  # BSP, 4 equal workers, compute 0.05: pushes queue on the server link, then pulls queue
+  s = sim.Simulator(sim.BSP(base), model=linear, dataset=ds, num_workers=4, per_worker_batch=8,
+                    network=net, compute=sim.ComputeModel(0.05))
+  s.run(max_server_steps=3)
+  occ, lat = S / 1e5, 1e-3
+  ready, push_free, pull_free = [0.05] * 4, 0.0, 0.0  # FIFO queues, ties in worker order
+  for _ in range(3):
+    arrive = {}
+    for w in sorted(range(4), key=lambda i: (ready[i], i)):
+      start = max(ready[w], push_free)
+      push_free = start + occ
+      arrive[w] = start + occ + lat
+    update = max(arrive.values())
+    for w in sorted(range(4), key=lambda i: (arrive[i], i)):
+      start = max(update, pull_free)
+      pull_free = start + occ
+      ready[w] = start + occ + lat + 0.05
+  assert s.now == pytest.approx(update)
+  assert s.now < 3 * (0.05 + 8 * occ + 2 * lat)  # pulls of one round overlap pushes of the next
+  r = s.result().summary
+  assert r["link_utilisation_push"] == pytest.approx(3 * 4 * occ / s.now)
+  assert r["pushes_per_worker"] == 3 and r["pulls_per_worker"] == 3
+  # all-reduce, speeds 1 and 3: step = slowest compute + ring all-reduce time (cost model)
+  s = sim.Simulator(sim.AllReduce(base), model=linear, dataset=ds, num_workers=2, per_worker_batch=8,
+                    network=net, compute=sim.ComputeModel(0.05, speeds=[1.0, 3.0]))
+  s.run(max_server_steps=4)
+  assert s.now == pytest.approx(4 * (0.15 + costmodel.all_reduce_time(S, 2, net)))
+  assert s.result().summary["link_utilisation_push"] == 0.0
+
+
+def _ksync_sim(ds, seed, preset="working"):
+  model = models.get_model("mlp", hidden=(8,), num_classes=10)
+  return sim.Simulator(sim.ksync_preset(preset, alpha0=0.05), model=model, dataset=ds,
+                       num_workers=4, per_worker_batch=8, seed=seed, network="1gbit",
+                       eval_every_samples=160,
+                       compute=sim.ComputeModel(0.01, speed_spread=0.4, jitter_sigma=0.3,
+                                                straggler_prob=0.1, straggler_slowdown=3.0))
+
+
+def _trace(s):
+  r = s.result()
+  return (s.theta.tobytes(), r.k_trace, r.staleness, r.lr_traces, r.history, r.server_lr_trace)
+
+
+def test_same_seed_same_trace_bit_for_bit_and_different_seeds_differ(ds):
+  runs = []
+  for seed in (0, 0, 1):
+    s = _ksync_sim(ds, seed)
+    s.run(max_samples=8 * 60)
+    runs.append(_trace(s))
+  assert runs[0] == runs[1]
+  assert runs[0][0] != runs[2][0] and runs[0][1] != runs[2][1] and runs[0][3] != runs[2][3]
+
+
+def _plain(x):
+  if isinstance(x, dict):
+    return all(isinstance(k, (str, int)) and _plain(v) for k, v in x.items())
+  if isinstance(x, (list, tuple)):
+    return all(_plain(v) for v in x)
+  return x is None or isinstance(x, (bool, int, float, str, np.ndarray, np.generic))
+
+
+@pytest.mark.parametrize("make", ["ksync", "easgd", "ssp"])
+def test_checkpoint_resume_is_bit_identical(ds, linear, make):
+  def build(seed=0):
+    if make == "ksync":
+      return _ksync_sim(ds, seed, preset="faithful")
+    strat = sim.EASGD(3, sim.BaseSGD(0.1)) if make == "easgd" else sim.SSP(2, sim.BaseSGD(0.1))
+    return sim.Simulator(strat, model=linear, dataset=ds, num_workers=3, per_worker_batch=8,
+                         network="1gbit", eval_every_samples=120,
+                         compute=sim.ComputeModel(0.01, speed_spread=0.6, jitter_sigma=0.3))
+  full = build()
+  full.run(max_samples=8 * 50)
+  first = build()
+  first.run(max_events=37)
+  state = first.state_dict()
+  assert _plain(state)
+  state = pickle.loads(pickle.dumps(state))
+  resumed = build()
+  resumed.load_state_dict(state)
+  resumed.run(max_samples=8 * 50)
+  assert _trace(resumed) == _trace(full)
+
+
+def test_only_referenced_versions_are_kept(ds, linear):
+  M = 6
+  for strat, bound in ((sim.ASP(sim.BaseSGD(0.1)), 2 * M + 1),
+                       (sim.KSync(sim.KSyncConfig(bb=sim.BBConfig(alpha0=0.05))), 3 * M + 1)):
+    s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=M, per_worker_batch=4,
+                      network="1gbit", compute=sim.ComputeModel(0.01, speed_spread=1.0))
+    most = 0
+    for _ in range(400):
+      s.step()
+      most = max(most, len(s.versions))
+      referenced = set(s.w_version) | set(s.w_incoming) | {s.version}
+      if strat.bb is not None:
+        referenced |= set(s.w_prev_version)
+      assert set(s.versions) <= referenced
+    assert s.version > 3 * M and most <= bound
+
+
+def test_progressive_momentum_matches_the_unrolled_sum(ds, linear):
+  """u_t = Σ_{gradients i received before update t} γ^(t - v_i) (α / k_{v_i}) g_i (dampened: × (1-γ)).
+
+  This is spec §1.2's unrolled form; the strategy implements it with one buffer.
+  """
+  lr, gamma = 0.1, 0.6
+  for dampening in (False, True):
+    cfg = sim.KSyncConfig(gamma=gamma, dampening=dampening, k_rule=2, bb=None,
+                          lr_fallback=sim.BaseSGD(lr, decay_rate=1.0))
+    strat = sim.KSync(cfg)
+    s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=3, per_worker_batch=8,
+                      network=None, compute=sim.ComputeModel(0.01, speeds=[1.0, 1.7, 3.1]))
+    theta0 = s.theta.astype(np.float64).copy()
+    received = []  # (arrival version a_i, computed version v_i, grad)
+    orig = strat.on_push
+
+    def spy(sim_, w, orig=orig, received=received):
+      received.append((sim_.version, sim_.msg[w].version, sim_.msg[w].grad.astype(np.float64)))
+      orig(sim_, w)
+
+    strat.on_push = spy
+    s.run(max_server_steps=12)
+    T = s.version
+    k = {int(v): kk for v, _, kk in s.k_trace}
+    k = {v - 1: kk for v, kk in k.items()}  # k_trace is logged after the version increments
+    theta = theta0.copy()
+    scale = (1 - gamma) if dampening else 1.0
+    for t in range(T):
+      u = sum(gamma ** (t - v) * scale * lr / k[v] * g for a, v, g in received if a <= t and v in k)
+      theta -= u
+    assert any(a > v for a, v, _ in received)  # stale gradients were merged
+    np.testing.assert_allclose(s.theta, theta, rtol=0, atol=5e-6)
+
+
+def test_strategy_errors_name_the_argument():
+  with pytest.raises(ValueError, match="drop_rate"):
+    sim.DropWorker(1.0)
+  with pytest.raises(ValueError, match="interval"):
+    sim.EASGD(0)
+  with pytest.raises(ValueError, match="gamma"):
+    sim.KSyncConfig(gamma=1.0)
+  with pytest.raises(ValueError, match="k_rule"):
+    sim.KSyncConfig(k_rule="fixed")
+  with pytest.raises(ValueError, match="preset"):
+    sim.ksync_config("fast")
+  with pytest.raises(ValueError, match="learning_rate"):
+    sim.BaseSGD(-1.0)
+
+
+def test_easgd_and_dropworker_defaults(ds, linear):
+  s = sim.Simulator(sim.EASGD(10), model=linear, dataset=ds, num_workers=8, per_worker_batch=4,
+                    network=None)
+  assert s.strategy.a == pytest.approx(0.9 / (10 * 8))
+  d = sim.Simulator(sim.DropWorker(), model=linear, dataset=ds, num_workers=7, per_worker_batch=4,
+                    network=None, compute=sim.ComputeModel(0.01, speed_spread=1.0))
+  d.run(max_server_steps=10)
+  assert d.strategy.k == 4 and [r[2] for r in d.k_trace] == [4] * 10
+  assert d.dropped > 0

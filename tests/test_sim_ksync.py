@@ -1,0 +1,92 @@
+"""The k-test of seed 002 (spec §2.2-2.3): Welford statistics, Tests A/B, and the k rule."""
+
+import numpy as np
+import pytest
+
+from mfopt import sim
+from mfopt.sim import ksync
+
+
+def test_welford_matches_two_pass_numpy():
+  rng = np.random.default_rng(0)
+  g = rng.normal(3.0, 2.0, size=(9, 500)) * rng.uniform(0.1, 5, size=500)
+  w = sim.Welford(500)
+  for n, row in enumerate(g, start=1):
+    w.add(row.astype(np.float32))
+    ref = g[:n].astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(w.mean, ref.mean(0), rtol=1e-12, atol=1e-12)
+    if n >= 2:
+      np.testing.assert_allclose(w.variance, ref.var(0, ddof=1), rtol=1e-10, atol=1e-12)
+
+
+def test_t_quantiles_match_the_spec_table():
+  table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 10: 2.228, 31: 2.040}
+  for df, t in table.items():
+    assert ksync.t_quantile(0.975, df) == pytest.approx(t, abs=1e-3)
+  assert ksync.t_quantile(0.95, 2) == pytest.approx(2.920, abs=1e-3)
+
+
+def test_k_test_statistics_match_numpy_and_the_decision_rule():
+  rng = np.random.default_rng(1)
+  g = rng.normal(0.3, 1.0, size=(5, 200))
+  w = sim.Welford(200)
+  for row in g:
+    w.add(row)
+  cfg = sim.KTestConfig(theta=0.9, ci_mode="upper_abs")
+  res = sim.k_test(w, cfg)
+  gbar, s2 = g.mean(0), g.var(0, ddof=1)
+  e_hat = s2.sum() / 5
+  assert res.e_hat == pytest.approx(e_hat, rel=1e-12)
+  assert res.test_a == (e_hat <= 0.81 * gbar @ gbar)
+  mu = np.abs(gbar) + 2.776 * np.sqrt(s2 / 5)
+  assert res.test_b == (e_hat <= 0.81 * mu @ mu)
+  lower = sim.k_test(w, sim.KTestConfig(ci_mode="lower_abs"))
+  mu_lo = np.maximum(np.abs(gbar) - ksync.t_quantile(0.975, 4) * np.sqrt(s2 / 5), 0)
+  assert lower.test_b == (e_hat <= 0.81 * mu_lo @ mu_lo)
+
+
+def test_identical_gradients_keep_k_at_k_min():
+  rng = np.random.default_rng(2)
+  for k_min in (2, 3):
+    cfg = sim.KTestConfig(k_min=k_min)
+    for _ in range(10):
+      g = rng.normal(size=1000)
+      k, res = sim.choose_k([g] * 16, cfg, num_workers=16)
+      assert k == k_min and res.passed and res.e_hat == 0.0
+
+
+def test_zero_mean_noise_reaches_k_max_at_every_step():
+  rng = np.random.default_rng(3)
+  d, M = 10_000, 16
+  for mode in ("upper_signed", "upper_abs", "lower_abs", "off"):
+    cfg = sim.KTestConfig(theta=0.5, ci_mode=mode)
+    for _ in range(5):  # five server steps, fresh noise each
+      k, res = sim.choose_k(rng.normal(size=(M, d)), cfg, num_workers=M)
+      assert k == M and not res.test_a
+  # with a k_max cap the rule stops at the cap
+  k, _ = sim.choose_k(rng.normal(size=(M, d)), sim.KTestConfig(theta=0.5, k_max=8), num_workers=M)
+  assert k == 8
+
+
+def test_signal_plus_noise_gives_intermediate_k():
+  """k follows the noise-to-signal ratio.
+
+  With μ = 1 in every coordinate and noise σ: Ê ≈ σ²d/n and ‖ḡ‖² ≈ d(1 + σ²/n), so
+  Test A passes once n >= σ²(1-ϑ²)/ϑ² (= 18.75 for σ = 2.5, ϑ = 0.5).
+  """
+  rng = np.random.default_rng(4)
+  d, M, sigma, theta = 2000, 32, 2.5, 0.5
+  ks = [sim.choose_k(1.0 + rng.normal(scale=sigma, size=(M, d)),
+                     sim.KTestConfig(theta=theta, ci_mode="off"), num_workers=M)[0]
+        for _ in range(20)]
+  predicted = sigma**2 * (1 - theta**2) / theta**2
+  assert abs(np.median(ks) - predicted) <= 2.5, ks
+
+
+def test_ktest_config_errors_name_the_argument():
+  with pytest.raises(ValueError, match="ci_mode"):
+    sim.KTestConfig(ci_mode="upper")
+  with pytest.raises(ValueError, match="k_max"):
+    sim.KTestConfig(k_min=4, k_max=2)
+  with pytest.raises(ValueError, match="confidence"):
+    sim.KTestConfig(confidence=1.5)
