@@ -305,7 +305,7 @@ class AveragingDiagnostics(NamedTuple):
     variance_exchanges: int32, diagnostic all-reduces run (2 per tracked step);
       not a :class:`CommStats`, so not in ``comm_totals``.
     trace_step, trace_period, trace_sync_variance, trace_mean_variance, trace_lr:
-      ring buffers of length ``trace_length``: per sync, the number of steps
+      ring buffers of length ``trace_length`` (empty tuples when it is 0): per sync, the number of steps
       done (``k + 1``), the steps since the previous sync, ``S_k``, ``V_t``
       (eq. 11: mean of ``Var[W_k]`` over those steps) and ``lr_k``.
   """
@@ -467,14 +467,17 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     payload = tree_payload_bytes(params, comm_dtype)
     if average_inner_state:
       payload += tree_payload_bytes([x for x in jax.tree.leaves(inner_state) if _is_float(x)])
-    t = max(int(trace_length), 0)
+    t = int(trace_length)
+    # Without a trace the fields are empty tuples, not zero-size arrays (orbax
+    # refuses to checkpoint zero-size arrays).
     diag = AveragingDiagnostics(
         syncs=jnp.zeros([], jnp.int32), last_sync_variance=nan, variance=nan,
         variance_sum=jnp.zeros([], jnp.float32), variance_exchanges=jnp.zeros([], jnp.int32),
-        trace_step=jnp.zeros([t], jnp.int32), trace_period=jnp.zeros([t], jnp.int32),
-        trace_sync_variance=jnp.full([t], jnp.nan, jnp.float32),
-        trace_mean_variance=jnp.full([t], jnp.nan, jnp.float32),
-        trace_lr=jnp.full([t], jnp.nan, jnp.float32))
+        trace_step=jnp.zeros([t], jnp.int32) if t else (),
+        trace_period=jnp.zeros([t], jnp.int32) if t else (),
+        trace_sync_variance=jnp.full([t], jnp.nan, jnp.float32) if t else (),
+        trace_mean_variance=jnp.full([t], jnp.nan, jnp.float32) if t else (),
+        trace_lr=jnp.full([t], jnp.nan, jnp.float32) if t else ())
     return PeriodicAveragingState(
         count=jnp.zeros([], jnp.int32), inner_state=inner_state,
         outer_state=outer_tx.init(params),
@@ -642,7 +645,10 @@ def sync_trace(opt_state: Any, worker: int = 0) -> dict[str, np.ndarray]:
             "mean_variance": d.trace_mean_variance, "lr": d.trace_lr}
   out = {}
   for name, a in fields.items():
-    a = np.asarray(a)
+    a = np.asarray(a, dtype=np.int32 if name in ("step", "period") else np.float32)
+    if a.ndim == 0 or a.size == 0:  # no trace kept
+      out[name] = a.reshape(-1)[:0]
+      continue
     t = a.shape[0]
     n = min(syncs, t)
     start = (syncs - n) % t if t else 0

@@ -1,0 +1,313 @@
+"""adpsgd_table: seed 001 Table I, §V.B's decreasing period, QSGD-8bit, and Fig. 6 (projected).
+
+Command: ``python -m experiments adpsgd_table [--quick] [--workdir DIR] [key=value ...]``
+
+Rows (all with momentum 0.9 and the paper's step decay, x0.1 at 50% and 75%):
+
+* SMALL_BATCH: one worker, batch = the per-worker batch, lr ``learning_rate``,
+  ``num_workers`` times more steps (equal samples processed);
+* ADPSGD: warm-up epoch at period 1, then Alg. 2 (``p_init = 4``, ``K_s = 0.25 K``);
+* CPSGD: every ``p`` in ``cpsgd_periods`` (the paper sweeps 2..16), best by mean test accuracy;
+* FULLSGD: all-reduce of gradients every step, every lr in ``fullsgd_lrs`` (paper: 0.1..1.6), best;
+* DECREASING: period 20 for the first half, 5 for the second (§V.B; as many syncs as CPSGD p=8);
+* QSGD-8bit: ``mfopt.qsgd`` (int8 + bucket norms, all_gather) then SGD momentum 0.9.
+
+Communication is counted by the transforms (collectives and payload bytes per
+worker). Times: "measured" is this machine's training time (W virtual workers
+on the local devices, compile excluded); "projected" is the cost model
+(SPEC.md): per-worker compute = the measured SMALL_BATCH step time (one worker,
+same per-worker batch) x steps, plus ring all-reduce / all-gather time of the
+counted exchanges at 10 and 100 Gbit/s. Fig. 6 projects speedups over
+single-node SGD for 2..16 workers, assuming ADPSGD's sync fraction measured at
+``num_workers``. The report also tabulates QSGD's all-gather wire bytes against
+a ring all-reduce of fp32 as workers grow (the crossover).
+
+Hardware/runtime (measured on 2 shared CPU cores): quick ~20 s; full preset (3
+seeds, 1000 steps, 8 workers, CPSGD p in {2, 4, 8, 16}, FULLSGD lr in {0.1,
+0.2, 0.4}) about 10-20 minutes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import ml_collections
+import numpy as np
+import optax
+
+import mfopt
+from experiments import _averaging_common as common
+from mfopt import costmodel
+from mfopt import data as data_lib
+from mfopt import report, runner
+from mfopt.comm import CollectiveKind
+from mfopt.qsgd import qsgd_payload_bytes
+
+NETS = ("10gbit", "100gbit")
+
+
+def get_config(quick: bool = False) -> ml_collections.ConfigDict:
+  """Config.
+
+  Command: ``python -m experiments adpsgd_table`` (``--quick`` for CI).
+  Hardware: any; sized for 2 CPU cores. Runtime: full ~10-20 min, quick ~20 s.
+  Expected (paper, CIFAR-10 GoogLeNet/VGG16 on 16 GPUs): SMALL_BATCH >= ADPSGD >
+  best CPSGD and best FULLSGD in test accuracy; ADPSGD syncs ~ CPSGD p=8's;
+  projected speedup of ADPSGD over FULLSGD larger at 10 than at 100 Gbit/s.
+  """
+  c = ml_collections.ConfigDict()
+  c.dataset = "mnist1d"
+  c.model = "mlp"
+  c.hidden = (32,) if quick else (256, 256)
+  c.num_workers = 8
+  c.per_worker_batch = 16
+  c.num_steps = 16 if quick else 1000
+  c.learning_rate = 0.1
+  c.momentum = 0.9
+  c.cpsgd_periods = (8,) if quick else (2, 4, 8, 16)
+  c.fullsgd_lrs = (0.1,) if quick else (0.1, 0.2, 0.4)
+  c.decreasing_periods = (4, 2) if quick else (20, 5)
+  c.p_init = 4
+  c.sampling_fraction = 0.25
+  c.warmup_epochs = 0.25 if quick else 1.0
+  c.qsgd_bits = 8
+  c.qsgd_bucket = 512
+  c.seeds = (0,) if quick else (0, 1, 2)
+  c.fig6_workers = (2, 4, 8, 16)
+  c.log_every = 8 if quick else 250
+  c.progress = not quick
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  runner.require_positive(c, "num_workers", "per_worker_batch", "num_steps", "learning_rate",
+                          "p_init", "log_every", "qsgd_bucket")
+  if not c.cpsgd_periods or any(p < 1 for p in c.cpsgd_periods):
+    raise runner.ConfigError(f"config field 'cpsgd_periods' must hold positive periods, "
+                             f"got {c.cpsgd_periods!r}")
+  if not c.fullsgd_lrs or any(lr <= 0 for lr in c.fullsgd_lrs):
+    raise runner.ConfigError(f"config field 'fullsgd_lrs' must hold positive rates, "
+                             f"got {c.fullsgd_lrs!r}")
+  if not 2 <= c.qsgd_bits <= 8:
+    raise runner.ConfigError(f"config field 'qsgd_bits' must be in [2, 8], got {c.qsgd_bits!r}")
+
+
+def _algorithms(c, schedule_for, n, warmup, k_s):
+  axes = mfopt.WORKER_AXES
+
+  def local(ctl_fn):
+    return lambda: mfopt.periodic_averaging(
+        optax.sgd(schedule_for(c.learning_rate), momentum=c.momentum), axes, ctl_fn())
+
+  algos: dict[str, dict[str, Any]] = {}
+  algos["SMALL_BATCH"] = {"make": lambda: optax.sgd(schedule_for(c.learning_rate),
+                                                     momentum=c.momentum),
+                          "workers": 1, "lr": c.learning_rate, "group": "SMALL_BATCH"}
+  algos["ADPSGD"] = {"make": local(lambda: mfopt.adpsgd_period(
+      learning_rate=schedule_for(c.learning_rate), sampling_steps=k_s, p_init=c.p_init,
+      warmup_steps=warmup)), "lr": c.learning_rate, "group": "ADPSGD"}
+  for p in c.cpsgd_periods:
+    algos[f"CPSGD p={p}"] = {"make": local(lambda p=p: mfopt.constant_period(p)),
+                             "lr": c.learning_rate, "group": "CPSGD"}
+  for lr in c.fullsgd_lrs:
+    algos[f"FULLSGD lr={lr:g}"] = {
+        "make": lambda lr=lr: optax.chain(mfopt.sync_gradients(axes),
+                                          optax.sgd(schedule_for(lr), momentum=c.momentum)),
+        "lr": lr, "group": "FULLSGD"}
+  p1, p2 = c.decreasing_periods
+  algos[f"DECREASING {p1}->{p2}"] = {"make": local(lambda: mfopt.scheduled_period(
+      (p1, p2), (n // 2,))), "lr": c.learning_rate, "group": "DECREASING"}
+  algos[f"QSGD-{c.qsgd_bits}bit"] = {
+      "make": lambda: optax.chain(mfopt.qsgd(axes, bits=c.qsgd_bits, bucket_size=c.qsgd_bucket),
+                                  optax.sgd(schedule_for(c.learning_rate), momentum=c.momentum)),
+      "lr": c.learning_rate, "group": "QSGD"}
+  return algos
+
+
+def _comm_time(name: str, res, num_workers: int, net: str) -> float:
+  """Modeled communication seconds of one run (ADPSGD's scalar all-reduce timed on its own)."""
+  if name.startswith(("ADPSGD", "CPSGD", "DECREASING")):
+    a = common.averaging_comm(res.state.opt_state)
+    return common.comm_time_per_kind(a["param_syncs"], a["param_bytes"], a["scalar_syncs"],
+                                     num_workers, net)
+  return costmodel.communication_time(res.summary, num_workers, net)
+
+
+def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  dataset = data_lib.load(c.dataset)
+  w, b, n = c.num_workers, c.per_worker_batch, c.num_steps
+  steps_per_epoch = max(1, len(dataset.train) // (w * b))
+  warmup = int(round(c.warmup_epochs * steps_per_epoch))
+  k_s = max(int(c.sampling_fraction * n), warmup + c.p_init)
+  log = report.JsonlWriter(workdir / "metrics.jsonl")
+
+  per_seed: dict[str, list[dict[str, Any]]] = {}
+  for seed in c.seeds:
+    for name, spec in _algorithms(c, lambda lr: None, n, warmup, k_s).items():
+      workers = spec.get("workers", w)
+      steps = n * w // workers
+      schedule_for = lambda lr, steps=steps: common.step_decay(lr, steps)  # noqa: E731
+      spec = _algorithms(c, schedule_for, steps, warmup, k_s)[name]
+      res = common.run(dataset=dataset, model_name=c.model, tx=spec["make"](),
+                       num_workers=workers, per_worker_batch=b, num_steps=steps, seed=seed,
+                       log_every=c.log_every * (w // workers), progress=c.progress,
+                       desc=f"seed {seed} {name}", schedule=schedule_for(spec["lr"]),
+                       model_kwargs={"hidden": tuple(c.hidden)},
+                       on_log=lambda row, name=name, seed=seed: log(
+                           {"algorithm": name, "seed": seed, **row}))
+      s = res.summary
+      row = {"seed": seed, "algorithm": name, "group": spec["group"], "lr": spec["lr"],
+             "workers": workers, "steps": steps, "test_accuracy": s["test_accuracy"],
+             "final_train_loss": s["final_train_loss"], "collectives": s["collectives"],
+             "payload_bytes": s["payload_bytes"], "train_s": s["train_s"]}
+      if spec["group"] in ("ADPSGD", "CPSGD", "DECREASING"):
+        row.update(common.averaging_comm(res.state.opt_state))
+      for net in NETS:
+        row[f"comm_s_{net}"] = _comm_time(name, res, workers, net) if workers > 1 else 0.0
+      per_seed.setdefault(name, []).append(row)
+  report.write_json(workdir / "runs.json", per_seed)
+
+  # Projection inputs: per-worker compute time per step, measured on one worker.
+  t_step = float(np.mean([r["train_s"] / r["steps"] for r in per_seed["SMALL_BATCH"]]))
+  names = list(per_seed)
+  mean_acc = {k: float(np.mean([r["test_accuracy"] for r in v])) for k, v in per_seed.items()}
+  best = {}
+  for group in ("CPSGD", "FULLSGD"):
+    cands = [k for k in names if per_seed[k][0]["group"] == group]
+    best[group] = max(cands, key=lambda k: mean_acc[k])
+
+  full_ref = best["FULLSGD"]
+  rows = []
+  for name in names:
+    rs = per_seed[name]
+    r0 = rs[0]
+    compute_s = r0["steps"] * t_step
+    row = {"algorithm": name + (" (best)" if name in best.values() else ""),
+           "acc": common.fmt_ms([r["test_accuracy"] for r in rs]),
+           "loss": common.fmt_ms([r["final_train_loss"] for r in rs]),
+           "collectives": common.fmt_ms([r["collectives"] for r in rs], 1),
+           "bytes": common.fmt_ms([r["payload_bytes"] for r in rs], 0),
+           "measured_s": common.fmt_ms([r["train_s"] for r in rs], 1)}
+    for net in NETS:
+      proj = [compute_s + r[f"comm_s_{net}"] for r in rs]
+      ref = [r0f["steps"] * t_step + r0f[f"comm_s_{net}"] for r0f in per_seed[full_ref]]
+      row[f"proj_{net}"] = common.fmt_ms(proj, 3)
+      row[f"speedup_{net}"] = f"{np.mean(ref) / np.mean(proj):.2f}x"
+    rows.append(row)
+
+  # Table I layout: one column per method.
+  table1 = [{"SMALL_BATCH": common.fmt_ms([r["test_accuracy"] for r in per_seed["SMALL_BATCH"]]),
+             "ADPSGD": common.fmt_ms([r["test_accuracy"] for r in per_seed["ADPSGD"]]),
+             "CPSGD": f"{common.fmt_ms([r['test_accuracy'] for r in per_seed[best['CPSGD']]])} "
+                      f"({best['CPSGD'].split()[-1]})",
+             "FULLSGD": f"{common.fmt_ms([r['test_accuracy'] for r in per_seed[full_ref]])} "
+                        f"({full_ref.split()[-1]})"}]
+
+  # Fig. 6: projected speedups over single-node SGD.
+  param_bytes = per_seed["ADPSGD"][0]["param_bytes"]
+  sync_frac = float(np.mean([r["param_syncs"] / r["steps"] for r in per_seed["ADPSGD"]]))
+  total_steps_single = n * w
+  fig6_rows, fig6_curves = [], {}
+  for net in NETS:
+    fig6_curves[net] = {"FULLSGD": ([], []), "ADPSGD": ([], [])}
+    for m in c.fig6_workers:
+      steps_m = total_steps_single / m
+      single = total_steps_single * t_step
+      full_t = steps_m * t_step + steps_m * costmodel.all_reduce_time(param_bytes, m, net)
+      ad_t = steps_m * t_step + steps_m * sync_frac * (
+          costmodel.all_reduce_time(param_bytes, m, net) + costmodel.all_reduce_time(4, m, net))
+      fig6_rows.append({"net": net, "workers": m, "fullsgd": f"{single / full_t:.2f}x",
+                        "adpsgd": f"{single / ad_t:.2f}x"})
+      for label, t in (("FULLSGD", full_t), ("ADPSGD", ad_t)):
+        fig6_curves[net][label][0].append(m)
+        fig6_curves[net][label][1].append(single / t)
+  report.plot_curves(workdir / "fig6_projected_speedups.png",
+                     {f"{net} (projected)": v for net, v in fig6_curves.items()},
+                     xlabel="workers", ylabel="speedup over single-node SGD (projected)",
+                     title="Fig. 6 (projected with the cost model)")
+
+  # QSGD all-gather vs ring all-reduce wire bytes.
+  num_params = param_bytes // 4
+  q_payload = qsgd_payload_bytes(num_params, c.qsgd_bits, c.qsgd_bucket)
+  cross = []
+  for m in (2, 4, 8, 16, 32, 64):
+    ag = costmodel.wire_bytes(q_payload, m, CollectiveKind.ALL_GATHER)
+    ar = costmodel.wire_bytes(param_bytes, m, CollectiveKind.ALL_REDUCE)
+    cross.append({"workers": m, "qsgd_wire": f"{ag:,.0f}", "allreduce_wire": f"{ar:,.0f}",
+                  "ratio": f"{ag / ar:.2f}",
+                  "t_q": f"{1e3 * costmodel.all_gather_time(q_payload, m, '10gbit'):.3f}",
+                  "t_ar": f"{1e3 * costmodel.all_reduce_time(param_bytes, m, '10gbit'):.3f}"})
+
+  verdicts = []
+  accs = lambda k: [r["test_accuracy"] for r in per_seed[k]]  # noqa: E731
+  verdicts.append(common.verdict(accs("ADPSGD"), accs(best["CPSGD"]), expect_greater=True,
+                                 what=f"Table I: ADPSGD beats the best CPSGD ({best['CPSGD']}) "
+                                      "in test accuracy"))
+  verdicts.append(common.verdict(accs("ADPSGD"), accs(full_ref), expect_greater=True,
+                                 what=f"Table I: ADPSGD beats the best FULLSGD ({full_ref})"))
+  verdicts.append(common.verdict(accs("SMALL_BATCH"), accs("ADPSGD"), expect_greater=True,
+                                 what="Table I: SMALL_BATCH beats ADPSGD"))
+  dec = f"DECREASING {c.decreasing_periods[0]}->{c.decreasing_periods[1]}"
+  verdicts.append(common.verdict(accs("ADPSGD"), accs(dec), expect_greater=True,
+                                 what="§V.B: ADPSGD beats the decreasing period (20 then 5)"))
+  qname = f"QSGD-{c.qsgd_bits}bit"
+  verdicts.append(common.verdict(
+      [-r["final_train_loss"] for r in per_seed["ADPSGD"]],
+      [-r["final_train_loss"] for r in per_seed[qname]], expect_greater=True,
+      what="§IV-B: ADPSGD reaches a smaller training loss than QSGD-8bit"))
+  if "CPSGD p=8" in per_seed:
+    verdicts.append(common.verdict(
+        [r["param_syncs"] for r in per_seed["CPSGD p=8"]],
+        [r["param_syncs"] for r in per_seed["ADPSGD"]], expect_greater=True,
+        what="§IV-B: ADPSGD syncs no more often than CPSGD p=8"))
+
+  env = report.environment()
+  dsz = f"{len(dataset.train):,} train / {len(dataset.test):,} test"
+  lines = [
+      "# adpsgd_table: seed 001 Table I, §V.B, QSGD and Fig. 6 at small scale\n",
+      report.environment_markdown(env),
+      f"- Dataset: {c.dataset} ({dsz}); model: {c.model} hidden {tuple(c.hidden)} "
+      f"({num_params:,} parameters)",
+      f"- Workers: {w} (virtual, {env['device_count']} device(s)); per-worker batch {b} "
+      f"(global {w * b}); {n} steps ({n * w * b:,} samples) for every distributed run; "
+      f"SMALL_BATCH: 1 worker, batch {b}, {n * w} steps (same samples); seeds {tuple(c.seeds)}",
+      f"- SGD momentum {c.momentum}; lr x0.1 at 50% and 75% of the steps; ADPSGD warm-up {warmup} "
+      f"steps at period 1, p_init={c.p_init}, K_s={k_s}",
+      f"- Reduced from the paper: CPSGD p in {tuple(c.cpsgd_periods)} (paper 2..16), FULLSGD lr in "
+      f"{tuple(c.fullsgd_lrs)} (paper 0.1..1.6); MLP on mnist1d instead of GoogLeNet/VGG16 on "
+      "CIFAR-10; 8 workers instead of 16.",
+      "- Collectives and bytes are per worker, counted by the transforms (payload). "
+      "'measured (s)' is this machine's training time. Projected times (cost model, SPEC.md) = "
+      f"per-worker compute {t_step * 1e3:.3f} ms/step (measured on SMALL_BATCH: 1 worker, batch "
+      f"{b}) x steps + modeled communication; they are **projected**, not measured. "
+      "Mean ± std over seeds.\n",
+      "## Table I (test accuracy)\n",
+      report.markdown_table(table1, ["SMALL_BATCH", "ADPSGD", "CPSGD", "FULLSGD"],
+                            ["SMALL_BATCH", "ADPSGD", "best CPSGD", "best FULLSGD"]),
+      "\n## All runs\n",
+      report.markdown_table(
+          rows, ["algorithm", "acc", "loss", "collectives", "bytes", "measured_s",
+                 "proj_10gbit", "speedup_10gbit", "proj_100gbit", "speedup_100gbit"],
+          ["algorithm", "test acc", "final train loss", "collectives/worker", "bytes/worker",
+           "measured (s)", "projected 10 Gbit/s (s)", f"vs {full_ref} @10G",
+           "projected 100 Gbit/s (s)", f"vs {full_ref} @100G"]),
+      "\n## Fig. 6: projected speedup over single-node SGD\n",
+      f"Single node: {n * w} steps x {t_step * 1e3:.3f} ms; m workers: {n * w}/m steps; FULLSGD "
+      f"all-reduces {param_bytes:,} B every step; ADPSGD on a fraction {sync_frac:.3f} of steps "
+      f"(measured at {w} workers). All **projected**.\n",
+      report.markdown_table(fig6_rows, ["net", "workers", "fullsgd", "adpsgd"],
+                            ["network", "workers", "FULLSGD", "ADPSGD"]),
+      "\n## QSGD all-gather vs ring all-reduce (wire bytes per worker per exchange, cost model)\n",
+      f"QSGD-{c.qsgd_bits}bit payload {q_payload:,} B (int8 + bucket norms) vs fp32 all-reduce "
+      f"payload {param_bytes:,} B; wire = (n-1) x payload for the all-gather, 2(n-1)/n x payload "
+      "for the ring all-reduce; times at 10 Gbit/s (ms, projected).\n",
+      report.markdown_table(cross, ["workers", "qsgd_wire", "allreduce_wire", "ratio", "t_q", "t_ar"],
+                            ["workers", "QSGD all-gather wire B", "fp32 ring all-reduce wire B",
+                             "ratio", "QSGD ms", "all-reduce ms"]),
+      "\n## Claims\n", *common.verdict_lines(verdicts),
+      "\n![Fig. 6](fig6_projected_speedups.png)\n",
+  ]
+  (workdir / "report.md").write_text("\n".join(lines) + "\n")
+  return {"table1": table1, "rows": rows, "fig6": fig6_rows, "crossover": cross,
+          "verdicts": verdicts, "t_step_s": t_step}
