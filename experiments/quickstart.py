@@ -67,6 +67,25 @@ ALGORITHMS: dict[str, Algorithm] = {
         _sync(lambda s: optax.adam(s)), 1e-3, "optax.adam, b1=0.9, b2=0.999"),
     # [issue 3: MF rows]
     # [issue 4: averaging rows]
+    "CPSGD p=8 (local SGD m=0.9)": Algorithm(
+        lambda ctx, lr: mfopt.periodic_averaging(
+            optax.sgd(ctx.schedule(lr), momentum=0.9), ctx.axis_name, mfopt.constant_period(8)),
+        0.1, "seed 001 Alg. 1: local momentum SGD, parameters averaged every 8 steps"),
+    "ADPSGD (local SGD m=0.9)": Algorithm(
+        lambda ctx, lr: mfopt.periodic_averaging(
+            optax.sgd(ctx.schedule(lr), momentum=0.9), ctx.axis_name, mfopt.adpsgd_period(
+                learning_rate=ctx.schedule(lr), sampling_steps=max(ctx.num_steps // 4, 4 + 1),
+                p_init=4, warmup_steps=min(ctx.steps_per_epoch, 1))),
+        0.1, "seed 001 Alg. 2: period 1 for a 1-step warm-up, p_init=4, K_s=K/4, then adaptive; "
+             "one extra scalar all-reduce per sync"),
+    "K-AVG K=8 (local SGD m=0.9)": Algorithm(
+        lambda ctx, lr: mfopt.block_momentum(
+            optax.sgd(ctx.schedule(lr), momentum=0.9), ctx.axis_name, 8, momentum=0.0),
+        0.1, "seed 003 Alg. 1 with mu=0 (learner momentum 0.9)"),
+    "M-AVG K=8 mu=0.5 (local SGD m=0.9)": Algorithm(
+        lambda ctx, lr: mfopt.block_momentum(
+            optax.sgd(ctx.schedule(lr), momentum=0.9), ctx.axis_name, 8, momentum=0.5),
+        0.1, "seed 003 Alg. 1: block momentum 0.5 on the averaged delta, learner momentum 0.9"),
     # [issue 5: simulator rows]
     # [issue 6: hybrid rows]
 }
