@@ -66,7 +66,7 @@ __all__ = [
     "printed_e1", "printed_e2", "correct_batch_variance", "correct_total_ss",
     "correct_within_ss", "correct_between_ss", "total_ss_std", "split_statistics",
     "measure_split_statistics", "predicted_mean_noise", "predicted_variance_noise",
-    "kurtosis", "expectation_table",
+    "kurtosis", "expectation_table", "measure_bn_channel_noise",
 ]
 
 
@@ -243,3 +243,46 @@ def expectation_table(M: int, workers: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                  "correct_S_e": correct_within_ss(M, P, sigma2),
                  "correct_S_a": correct_between_ss(M, P, sigma2)})
   return rows
+
+
+def measure_bn_channel_noise(acts: np.ndarray, global_batch: int, num_workers: int,
+                             trials: int, rng: np.random.Generator) -> dict[str, Any]:
+  """Noise of the per-worker BatchNorm statistics of real activations, per channel.
+
+  BatchNorm on ``(N, *spatial, C)`` activations normalises each channel with the mean
+  and (biased) variance over a worker's ``K`` examples *and* all spatial positions.
+  ``trials`` global batches of ``global_batch`` examples are drawn with replacement
+  from ``acts`` (so examples are i.i.d. from the dataset's activation distribution),
+  split into ``num_workers`` groups of ``K``, and each group's channel statistics are
+  compared with the population ones (all of ``acts``).
+
+  Returns:
+    ``P, K, mean_noise`` = ``E[(mu_j - mu)^2] / sigma^2`` and ``var_noise`` =
+    ``E[(delta_j^2 - sigma^2)^2] / sigma^4``, averaged over channels, with standard
+    errors over trials; and ``predicted_mean_noise`` = ``Var_n(example mean) / (K
+    sigma^2)``, exact for i.i.d. examples whatever the spatial correlation (the worker
+    mean is the mean of ``K`` i.i.d. per-example channel means).
+  """
+  acts = np.asarray(acts, dtype=np.float64)
+  n, c = acts.shape[0], acts.shape[-1]
+  flat = acts.reshape(n, -1, c)  # (N, positions, C)
+  M, P = _check(global_batch, num_workers)
+  K = M // P
+  pop_mean = flat.mean(axis=(0, 1))
+  pop_var = flat.var(axis=(0, 1))
+  keep = pop_var > 1e-12 * max(float(pop_var.max()), 1e-300)
+  flat, pop_mean, pop_var = flat[..., keep], pop_mean[keep], pop_var[keep]
+  example_means = flat.mean(axis=1)  # (N, C)
+  idx = rng.integers(0, n, size=(trials, P, K))
+  x = flat[idx]  # (trials, P, K, positions, C)
+  mu_j = x.mean(axis=(2, 3))
+  var_j = x.var(axis=(2, 3))
+  mean_err = ((mu_j - pop_mean) ** 2 / pop_var).mean(axis=(1, 2))  # per trial
+  var_err = ((var_j - pop_var) ** 2 / pop_var**2).mean(axis=(1, 2))
+  pred = float((example_means.var(axis=0) / pop_var).mean() / K)
+  return {"P": P, "K": K, "channels": int(keep.sum()), "trials": trials,
+          "mean_noise": float(mean_err.mean()),
+          "mean_noise_se": float(mean_err.std(ddof=1) / math.sqrt(trials)),
+          "var_noise": float(var_err.mean()),
+          "var_noise_se": float(var_err.std(ddof=1) / math.sqrt(trials)),
+          "predicted_mean_noise": pred}

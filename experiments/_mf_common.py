@@ -1,0 +1,221 @@
+"""Shared pieces of the seed 000 (MF) experiments: optimizers, meshes, one training cell, tables.
+
+Not an experiment itself (the leading underscore keeps the runner from listing it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import mfopt
+from mfopt import parallel, report, train
+
+OPTIMIZERS = ("sgd", "nag", "adam")
+OPTIMIZER_LABELS = {"sgd": "SGD (mf_sgd, Alg. 1)", "nag": "NAG (mf_nesterov)",
+                    "adam": "Adam (mf_adam, Alg. 2, phi=adam)"}
+
+
+def make_optimizer(name: str, learning_rate: float, mf: float, mf2: float = 0.999,
+                   axis_name: Any = parallel.WORKER_AXES) -> optax.GradientTransformation:
+  """Synchronous data-parallel MF optimizer: all-reduce of gradients, then Alg. 1 / NAG / Alg. 2.
+
+  The parameter-server of the seed (Algorithms 3/4) applies one update per step
+  from the gradients of all workers; with synchronous all-reduce every worker
+  applies that same update (SPEC.md: same mathematics, no server).
+
+  The hyperparameters are injected as state (``optax.inject_hyperparams``), so runs
+  that differ only in lr or MF compile to the same program and share the compilation
+  cache; the update is the same function of them. The plain constructor is called
+  once first, so a bad lr or MF raises ``ValueError`` here, before anything compiles
+  (inside ``inject_hyperparams`` the values are traced and cannot be checked).
+  """
+  factories = {"sgd": lambda: mfopt.mf_sgd(learning_rate, mf=mf),
+               "nag": lambda: mfopt.mf_nesterov(learning_rate, mf=mf),
+               "adam": lambda: mfopt.mf_adam(learning_rate, mf1=mf, mf2=mf2)}
+  if name in factories:
+    factories[name]()  # validation only
+  if name == "sgd":
+    inner = optax.inject_hyperparams(mfopt.mf_sgd)(learning_rate=learning_rate, mf=mf)
+  elif name == "nag":
+    inner = optax.inject_hyperparams(mfopt.mf_nesterov)(learning_rate=learning_rate, mf=mf)
+  elif name == "adam":
+    inner = optax.inject_hyperparams(mfopt.mf_adam)(learning_rate=learning_rate, mf1=mf, mf2=mf2)
+  else:
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+  return optax.chain(mfopt.sync_gradients(axis_name), inner)
+
+
+def mesh_for(num_workers: int) -> tuple[Any, str]:
+  """A mesh whose device count divides ``num_workers``, and a note saying which was used.
+
+  All local devices when ``num_workers`` is a multiple of their count; otherwise the
+  first ``gcd(num_workers, D)`` devices (e.g. 1 worker on a 1-device mesh).
+  """
+  devices = jax.local_devices()
+  d = len(devices)
+  if num_workers % d == 0:
+    return parallel.make_mesh(devices), f"{d} device(s)"
+  g = math.gcd(num_workers, d)
+  return parallel.make_mesh(devices[:g]), f"{g} of {d} device(s) (W not a multiple of {d})"
+
+
+def run_cell(*, model, dataset, optimizer: str, learning_rate: float, mf: float, num_workers: int,
+             per_worker_batch: int, num_steps: int, seed: int, log_every: int,
+             progress: bool, desc: str, on_log: Callable[[dict], None] | None = None,
+             mf2: float = 0.999) -> dict[str, Any]:
+  """Trains one configuration; returns its summary, with ``diverged=True`` on a non-finite loss.
+
+  A diverged run (``mfopt.train.fit`` raises ``FloatingPointError``) is recorded with
+  ``test_accuracy`` / losses ``nan`` instead of stopping the whole grid, as the
+  paper's tables also report runs that did not converge.
+  """
+  mesh, mesh_note = mesh_for(num_workers)
+  tx = make_optimizer(optimizer, learning_rate, mf, mf2)
+  try:
+    result = train.fit(
+        model=model, tx=tx, dataset=dataset, num_workers=num_workers,
+        per_worker_batch=per_worker_batch, num_steps=num_steps, mesh=mesh, seed=seed,
+        log_every=min(log_every, num_steps), progress=progress, desc=desc, on_log=on_log,
+        run_info={"optimizer": optimizer, "learning_rate": learning_rate, "mf": mf, "mf2": mf2})
+    out = dict(result.summary)
+    out["diverged"] = False
+  except FloatingPointError as e:
+    out = {"test_accuracy": math.nan, "test_loss": math.nan, "final_train_loss": math.nan,
+           "diverged": True, "error": str(e).splitlines()[0], "steps": num_steps,
+           "num_workers": num_workers, "per_worker_batch": per_worker_batch}
+  out.update(optimizer=optimizer, learning_rate=learning_rate, mf=mf, seed=seed, mesh=mesh_note)
+  return out
+
+
+def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
+              metrics: Sequence[str]) -> list[dict[str, Any]]:
+  """Groups ``rows`` by ``keys`` and gives mean/std over seeds of each metric (diverged = nan).
+
+  Each output row has ``<metric>_mean``, ``<metric>_std``, ``<metric>_values``,
+  ``seeds`` and ``diverged`` (the count of diverged seeds, excluded from the mean).
+  """
+  groups: dict[tuple, list[Mapping[str, Any]]] = {}
+  for r in rows:
+    groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+  out = []
+  for key, members in groups.items():
+    agg: dict[str, Any] = dict(zip(keys, key))
+    agg["seeds"] = len(members)
+    agg["diverged"] = sum(bool(m.get("diverged")) for m in members)
+    for metric in metrics:
+      vals = [float(m[metric]) for m in members if m.get(metric) is not None]
+      finite = [v for v in vals if math.isfinite(v)]
+      agg[f"{metric}_values"] = vals
+      if finite:
+        agg[f"{metric}_mean"], agg[f"{metric}_std"] = report.mean_std(finite)
+      else:
+        agg[f"{metric}_mean"] = agg[f"{metric}_std"] = math.nan
+    out.append(agg)
+  return out
+
+
+def cell_text(agg: Mapping[str, Any] | None, metric: str, digits: int = 3) -> str:
+  """``mean ± std`` for a table cell (``n/a`` when skipped, ``diverged`` counts shown)."""
+  if agg is None:
+    return "skipped"
+  mean, std = agg[f"{metric}_mean"], agg[f"{metric}_std"]
+  if not math.isfinite(mean):
+    return f"diverged ({agg['diverged']}/{agg['seeds']})"
+  text = f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if agg["seeds"] > 1 else "")
+  if agg["diverged"]:
+    text += f" ({agg['diverged']}/{agg['seeds']} diverged)"
+  return text
+
+
+def grid_table(aggs: Sequence[Mapping[str, Any]], row_key: str, col_key: str, metric: str,
+               row_values: Sequence[Any], col_values: Sequence[Any], row_label: str,
+               col_fmt: Callable[[Any], str], extra: Mapping[Any, str] | None = None) -> str:
+  """A markdown table in the layout of the paper's tables: rows x columns of ``mean ± std``."""
+  index = {(a[row_key], a[col_key]): a for a in aggs}
+  headers = [row_label] + [col_fmt(c) for c in col_values] + (["lr"] if extra else [])
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  for r in row_values:
+    cells = [str(r)] + [cell_text(index.get((r, c)), metric) for c in col_values]
+    if extra:
+      cells.append(extra.get(r, ""))
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def paired_difference(rows: Sequence[Mapping[str, Any]], metric: str,
+                      a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+  """``metric(a) - metric(b)`` paired by seed: mean, std over seeds, and whether |mean| > 2 std.
+
+  ``a`` and ``b`` select rows by equality on their keys. Seeds where either run
+  diverged are left out (and counted).
+  """
+  def pick(sel):
+    return {r["seed"]: r for r in rows if all(r.get(k) == v for k, v in sel.items())}
+  ra, rb = pick(a), pick(b)
+  diffs = []
+  for s in sorted(set(ra) & set(rb)):
+    va, vb = float(ra[s][metric]), float(rb[s][metric])
+    if math.isfinite(va) and math.isfinite(vb):
+      diffs.append(va - vb)
+  if not diffs:
+    return {"mean": math.nan, "std": math.nan, "n": 0, "significant": False}
+  mean, std = report.mean_std(diffs)
+  return {"mean": mean, "std": std, "n": len(diffs),
+          "significant": len(diffs) > 1 and abs(mean) > 2 * std}
+
+
+def claim_verdict(diff: Mapping[str, Any], expected_sign: int) -> str:
+  """SPEC.md rule: reproduced only if the paper's sign and |difference| > 2 std (>= 2 seeds)."""
+  if diff["n"] == 0 or not math.isfinite(diff["mean"]):
+    return "not testable (no finite pair)"
+  numbers = f"{diff['mean']:+.4f} ± {diff['std']:.4f} over {diff['n']} seed(s)"
+  if diff["n"] < 2:
+    return f"not reproduced at this scale (one seed, no std): {numbers}"
+  if np.sign(diff["mean"]) == expected_sign and diff["significant"]:
+    return f"reproduced: {numbers}"
+  return f"not reproduced at this scale: {numbers}"
+
+
+def steps_for(samples: int, global_batch: int) -> int:
+  """Steps that process ``samples`` examples at ``global_batch`` (at least 1; equal samples)."""
+  return max(1, int(round(samples / global_batch)))
+
+
+def sweep_mf(*, model, dataset, mfs: Sequence[float], seeds: Sequence[int], learning_rate: float,
+             num_workers: int, global_batch: int, num_steps: int, log_every: int, progress: bool,
+             workdir, optimizer: str = "sgd") -> list[dict[str, Any]]:
+  """Runs ``optimizer`` for every MF and seed at one (workers, batch) setting; summaries as rows."""
+  log = report.JsonlWriter(workdir / "metrics.jsonl")
+  rows = []
+  for mf in mfs:
+    for seed in seeds:
+      desc = f"{optimizer}-mf{mf}-s{seed}"
+      r = run_cell(model=model, dataset=dataset, optimizer=optimizer, learning_rate=learning_rate,
+                   mf=mf, num_workers=num_workers, per_worker_batch=global_batch // num_workers,
+                   num_steps=num_steps, seed=seed, log_every=log_every, progress=progress,
+                   desc=desc, on_log=lambda row, d=desc, m=mf, s=seed: log(
+                       {"run": d, "mf": m, "seed": s, **row}))
+      rows.append(r)
+      print(f"{desc:24s} test loss {r['test_loss']:.4f} test acc {r['test_accuracy']:.4f}"
+            + ("  DIVERGED" if r["diverged"] else ""))
+  return rows
+
+
+def curves_by_mf(workdir, key: str = "train_loss") -> dict[str, tuple[list, list]]:
+  """``MF -> (steps, mean over seeds of key)`` from ``metrics.jsonl`` written by :func:`sweep_mf`."""
+  rows = report.read_jsonl(workdir / "metrics.jsonl")
+  by: dict[float, dict[int, list[float]]] = {}
+  for r in rows:
+    if key in r:
+      by.setdefault(r["mf"], {}).setdefault(r["step"], []).append(float(r[key]))
+  out = {}
+  for mf, steps in sorted(by.items()):
+    xs = sorted(steps)
+    out[f"MF {mf}"] = (xs, [float(np.mean(steps[x])) for x in xs])
+  return out

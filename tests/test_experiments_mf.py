@@ -1,0 +1,99 @@
+"""One ``--quick`` smoke test per seed 000 experiment, each checking the content of its table."""
+
+import json
+import math
+import re
+
+import pytest
+
+from mfopt import runner
+
+
+def _run(name, tmp_path, *overrides):
+  summary = runner.run_experiment(name, quick=True, workdir=tmp_path, overrides=list(overrides))
+  for f in ("config.json", "summary.json", "report.md"):
+    assert (tmp_path / f).stat().st_size > 0, f
+  return summary, (tmp_path / "report.md").read_text()
+
+
+def test_mf_batch_workers_quick(tmp_path):
+  # workers=128 > batch 64: that cell must be skipped and reported, not run.
+  summary, text = _run("mf_batch_workers", tmp_path, "workers=(1, 8, 128)")
+  cells = summary["cells"]
+  assert {(c["optimizer"], c["global_batch"], c["workers"]) for c in cells} == {
+      (o, 64, w) for o in ("sgd", "adam") for w in (1, 8)}
+  assert summary["skipped"] == [{"global_batch": 64, "workers": 128, "why": "per-worker batch < 1"}]
+  assert "batch 64 x 128 workers (per-worker batch < 1)" in text
+  # Table layout: one table per optimizer, lr of Table 1 (0.025 at batch 64) in the row.
+  assert text.count("| batch | 1 worker(s) | 8 worker(s) | 128 worker(s) | lr |") == 2
+  rows = re.findall(r"^\| 64 \| ([0-9.]+) \| ([0-9.]+) \| skipped \| 0.025 \|$", text, re.M)
+  assert len(rows) == 2
+  for c in cells:
+    assert 0.0 <= c["test_accuracy_mean"] <= 1.0 and c["diverged"] == 0
+  runs = json.loads((tmp_path / "runs.json").read_text())
+  assert {r["steps"] for r in runs} == {16}  # 1,000 samples / 64 for every cell (equal samples)
+  assert {r["learning_rate"] for r in runs} == {0.025}
+  assert "W=1: 1 of 8 device(s)" in text and "W=8: 8 device(s)" in text
+  assert any("acc(W=1) - acc(W=8) at batch 64" in k for k in summary["claims"])
+  assert (tmp_path / "accuracy_vs_workers.png").stat().st_size > 0
+
+
+def test_mf_sweep_quick(tmp_path):
+  summary, text = _run("mf_sweep", tmp_path)
+  cells = summary["cells"]
+  assert {(c["optimizer"], c["mf"], c["workers"]) for c in cells} == {
+      (o, m, 8) for o in ("sgd", "nag", "adam") for m in (0.9, 0.99)}
+  assert summary["learning_rates"] == {"sgd": 0.05, "nag": 0.05, "adam": 0.05}  # Table 1 @ 128
+  assert summary["steps"] == 8
+  assert "MF 0.9: 0.5, MF 0.99: 5" in text  # effective step lr/(1-MF)
+  for opt in ("SGD", "NAG", "Adam"):
+    assert re.search(rf"## {opt} .*\n\n\| MF \| 8 worker\(s\) \|\n\|---\|---\|\n\| 0.9 \| [0-9.]+ \|"
+                     r"\n\| 0.99 \| [0-9.]+ \|", text), opt
+  # NAG differs from SGD: the two runs of the same MF are not the same training.
+  runs = json.loads((tmp_path / "runs.json").read_text())
+  loss = {(r["optimizer"], r["mf"]): r["final_train_loss"] for r in runs}
+  assert loss[("sgd", 0.99)] != loss[("nag", 0.99)]
+
+
+def test_mf_mlp_quick(tmp_path):
+  summary, text = _run("mf_mlp", tmp_path)
+  by_mf = {c["mf"]: c for c in summary["cells"]}
+  assert sorted(by_mf) == [0.9, 0.99] and summary["steps"] == 31
+  # the MLP learned something in 31 steps (chance is 0.1)
+  assert by_mf[0.9]["test_accuracy_mean"] > 0.15
+  assert "| 0.9 | " in text and "| 0.99 | " in text and "| 0.5 |" in text and "| 5 |" in text
+  assert "Workers: 8 (virtual); global batch 64, per-worker 8" in text
+  assert len(summary["claims"]) == 1
+  assert (tmp_path / "train_loss.png").stat().st_size > 0
+
+
+def test_mf_lstm_quick(tmp_path):
+  summary, text = _run("mf_lstm", tmp_path)
+  runs = json.loads((tmp_path / "runs.json").read_text())
+  assert sorted(r["mf"] for r in runs) == [0.9, 0.99]
+  vocab = int(re.search(r"vocabulary (\d+)", text).group(1))
+  for r in runs:
+    assert r["validation_perplexity"] == pytest.approx(math.exp(r["test_loss"]))
+    assert r["train_perplexity"] == pytest.approx(math.exp(r["final_train_loss"]))
+    # better than a uniform guess over the vocabulary
+    assert 1.0 < r["validation_perplexity"] < vocab
+  assert "| MF value | train perplexity | validation perplexity |" in text
+
+
+def test_bn_variance_quick(tmp_path):
+  summary, text = _run("bn_variance", tmp_path)
+  assert summary["verdict"]["supports"] == "correct"
+  assert "support the correct expectation" in text
+  M = 32
+  acts = summary["activations"]
+  for r in acts + summary["gaussian"]:
+    assert abs(r["S_t"] - (M - 1)) < 5 * r["S_t_se"]
+    if r["P"] > 1:
+      assert abs(r["S_t"] - r["printed_e2"]) > 10 * r["S_t_se"]
+  # the report prints eq. 8 beside the measurement: 47 = 31 + 32*1/2 at P = 2
+  assert re.search(r"\| conv0 \| 2 \| 16 \| 3[01]\.\d\d ± 0\.\d\d \| 31 \| 47 \|", text)
+  noise = {r["P"]: r for r in summary["bn_noise"] if r["layer"] == "conv0"}
+  ratio = noise[8]["mean_noise"] / noise[1]["mean_noise"]
+  assert 4 < ratio < 16  # ~ P at fixed M (1/K)
+  for r in noise.values():
+    assert abs(r["mean_noise"] - r["predicted_mean_noise"]) < 5 * r["mean_noise_se"]
