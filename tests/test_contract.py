@@ -41,6 +41,15 @@ TRANSFORMS = [
      lambda: mfopt.mf_adam(optax.cosine_decay_schedule(0.05, NUM_STEPS), phi="paper")),
     ("sync_gradients(None) -> sgd",
      lambda: optax.chain(mfopt.sync_gradients(None), optax.sgd(1e-3, momentum=0.9))),
+    ("periodic_averaging(sgd, None, p=4)",
+     lambda: mfopt.periodic_averaging(optax.sgd(1e-3, momentum=0.9), None, 4)),
+    ("periodic_averaging(sgd, None, adpsgd)",
+     lambda: mfopt.periodic_averaging(optax.sgd(1e-3, momentum=0.9), None, mfopt.adpsgd_period(
+         learning_rate=1e-3, sampling_steps=100, warmup_steps=10))),
+    ("block_momentum(sgd, None, K=4, mu=0.5)",
+     lambda: mfopt.block_momentum(optax.sgd(1e-3, momentum=0.9), None, 4, momentum=0.5)),
+    ("qsgd(None) -> sgd",
+     lambda: optax.chain(mfopt.qsgd(None), optax.sgd(1e-3, momentum=0.9))),
 ]
 
 TARGET = jnp.array([1.0, -1.0, 0.5])
