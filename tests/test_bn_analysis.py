@@ -120,3 +120,18 @@ def test_formulas_and_validation():
     bn.printed_e2(64, 0)
   with pytest.raises(ValueError, match=r"batches must have shape \(trials, M, F\)"):
     bn.measure_split_statistics(np.zeros((3, 4)), 2, np.ones(1))
+
+
+def test_bn_channel_noise_with_spatially_correlated_activations():
+  # x[n, l, c] = a[n, c] + e[n, l, c]: per-example offset (var 0.5) + i.i.d. noise (var 0.5).
+  # Population variance 1; the per-example channel mean has variance 0.5 + 0.5/L, so a
+  # worker's mean over K examples has E(mu_j - mu)^2 = (0.5 + 0.5/L) / K: not 1/(K L).
+  rng = np.random.default_rng(2)
+  n, L, C = 20000, 10, 3
+  x = (np.sqrt(0.5) * rng.normal(size=(n, 1, C)) + np.sqrt(0.5) * rng.normal(size=(n, L, C)))
+  for P in (1, 4):
+    m = bn.measure_bn_channel_noise(x, 32, P, 2000, rng)
+    K = 32 // P
+    assert m["predicted_mean_noise"] == pytest.approx((0.5 + 0.5 / L) / K, rel=0.05)
+    assert abs(m["mean_noise"] - m["predicted_mean_noise"]) < 5 * m["mean_noise_se"], m
+    assert m["mean_noise"] > 3 / (K * L)  # the naive K*L-sample law is far too small
