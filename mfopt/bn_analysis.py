@@ -274,11 +274,14 @@ def measure_bn_channel_noise(acts: np.ndarray, global_batch: int, num_workers: i
   flat, pop_mean, pop_var = flat[..., keep], pop_mean[keep], pop_var[keep]
   example_means = flat.mean(axis=1)  # (N, C)
   idx = rng.integers(0, n, size=(trials, P, K))
-  x = flat[idx]  # (trials, P, K, positions, C)
-  mu_j = x.mean(axis=(2, 3))
-  var_j = x.var(axis=(2, 3))
-  mean_err = ((mu_j - pop_mean) ** 2 / pop_var).mean(axis=(1, 2))  # per trial
-  var_err = ((var_j - pop_var) ** 2 / pop_var**2).mean(axis=(1, 2))
+  mean_err, var_err = np.empty(trials), np.empty(trials)
+  chunk = max(1, int(2**23 // (M * flat.shape[1] * flat.shape[2])))  # ~64 MB of float64
+  for lo in range(0, trials, chunk):
+    x = flat[idx[lo:lo + chunk]]  # (chunk, P, K, positions, C)
+    mu_j = x.mean(axis=(2, 3))
+    var_j = x.var(axis=(2, 3))
+    mean_err[lo:lo + chunk] = ((mu_j - pop_mean) ** 2 / pop_var).mean(axis=(1, 2))  # per trial
+    var_err[lo:lo + chunk] = ((var_j - pop_var) ** 2 / pop_var**2).mean(axis=(1, 2))
   pred = float((example_means.var(axis=0) / pop_var).mean() / K)
   return {"P": P, "K": K, "channels": int(keep.sum()), "trials": trials,
           "mean_noise": float(mean_err.mean()),
