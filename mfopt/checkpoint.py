@@ -356,12 +356,15 @@ class CheckpointPolicy:
       ``None``: at every logging step.
     keep: checkpoints kept per run.
     allow_mismatch: resume from checkpoints with a different fingerprint.
+    min_interval_s: skip a periodic checkpoint unless this many seconds passed
+      since the previous save (the final one is always written); ``None``: never skip.
   """
 
   root: pathlib.Path
   every: int | None = None
   keep: int = 2
   allow_mismatch: bool = False
+  min_interval_s: float | None = None
   runs: int = 0
 
   def next_run_dir(self, desc: str | None) -> pathlib.Path:
@@ -378,7 +381,8 @@ _POLICY: contextvars.ContextVar[CheckpointPolicy | None] = contextvars.ContextVa
 
 @contextlib.contextmanager
 def auto_checkpoint(root: str | os.PathLike, *, every: int | None = None, keep: int = 2,
-                    allow_mismatch: bool = False) -> Iterator[CheckpointPolicy]:
+                    allow_mismatch: bool = False,
+                    min_interval_s: float | None = None) -> Iterator[CheckpointPolicy]:
   """Within the block, every :func:`mfopt.train.fit` without ``checkpoint_dir`` checkpoints under ``root``.
 
   Each call gets its own sub-directory (numbered in call order), resumes from
@@ -389,8 +393,10 @@ def auto_checkpoint(root: str | os.PathLike, *, every: int | None = None, keep: 
     raise ValueError(f"every must be a positive integer or None, got {every!r}")
   if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
     raise ValueError(f"keep must be a positive integer, got {keep!r}")
+  if min_interval_s is not None and not min_interval_s >= 0:
+    raise ValueError(f"min_interval_s must be >= 0 or None, got {min_interval_s!r}")
   policy = CheckpointPolicy(pathlib.Path(root), every=every, keep=keep,
-                            allow_mismatch=allow_mismatch)
+                            allow_mismatch=allow_mismatch, min_interval_s=min_interval_s)
   token = _POLICY.set(policy)
   try:
     yield policy

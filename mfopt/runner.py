@@ -191,6 +191,7 @@ def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) ->
 
 
 CHECKPOINTS = "checkpoints"
+CHECKPOINT_INTERVAL_S = 60.0  # default: periodic saves at most this often (the final one always)
 
 
 def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
@@ -227,8 +228,9 @@ def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike
   """Runs one experiment into ``workdir`` and returns its summary.
 
   Every ``mfopt.train.fit`` call of the experiment checkpoints into
-  ``workdir/checkpoints/<index>-<desc>/`` (every ``checkpoint_every`` steps,
-  default every logging step; ``keep_checkpoints`` kept). Running again with the
+  ``workdir/checkpoints/<index>-<desc>/`` (every ``checkpoint_every`` steps;
+  by default at a logging step once :data:`CHECKPOINT_INTERVAL_S` passed since
+  the last save; always at the end of a run; ``keep_checkpoints`` kept). Running again with the
   same workdir resumes: finished runs return their saved results, the
   interrupted one continues from its last good checkpoint, bit for bit. A
   workdir whose checkpoints were written for another experiment or config is
@@ -260,8 +262,10 @@ def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike
   files_dir = workdir if primary else workdir / f"process-{jax.process_index()}"
   files_dir.mkdir(parents=True, exist_ok=True)
   start = time.perf_counter()
-  with checkpoint.auto_checkpoint(workdir / CHECKPOINTS, every=checkpoint_every,
-                                  keep=keep_checkpoints, allow_mismatch=allow_config_change):
+  with checkpoint.auto_checkpoint(
+      workdir / CHECKPOINTS, every=checkpoint_every, keep=keep_checkpoints,
+      allow_mismatch=allow_config_change,
+      min_interval_s=CHECKPOINT_INTERVAL_S if checkpoint_every is None else None):
     summary = module.run(config, files_dir)
   summary = dict(summary or {})
   summary.setdefault("experiment", name)
@@ -285,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--list", action="store_true", help="list experiments and exit")
   parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
   parser.add_argument("--checkpoint-every", type=int, default=None,
-                      help="steps between checkpoints (a multiple of log_every; default every log)")
+                      help="steps between checkpoints, a multiple of log_every (default: at a "
+                      "logging step once 60 s passed since the last save; always at the end)")
   parser.add_argument("--keep-checkpoints", type=int, default=2,
                       help="checkpoints kept per run (>= 2 allows falling back past a corrupt one)")
   parser.add_argument("--allow-config-change", action="store_true",

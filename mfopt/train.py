@@ -274,7 +274,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         extra_metrics: Mapping[str, Callable[[TrainState], Any]] | None = None,
         checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
         keep_checkpoints: int = 2, run_info: Mapping[str, Any] | None = None,
-        allow_mismatch: bool = False) -> FitResult:
+        allow_mismatch: bool = False, checkpoint_interval_s: float | None = None) -> FitResult:
   """Trains ``model`` with ``tx`` on ``num_workers`` workers and returns history and summary.
 
   Every worker reads its own deterministic stream of ``per_worker_batch``
@@ -315,6 +315,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       name and its hyperparameters): a checkpoint with a different fingerprint
       is refused, naming the differing fields.
     allow_mismatch: resume from a checkpoint with a different fingerprint anyway.
+    checkpoint_interval_s: if given, a periodic checkpoint is skipped unless this
+      many seconds passed since the previous save (the final one is always
+      written); the runner's default is 60 s at logging steps.
 
   Returns:
     A :class:`FitResult`. ``summary`` holds the final train loss (mean over the
@@ -334,6 +337,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     checkpoint_dir = policy.next_run_dir(desc)
     checkpoint_every = policy.every if checkpoint_every is None else checkpoint_every
     keep_checkpoints, allow_mismatch = policy.keep, policy.allow_mismatch or allow_mismatch
+    if checkpoint_interval_s is None:
+      checkpoint_interval_s = policy.min_interval_s
   if checkpoint_every is None:
     checkpoint_every = log_every
   if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, np.integer))
@@ -418,6 +423,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
                         comm=_comm_totals(state.opt_state, mesh))
 
   bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
+  last_save = time.perf_counter()
   tick = time.perf_counter()
   try:
     for step in range(start, num_steps):
@@ -436,7 +442,10 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
           on_log(last_row)
         window = []
         bar.set_postfix(loss=f"{last_row['train_loss']:.4f}")
-        if ckpt is not None and (done % checkpoint_every == 0 or done == num_steps):
+        due = done % checkpoint_every == 0 and (
+            checkpoint_interval_s is None or time.perf_counter() - last_save >= checkpoint_interval_s)
+        if ckpt is not None and (due or done == num_steps):
+          last_save = time.perf_counter()
           ckpt.save(done, state, {
               "history": history, "train_s": train_s, "compile_s": compile_s,
               "summary": summarize(state) if done == num_steps else None})
