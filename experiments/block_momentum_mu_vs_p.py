@@ -52,6 +52,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   c.learning_rate = 0.05
   c.samples = 12 * 8 * 4 * 2 if quick else 48 * 16 * 8 * 12
   c.seeds = (0,) if quick else (0, 1, 2)
+  c.estimate_examples = 64 if quick else 512  # for theory.estimate_constants
+  c.power_iters = 5 if quick else 20
   c.progress = not quick
   return c
 
@@ -69,8 +71,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 def _estimated_constants(c, dataset):
   model = models_lib.get_model(c.model, num_classes=dataset.num_classes, hidden=tuple(c.hidden))
-  x = np.asarray(dataset.train.get(np.arange(min(512, len(dataset.train))))["x"])
-  y = np.asarray(dataset.train.get(np.arange(min(512, len(dataset.train))))["y"])
+  batch = dataset.train.get(np.arange(min(c.estimate_examples, len(dataset.train))))
+  x, y = np.asarray(batch["x"]), np.asarray(batch["y"])
   params, state = models_lib.init_model(model, jax.random.PRNGKey(0), x[:1])
 
   def loss(p, batch):
@@ -78,7 +80,7 @@ def _estimated_constants(c, dataset):
     return train.classification_loss(logits, batch["y"])[0]
 
   return theory.estimate_constants(loss, params, {"x": jnp.asarray(x), "y": jnp.asarray(y)},
-                                   iters=20)
+                                   iters=c.power_iters)
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:

@@ -315,3 +315,20 @@ def test_scheduled_period_decreasing_20_then_5():
 def test_bad_arguments_are_named(bad, match):
   with pytest.raises(ValueError, match=match):
     bad()
+
+
+def test_plain_vmap_axis_keeps_cond_and_matches_numpy():
+  """Without shard_map (a bare vmap axis), the predicate is unbatched too: cond, not select."""
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), "w", 3)
+  params = {"x": jnp.asarray(np.arange(12, dtype=np.float32).reshape(4, 3))}
+  state = jax.vmap(tx.init, axis_name="w")(params)
+  grads = {"x": jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32))}
+  jaxpr = str(jax.make_jaxpr(jax.vmap(tx.update, axis_name="w"))(grads, state, params))
+  assert " cond[" in jaxpr
+  step = jax.jit(jax.vmap(lambda g, s, p: tx.update(g, s, p), axis_name="w"))
+  p, want = params, np.arange(12, dtype=np.float32).reshape(4, 3)
+  for k in range(3):
+    u, state = step(grads, state, p)
+    p = optax.apply_updates(p, u)
+    want = want - 0.1 * np.asarray(grads["x"])
+  np.testing.assert_allclose(np.asarray(p["x"]), np.broadcast_to(want.mean(0), (4, 3)), rtol=1e-6)
