@@ -24,6 +24,7 @@ from mfopt import sim  # noqa: E402  simulated asynchronous parameter-server clu
 from mfopt import adabound as _adabound_module  # noqa: E402
 from mfopt.adabound import (adabound, hybrid_adabound_lars, linear_scaling_adabound,  # noqa: E402
                             scale_by_adabound, scale_by_linear_scaling_adabound)
+from mfopt import batchnorm, metrics, precision  # noqa: E402
 # [issue 8: perf exports]
 from mfopt import fastpath  # noqa: E402
 

@@ -1,0 +1,95 @@
+r"""Multi-worker BatchNorm strategies (seed 004 §2.2.3, Table 3.4).
+
+During training every strategy but ``"sync"`` normalises each worker's fixed-size batch with
+*that worker's* batch statistics (no communication). They differ in the population statistics
+used for evaluation:
+
+``"last_batch"`` (the seed's strategy)
+    no moving average: the models run with ``bn_momentum=0``, so each worker's stored
+    statistics are those of its last training batch; before evaluation the population
+    statistics are their all-worker mean in float32,
+    :math:`\mu = \frac1W\sum_w \mu_w`, :math:`\sigma^2 = \frac1W\sum_w \sigma^2_w`
+    (the seed's "statistical average over all GPUs"; ``pooled=True`` adds the between-worker
+    variance of the means, giving the variance of the union of the last batches).
+``"moving_average"``
+    flax's per-worker exponential moving average (momentum 0.9), averaged over workers in
+    float32 for evaluation.
+``"sync"``
+    cross-worker synchronised BN: the models' ``bn_axis_name`` is the worker axes, so every
+    worker normalises with the statistics of the global batch (an all-reduce per BN layer per
+    step; flax exchanges ``E[x]`` and ``E[x^2]``), and keeps the moving average.
+
+The all-worker mean is one logical all-reduce of the statistics (float32), done once before
+evaluation; with worker-stacked state it is :func:`population_statistics`.
+
+Seed: 004 §2.2.3 item 1), Table 3.4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mfopt import parallel
+
+__all__ = ["STRATEGIES", "BNStrategy", "get_strategy", "population_statistics"]
+
+STRATEGIES = ("last_batch", "moving_average", "sync")
+
+
+@dataclasses.dataclass(frozen=True)
+class BNStrategy:
+  """One BN strategy: the model arguments it needs and how evaluation statistics are formed."""
+
+  name: str
+  bn_momentum: float
+  synchronized: bool
+  pooled: bool = False
+
+  def model_kwargs(self) -> dict[str, Any]:
+    """``bn_momentum`` and ``bn_axis_name`` for ``mfopt.models.get_model``."""
+    return {"bn_momentum": self.bn_momentum,
+            "bn_axis_name": parallel.WORKER_AXES if self.synchronized else None}
+
+
+def get_strategy(name: str, *, pooled: bool = False) -> BNStrategy:
+  """``"last_batch"`` | ``"moving_average"`` | ``"sync"`` (see the module docstring)."""
+  if name == "last_batch":
+    return BNStrategy(name, 0.0, False, pooled)
+  if name == "moving_average":
+    return BNStrategy(name, 0.9, False)
+  if name == "sync":
+    return BNStrategy(name, 0.9, True)
+  raise ValueError(f"BN strategy must be one of {STRATEGIES}, got {name!r}")
+
+
+def population_statistics(model_state: Any, strategy: BNStrategy | str = "last_batch") -> Any:
+  """Evaluation statistics from worker-stacked ``model_state`` (leading axis ``W``).
+
+  All-worker mean in float32 of every ``mean`` and ``var`` leaf; with ``pooled`` the ``var``
+  leaves get ``+ Var_w[mean_w]`` (population variance of the union of equal-size batches).
+  The result has no worker axis (feed it to ``mfopt.train.make_eval_fn``).
+  """
+  if isinstance(strategy, str):
+    strategy = get_strategy(strategy)
+
+  def mean32(x):
+    return jnp.mean(jnp.asarray(x).astype(jnp.float32), axis=0)
+
+  if not strategy.pooled:
+    return jax.tree.map(mean32, model_state)
+
+  def pooled(tree):
+    if isinstance(tree, dict):
+      if set(tree) >= {"mean", "var"}:
+        means = jnp.asarray(tree["mean"]).astype(jnp.float32)
+        out = {k: mean32(v) for k, v in tree.items()}
+        out["var"] = out["var"] + jnp.var(means, axis=0)
+        return out
+      return {k: pooled(v) for k, v in tree.items()}
+    return jax.tree.map(mean32, tree)
+
+  return pooled(dict(model_state))

@@ -1,0 +1,83 @@
+"""BN strategies (seed 004 §2.2.3) against a NumPy forward pass of conv -> BN statistics."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import mfopt
+from mfopt import batchnorm, models, parallel, train
+
+W, B, L, C, F = 4, 6, 12, 2, 4
+
+
+def _np_conv_same(x, k):
+  """1-D 'SAME' convolution, kernel (3, C, F), no bias (flax nn.Conv with use_bias=False)."""
+  xp = np.pad(x, ((0, 0), (1, 1), (0, 0)))
+  return sum(np.einsum("nlc,cf->nlf", xp[:, i:i + x.shape[1]], k[i]) for i in range(3))
+
+
+@pytest.fixture(scope="module")
+def one_step():
+  """Per strategy: worker-stacked model state after one training step, and the batch/params."""
+  mesh = parallel.make_mesh(jax.devices()[:W])
+  rng = np.random.default_rng(0)
+  x = (rng.normal(size=(W, B, L, C)) * np.arange(1, W + 1)[:, None, None, None]
+       + np.arange(W)[:, None, None, None]).astype(np.float32)  # workers differ in mean and scale
+  batch = {"x": x, "y": rng.integers(0, 3, size=(W, B)).astype(np.int32)}
+  out = {}
+  for name in batchnorm.STRATEGIES:
+    s = batchnorm.get_strategy(name)
+    model = models.get_model("cnn", features=(F,), num_classes=3, **s.model_kwargs())
+    tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1))
+    state = train.init_train_state(model, tx, x[0], num_workers=W, mesh=mesh, seed=2)
+    kernel = np.asarray(parallel.unstack_worker(state.params)["conv0"]["kernel"])
+    step = train.make_train_step(model, tx, mesh=mesh, num_workers=W)
+    state, _ = step(state, parallel.shard_workers(batch, mesh))
+    out[name] = jax.device_get(state.model_state)["batch_stats"]["bn0"]
+  y = np.stack([_np_conv_same(x[w].astype(np.float64), kernel.astype(np.float64)) for w in range(W)])
+  return out, y
+
+
+def test_last_batch_is_all_worker_mean_of_last_batch_statistics(one_step):
+  out, y = one_step
+  mean_w = y.mean(axis=(1, 2))  # (W, F): each worker's own batch statistics
+  var_w = y.var(axis=(1, 2))
+  st = out["last_batch"]
+  np.testing.assert_allclose(st["mean"], mean_w, rtol=1e-4, atol=1e-5)  # no moving average
+  np.testing.assert_allclose(st["var"], var_w, rtol=1e-4, atol=1e-5)
+  pop = batchnorm.population_statistics({"batch_stats": {"bn0": st}}, "last_batch")
+  pop = pop["batch_stats"]["bn0"]
+  assert pop["mean"].dtype == np.float32
+  np.testing.assert_allclose(pop["mean"], mean_w.mean(0), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(pop["var"], var_w.mean(0), rtol=1e-4, atol=1e-5)
+  # pooled: the variance of the union of the last batches
+  pooled = batchnorm.population_statistics({"batch_stats": {"bn0": st}},
+                                           batchnorm.get_strategy("last_batch", pooled=True))
+  np.testing.assert_allclose(pooled["batch_stats"]["bn0"]["var"], y.var(axis=(0, 1, 2)),
+                             rtol=1e-4, atol=1e-5)
+  assert np.abs(y.var(axis=(0, 1, 2)) - var_w.mean(0)).max() > 0.1  # the two options differ
+
+
+def test_moving_average_is_per_worker_ema(one_step):
+  out, y = one_step
+  st = out["moving_average"]
+  np.testing.assert_allclose(st["mean"], 0.1 * y.mean(axis=(1, 2)), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(st["var"], 0.9 + 0.1 * y.var(axis=(1, 2)), rtol=1e-4, atol=1e-5)
+  pop = batchnorm.population_statistics({"batch_stats": {"bn0": st}}, "moving_average")
+  np.testing.assert_allclose(pop["batch_stats"]["bn0"]["var"], 0.9 + 0.1 * y.var(axis=(1, 2)).mean(0),
+                             rtol=1e-4, atol=1e-5)
+
+
+def test_sync_uses_global_batch_statistics_on_every_worker(one_step):
+  out, y = one_step
+  st = out["sync"]
+  g_mean, g_var = y.mean(axis=(0, 1, 2)), y.var(axis=(0, 1, 2))
+  for w in range(W):
+    np.testing.assert_allclose(st["mean"][w], 0.1 * g_mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(st["var"][w], 0.9 + 0.1 * g_var, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_strategy_is_named():
+  with pytest.raises(ValueError, match="BN strategy"):
+    batchnorm.get_strategy("ghost")

@@ -1,0 +1,71 @@
+"""--quick smoke runs of the seed 004 experiments, checking what their reports must contain."""
+
+import json
+
+import pytest
+
+from mfopt import runner
+
+# Smaller than --quick where it keeps CI inside its budget; the content checked is the same.
+TINY = ["num_train=512", "num_test=128", "features=(4,)", "num_workers=4", "epochs=1",
+        "warmup_epochs=1"]
+
+
+def _runs(workdir):
+  return json.loads((workdir / "runs.json").read_text())
+
+
+def test_hybrid_vs_baselines_quick(tmp_path):
+  out = runner.run_experiment("hybrid_vs_baselines", quick=True, workdir=tmp_path,
+                              overrides=TINY + ["algorithms=hybrid,warmup_sgd"])
+  text = (tmp_path / "report.md").read_text()
+  for needle in ("AdaBound warmup + LARS SGD (hybrid)", "gradual warmup + linear-scaling SGD",
+                 "projected", "samples/s/worker (measured, CPU)", "## Paper claims"):
+    assert needle in text
+  runs = _runs(tmp_path)
+  for algo in ("hybrid", "warmup_sgd"):
+    r = runs[algo][0]
+    steps = r["summary"]["steps"]
+    assert r["summary"]["all_reduces"] == steps  # synchronous: one all-reduce per step
+    assert 0 < r["efficiency"]["scaling_efficiency"] < 1
+    assert r["history"][-1]["epoch"] == pytest.approx(steps * 64 / 512)
+  assert len(out["verdicts"]) == 2 and (tmp_path / "accuracy.png").exists()
+
+
+def test_hybrid_warmup_T_quick(tmp_path):
+  runner.run_experiment("hybrid_warmup_T", quick=True, workdir=tmp_path,
+                        overrides=TINY[:4] + ["epochs=2", "warmup_values=(1,2)"])
+  text = (tmp_path / "report.md").read_text()
+  assert "| 1 |" in text and "| 2 |" in text
+  runs = _runs(tmp_path)
+  # Same seed, data, init and samples; T changes the bounds and the switch, hence the path.
+  h1, h2 = runs["1"][0]["history"], runs["2"][0]["history"]
+  assert [h["samples"] for h in h1] == [h["samples"] for h in h2] and len(h1) == 2
+  assert h1[1]["train_loss"] != pytest.approx(h2[1]["train_loss"], rel=1e-6)
+
+
+def test_precision_quick(tmp_path):
+  out = runner.run_experiment("precision", quick=True, workdir=tmp_path, overrides=TINY)
+  text = (tmp_path / "report.md").read_text()
+  assert "measured" in text and "CPU" in text and "fp16" in text
+  rows = {r["policy"]: r for r in out["rows"]}
+  # The fp16 gradient all-reduce exchanges exactly half the bytes of the fp32 one.
+  assert rows["fp16"]["bytes"] * 2 == rows["fp32"]["bytes"] > 0
+  runs = _runs(tmp_path)
+  fp16 = runs["fp16@16"][0]["history"][-1]
+  assert fp16["train_loss_scale"] > 0 and 0 <= fp16["train_overflow"] <= 1
+
+
+def test_bn_strategies_quick(tmp_path):
+  out = runner.run_experiment("bn_strategies", quick=True, workdir=tmp_path, overrides=TINY)
+  text = (tmp_path / "report.md").read_text()
+  assert "without moving average" in text and "✓" in text and "×" in text
+  runs = _runs(tmp_path)
+  fixed, varying = runs["independent_last"][0], runs["varying_sync_ma"][0]
+  # Equal samples (the varying row runs until it has seen as many examples).
+  assert varying["summary"]["samples"] >= fixed["summary"]["samples"]
+  # Synchronised BN: its all-reduces (fwd + bwd per BN layer per step) are in the projection.
+  steps = varying["summary"]["steps"]
+  assert varying["summary"]["all_reduces"] == steps + 2 * steps * 1
+  assert varying["efficiency"]["scaling_efficiency"] < 1
+  assert out["target"] > 0
