@@ -66,6 +66,17 @@ ALGORITHMS: dict[str, Algorithm] = {
     "sync Adam (optax)": Algorithm(
         _sync(lambda s: optax.adam(s)), 1e-3, "optax.adam, b1=0.9, b2=0.999"),
     # [issue 3: MF rows]
+    "sync MF-SGD mf=0.9 (Alg. 1, lr in buffer)": Algorithm(
+        _sync(lambda s: mfopt.mf_sgd(s, mf=0.9)), 0.1,
+        "seed 000 Alg. 1: v = mf*v + lr_t*g keeps each step's lr inside the buffer; equals the "
+        "optax row at constant lr, but under this decaying schedule old gradients keep their "
+        "larger lr (optax rescales the whole buffer by the current lr)"),
+    "sync MF-SGD mf=0.99 (Alg. 1, lr in buffer)": Algorithm(
+        _sync(lambda s: mfopt.mf_sgd(s, mf=0.99)), 0.1,
+        "as above with mf=0.99: the buffer remembers ~100 steps of larger early lrs"),
+    "sync MF-Adam (Alg. 2, phi=adam)": Algorithm(
+        _sync(lambda s: mfopt.mf_adam(s, mf1=0.9, mf2=0.999)), 1e-3,
+        "seed 000 Alg. 2 with phi=adam: identical to optax.adam (lr outside the moments)"),
     # [issue 4: averaging rows]
     "CPSGD p=8 (local SGD m=0.9)": Algorithm(
         lambda ctx, lr: mfopt.periodic_averaging(
@@ -88,6 +99,16 @@ ALGORITHMS: dict[str, Algorithm] = {
         0.1, "seed 003 Alg. 1: block momentum 0.5 on the averaged delta, learner momentum 0.9"),
     # [issue 5: simulator rows]
     # [issue 6: hybrid rows]
+    "sync hybrid AdaBound->LARS SGD (seed 004)": Algorithm(
+        lambda ctx, lr: optax.chain(
+            mfopt.sync_gradients(ctx.axis_name),
+            mfopt.hybrid_adabound_lars(
+                num_workers=ctx.num_workers, steps_per_epoch=ctx.steps_per_epoch,
+                base_lr=lr / ctx.num_workers,
+                warmup_epochs=max(1, round(ctx.num_steps / ctx.steps_per_epoch / 9)))),
+        0.8, "linear-scaling AdaBound for the first 1/9 of the epochs (seed: T=10 of 90), then "
+             "LARS SGD at lr 0.1 x 8 workers decaying 0.9 per epoch; its own schedule, not the "
+             "cosine one"),
 }
 
 
