@@ -194,14 +194,19 @@ def estimate_constants(loss_fn: Callable[[Any, Any], jax.Array], params: Any, ex
 
   grad = jax.grad(full_loss)
   g = grad(flat)
-  hvp = jax.jit(lambda v: jax.jvp(grad, (flat,), (v,))[1])
+  def hvp(v):
+    return jax.jvp(grad, (flat,), (v,))[1]
+
+  @jax.jit
+  def power_iteration(v):
+    def body(_, carry):
+      v, _ = carry
+      hv = hvp(v)
+      return hv / jnp.maximum(jnp.linalg.norm(hv), 1e-30), jnp.vdot(v, hv)
+    return jax.lax.fori_loop(0, int(iters), body, (v, jnp.zeros([], v.dtype)))[1]
+
   v = jax.random.normal(jax.random.PRNGKey(seed), flat.shape, flat.dtype)
-  v = v / jnp.linalg.norm(v)
-  lam = jnp.zeros([])
-  for _ in range(int(iters)):
-    hv = hvp(v)
-    lam = jnp.vdot(v, hv)
-    v = hv / jnp.maximum(jnp.linalg.norm(hv), 1e-30)
+  lam = power_iteration(v / jnp.linalg.norm(v))
   per_example = jax.vmap(lambda e: jax.grad(lambda x: loss_fn(
       unravel(x), jax.tree.map(lambda a: a[None], e)))(flat))(examples)
   sigma2 = jnp.mean(jnp.sum(jnp.square(per_example - g), axis=1))
