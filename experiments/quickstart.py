@@ -99,6 +99,16 @@ ALGORITHMS: dict[str, Algorithm] = {
         0.1, "seed 003 Alg. 1: block momentum 0.5 on the averaged delta, learner momentum 0.9"),
     # [issue 5: simulator rows]
     # [issue 6: hybrid rows]
+    "sync hybrid AdaBound->LARS SGD (seed 004)": Algorithm(
+        lambda ctx, lr: optax.chain(
+            mfopt.sync_gradients(ctx.axis_name),
+            mfopt.hybrid_adabound_lars(
+                num_workers=ctx.num_workers, steps_per_epoch=ctx.steps_per_epoch,
+                base_lr=lr / ctx.num_workers,
+                warmup_epochs=max(1, round(ctx.num_steps / ctx.steps_per_epoch / 9)))),
+        0.8, "linear-scaling AdaBound for the first 1/9 of the epochs (seed: T=10 of 90), then "
+             "LARS SGD at lr 0.1 x 8 workers decaying 0.9 per epoch; its own schedule, not the "
+             "cosine one"),
 }
 
 
