@@ -50,6 +50,17 @@ TRANSFORMS = [
      lambda: mfopt.block_momentum(optax.sgd(1e-3, momentum=0.9), None, 4, momentum=0.5)),
     ("qsgd(None) -> sgd",
      lambda: optax.chain(mfopt.qsgd(None), optax.sgd(1e-3, momentum=0.9))),
+    ("adabound", lambda: mfopt.adabound(1e-2, final_lr=1e-2)),
+    ("amsbound + weight decay",
+     lambda: mfopt.adabound(1e-2, final_lr=1e-2, weight_decay=1e-4, amsbound=True)),
+    ("linear_scaling_adabound", lambda: mfopt.linear_scaling_adabound(
+        base_lr=1e-3, num_workers=2, steps_per_epoch=100, alpha=1e-2, warmup_epochs=10)),
+    ("hybrid_adabound_lars (switch at step 1000)", lambda: mfopt.hybrid_adabound_lars(
+        num_workers=2, steps_per_epoch=100, base_lr=5e-4, alpha=1e-2, warmup_epochs=10,
+        decay=0.99, trust_coefficient=1.0, weight_decay=0.0)),
+    ("dynamic_loss_scale(sync_gradients(None) -> sgd)",
+     lambda: mfopt.precision.dynamic_loss_scale(
+         optax.chain(mfopt.sync_gradients(None), optax.sgd(1e-3, momentum=0.9)))),
 ]
 
 TARGET = jnp.array([1.0, -1.0, 0.5])
