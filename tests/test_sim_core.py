@@ -174,13 +174,15 @@ def test_only_referenced_versions_are_kept(ds, linear):
 
 
 def test_progressive_momentum_matches_the_unrolled_sum(ds, linear):
-  """u_t = Σ_{gradients i received before update t} γ^(t - v_i) (α / k_{v_i}) g_i (dampened: × (1-γ)).
+  """u_t = Σ_j γ^(t-j) Ĝ_j^(t) (dampened: × (1-γ)), spec §1.2's unrolled form.
 
-  This is spec §1.2's unrolled form; the strategy implements it with one buffer.
+  Ĝ_j^(t) is built from the gradients computed at version j and received before update t:
+  ``additive`` (default) sums α g / k_j with k_j the fresh count; ``reaverage`` takes their mean.
+  The strategy implements both with one momentum buffer.
   """
   lr, gamma = 0.1, 0.6
-  for dampening in (False, True):
-    cfg = sim.KSyncConfig(gamma=gamma, dampening=dampening, k_rule=2, bb=None,
+  for dampening, merge in ((False, "additive"), (True, "additive"), (True, "reaverage")):
+    cfg = sim.KSyncConfig(gamma=gamma, dampening=dampening, k_rule=2, bb=None, stale_merge=merge,
                           lr_fallback=sim.BaseSGD(lr, decay_rate=1.0))
     strat = sim.KSync(cfg)
     s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=3, per_worker_batch=8,
@@ -196,15 +198,18 @@ def test_progressive_momentum_matches_the_unrolled_sum(ds, linear):
     strat.on_push = spy
     s.run(max_server_steps=12)
     T = s.version
-    k = {int(v): kk for v, _, kk in s.k_trace}
-    k = {v - 1: kk for v, kk in k.items()}  # k_trace is logged after the version increments
+    k = {int(v) - 1: kk for v, _, kk in s.k_trace}  # k_trace is logged after the increment
     theta = theta0.copy()
     scale = (1 - gamma) if dampening else 1.0
     for t in range(T):
-      u = sum(gamma ** (t - v) * scale * lr / k[v] * g for a, v, g in received if a <= t and v in k)
+      u = 0.0
+      for j in range(t + 1):
+        gs = [g for a, v, g in received if a <= t and v == j]
+        slot = sum(gs) / (k[j] if merge == "additive" else len(gs))
+        u = u + gamma ** (t - j) * scale * lr * slot
       theta -= u
     assert any(a > v for a, v, _ in received)  # stale gradients were merged
-    np.testing.assert_allclose(s.theta, theta, rtol=0, atol=5e-6)
+    np.testing.assert_allclose(s.theta, theta, rtol=0, atol=5e-6, err_msg=merge)
 
 
 def test_strategy_errors_name_the_argument():

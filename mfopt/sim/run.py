@@ -23,7 +23,7 @@ order. A pull carries the version current when the server *sends* it.
 Batching: a worker's gradient depends only on inputs fixed when its compute
 starts, so the simulator evaluates it lazily: when a compute-done event finds
 its gradient missing, it computes the gradients of *all* workers currently
-computing in one vmapped call (padded to M rows, so it compiles once).
+computing in one vmapped call (padded to a power of two rows, at most M).
 
 Memory: a parameter version is stored once and dropped as soon as no worker,
 in-flight pull, or BB history refers to it.
@@ -140,9 +140,11 @@ def _engines(model, loss_fn, bb: bb_lib.BBConfig | None, batch_size: int, num_tr
 
 
 def _bucket(n: int, m: int) -> int:
-  """Group size of one vmapped call: always M, so each engine compiles once per simulator shape."""
-  del n
-  return m
+  """Rows of one vmapped call: the next power of two >= n, at most M (log2(M)+1 compilations)."""
+  b = 1
+  while b < n:
+    b *= 2
+  return min(b, m)
 
 
 class Simulator:

@@ -367,13 +367,16 @@ class KSyncConfig:
     dampening: ``u = γu + (1-γ)G`` and ``(1-γ)`` on stale merges (spec caution 1); off = literal [A].
     k_rule: ``"adaptive"`` (the k-test) or a fixed integer k (ablation, Figs. 13-14).
     ktest: :class:`mfopt.sim.ksync.KTestConfig`.
-    stale_merge: ``"additive"`` (``u += γ^(τ-1) α_i/k_v g``, default) or ``"drop"`` [A].
+    stale_merge: ``"additive"`` (``u += γ^(τ-1) α_i/k_v g``, default), ``"reaverage"`` (slot v
+      stays the mean of all its gradients received so far: ``u += γ^(τ-1) (α_i g - Ĝ_v)/(n_v+1)``,
+      spec §1.2 option; needs one stored slot mean per version within the cutoff) or ``"drop"`` [A].
     stale_cutoff: drop stale gradients once ``γ^τ < stale_cutoff`` (None = never, default) [A].
     bb: per-worker BB config, or None to use ``lr_fallback`` (``BaseSGD`` schedule) for every α_i.
     lr_fallback: the schedule used when ``bb`` is None.
     r0: the noise ratio broadcast before the first update (0) [A].
-  Not implemented (optional in spec §1.2/§2.3): the re-averaging merge, OrMo catch-up, the
-  predictive k rule.
+  Not implemented (optional in spec §1.2/§2.3): OrMo catch-up, the predictive k rule.
+  With ``stale_merge="reaverage"`` and no ``stale_cutoff``, slot means are kept for
+  versions with ``γ^τ >= 1e-3`` (older stale gradients are dropped).
   """
 
   gamma: float = 0.9
@@ -391,8 +394,8 @@ class KSyncConfig:
       raise ValueError(f"gamma must be in [0, 1), got {self.gamma!r}")
     if not (self.k_rule == "adaptive" or (isinstance(self.k_rule, int) and self.k_rule >= 1)):
       raise ValueError(f"k_rule must be 'adaptive' or a positive integer, got {self.k_rule!r}")
-    if self.stale_merge not in ("additive", "drop"):
-      raise ValueError(f"stale_merge must be 'additive' or 'drop', got {self.stale_merge!r}")
+    if self.stale_merge not in ("additive", "reaverage", "drop"):
+      raise ValueError(f"stale_merge must be 'additive', 'reaverage' or 'drop', got {self.stale_merge!r}")
     if self.stale_cutoff is not None and not 0 < self.stale_cutoff < 1:
       raise ValueError(f"stale_cutoff must be in (0, 1) or None, got {self.stale_cutoff!r}")
 
@@ -428,6 +431,7 @@ class KSync(_Collect):
     self.welford = ksync_lib.Welford(sim.dim)
     self.u = np.zeros(sim.dim, np.float32)
     self.kbuf: dict[int, int] = {}
+    self.slots: dict[int, np.ndarray] = {}  # version -> mean of α g received (reaverage only)
     self.test_a_fail = 0
     self.test_b_fail = 0
     self.forced = 0
@@ -466,6 +470,11 @@ class KSync(_Collect):
     sim.apply(sim.theta - self.u, lr=float(np.mean([sim.msg[w].alpha for w in self.waiting]))
               if self.bb is not None else c.lr_fallback.lr(sim.epoch))
     self.kbuf[sim.version - 1] = n
+    if c.stale_merge == "reaverage":
+      self.slots[sim.version - 1] = (self.sum / n).astype(np.float32)
+      horizon = self._horizon()
+      for v in [v for v in self.slots if sim.version - v > horizon]:
+        del self.slots[v]
     if n >= 2:
       res = ksync_lib.k_test(self.welford, c.ktest)
       sim.broadcast.update(k=float(n), r=res.e_hat / max(res.grad_sq_norm, 1e-30), v_hat=res.v_hat)
@@ -476,22 +485,35 @@ class KSync(_Collect):
     super()._clear(sim)
     self.welford.reset()
 
+  def _horizon(self) -> int:
+    cut = self.config.stale_cutoff or 1e-3
+    return int(np.floor(np.log(cut) / np.log(self.config.gamma))) if self.config.gamma > 0 else 1
+
   def _stale(self, sim, w, msg):
     c = self.config
     tau = sim.version - msg.version
-    if c.stale_merge == "drop" or msg.version not in self.kbuf or (
-        c.stale_cutoff is not None and c.gamma ** tau < c.stale_cutoff):
+    v = msg.version
+    if c.stale_merge == "drop" or v not in self.kbuf or (
+        c.stale_cutoff is not None and c.gamma ** tau < c.stale_cutoff) or (
+        c.stale_merge == "reaverage" and v not in self.slots):
       sim.dropped += 1
       return
-    scale = c.gamma ** (tau - 1) * self._alpha(sim, msg) / self.kbuf[msg.version]
-    if c.dampening:
-      scale *= 1 - c.gamma
-    self.u = self.u + np.float32(scale) * msg.grad
+    damp = (1 - c.gamma) if c.dampening else 1.0
+    if c.stale_merge == "reaverage":
+      n = self.kbuf[v]
+      delta = (np.float32(self._alpha(sim, msg)) * msg.grad - self.slots[v]) / np.float32(n + 1)
+      self.slots[v] = self.slots[v] + delta
+      self.kbuf[v] = n + 1
+      self.u = self.u + np.float32(c.gamma ** (tau - 1) * damp) * delta
+    else:
+      scale = c.gamma ** (tau - 1) * self._alpha(sim, msg) / self.kbuf[v] * damp
+      self.u = self.u + np.float32(scale) * msg.grad
     self.merged += 1
 
   def state_dict(self):
     return {**super().state_dict(), "welford": self.welford.state_dict(), "u": self.u.copy(),
             "kbuf": [[int(k), int(v)] for k, v in self.kbuf.items()],
+            "slots": {int(k): v.copy() for k, v in self.slots.items()},
             "counters": [self.test_a_fail, self.test_b_fail, self.forced, self.merged]}
 
   def load_state_dict(self, d):
@@ -499,6 +521,7 @@ class KSync(_Collect):
     self.welford.load_state_dict(d["welford"])
     self.u = np.array(d["u"], np.float32)
     self.kbuf = {int(k): int(v) for k, v in d["kbuf"]}
+    self.slots = {int(k): np.array(v, np.float32) for k, v in d["slots"].items()}
     self.test_a_fail, self.test_b_fail, self.forced, self.merged = (int(x) for x in d["counters"])
 
   def describe(self):

@@ -1,0 +1,232 @@
+"""Shared pieces of the seed-002 experiments: the strategy registry, one run, time-to-target, seeds.
+
+The experiments (``experiments/async_convergence.py``, ``async_scaling.py``,
+``ksync_trace.py``, ``bb_lr.py``) stay thin: they build a config with
+:func:`base_config`, call :func:`run` per (strategy, network, seed, workers)
+and tabulate with :func:`aggregate`.
+
+Timing emulation (a *simulation*, stated in every report): the optimisation
+runs on a small model (an MLP on mnist1d), while the simulated compute time and
+message size can be set to a paper benchmark's (``compute_s``,
+``payload_params``). The default full presets use ResNet101/Cifar100 from the
+seed: 44,707,176 float32 parameters (Table 2) and 0.89 s of computation per
+local step (Table 4, GPU cluster). ``payload_params = 0`` uses the real model's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from mfopt import data as data_lib
+from mfopt import models as models_lib
+from mfopt import report
+from mfopt.sim import clock, presets, run as run_lib, server
+
+RESNET101_PARAMS = 44_707_176  # seed Table 2
+RESNET101_COMPUTE_S = 0.89     # seed Table 4, GPU cluster, seconds of computation per local step
+
+
+def _base(c) -> server.BaseSGD:
+  return server.BaseSGD(c.learning_rate, c.decay_rate, c.momentum if c.momentum > 0 else None)
+
+
+def _ksync(preset: str, **overrides) -> Callable[[Any], server.Strategy]:
+  def make(c):
+    return presets.ksync_preset(preset, alpha0=c.learning_rate, **overrides)
+  return make
+
+
+#: name -> factory(config) of a fresh strategy. Fixed-k and decay-schedule variants of the seed's
+#: model are built by :func:`ksync_variant`.
+STRATEGIES: Mapping[str, Callable[[Any], server.Strategy]] = {
+    "ASP": lambda c: server.ASP(_base(c)),
+    "BSP": lambda c: server.BSP(_base(c)),
+    "SSP": lambda c: server.SSP(c.ssp_staleness, _base(c)),
+    "EASGD": lambda c: server.EASGD(c.easgd_interval, _base(c)),
+    "DropWorker": lambda c: server.DropWorker(c.drop_rate, _base(c)),
+    "all-reduce": lambda c: server.AllReduce(_base(c)),
+    "KSync[faithful]": _ksync("faithful"),
+    "KSync[working]": _ksync("working"),
+    "KSync[working,reaverage]": _ksync("working", stale_merge="reaverage"),
+}
+
+
+def ksync_variant(preset: str, *, k: int | str = "adaptive", bb: bool = True, label: str | None = None,
+                  **overrides) -> Callable[[Any], server.Strategy]:
+  """A factory for the seed's model with a fixed ``k`` and/or the decay schedule instead of BB.
+
+  ``overrides`` are further :class:`KSyncConfig` fields (e.g. ``stale_merge="reaverage"``).
+  """
+  def make(c):
+    over: dict[str, Any] = {"k_rule": k, **overrides}
+    if not bb:
+      over.update(bb=None, lr_fallback=_base(c))
+    return presets.ksync_preset(preset, alpha0=c.learning_rate, label=label, **over)
+  return make
+
+
+def base_config(quick: bool) -> ml_collections.ConfigDict:
+  """Fields every simulator experiment shares (the experiment adds its own)."""
+  c = ml_collections.ConfigDict()
+  c.dataset = "mnist1d"
+  c.hidden = (32,) if quick else (128, 128)
+  c.num_workers = 4 if quick else 16
+  c.per_worker_batch = 16 if quick else 32
+  c.epochs = 2.0 if quick else 30.0
+  c.eval_every_epochs = 0.5 if quick else 0.5
+  c.learning_rate = 0.1    # LR of every baseline and α_0 of the BB step
+  c.decay_rate = 0.99      # DR per epoch (Table 3)
+  c.momentum = 0.0         # baselines' momentum (0 = plain SGD, spec §5)
+  c.ssp_staleness = 3
+  c.easgd_interval = 10
+  c.drop_rate = 0.5
+  c.compute_s = 0.01 if quick else RESNET101_COMPUTE_S
+  c.payload_params = 0 if quick else RESNET101_PARAMS
+  c.speed_spread = 0.3     # per-worker speed factors exp(0.3 z)
+  c.jitter_sigma = 0.2     # lognormal jitter per step
+  c.straggler_prob = 0.02
+  c.straggler_slowdown = 4.0
+  c.duplex = True
+  c.seeds = (0,) if quick else (0, 1, 2)
+  c.target_accuracy = 0.3 if quick else 0.45
+  c.progress = not quick
+  return c
+
+
+def validate_base(c, strategies: Sequence[str] = ()) -> None:
+  from mfopt import runner  # pylint: disable=g-import-not-at-top
+  runner.require_positive(c, "num_workers", "per_worker_batch", "epochs", "eval_every_epochs",
+                          "learning_rate", "compute_s", "target_accuracy")
+  runner.require_choice(c, "dataset", tuple(data_lib.registered()))
+  for name in strategies:
+    if name not in STRATEGIES:
+      raise runner.ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+  if not 0 < c.decay_rate <= 1:
+    raise runner.ConfigError(f"config field 'decay_rate' must be in (0, 1], got {c.decay_rate!r}")
+  if c.payload_params < 0:
+    raise runner.ConfigError(f"config field 'payload_params' must be >= 0, got {c.payload_params!r}")
+
+
+def load(c):
+  ds = data_lib.load(c.dataset)
+  model = models_lib.get_model("mlp", hidden=tuple(c.hidden), num_classes=ds.num_classes)
+  return ds, model
+
+
+def run(c, strategy: server.Strategy, *, dataset, model, network: str | None, seed: int,
+        num_workers: int | None = None, epochs: float | None = None, desc: str | None = None,
+        on_log: Callable[[dict[str, Any]], None] | None = None) -> run_lib.SimResult:
+  """One simulated run of ``strategy`` for ``epochs`` of data (equal samples across strategies)."""
+  n = len(dataset.train)
+  m = num_workers or c.num_workers
+  compute = clock.ComputeModel(c.compute_s, speed_spread=c.speed_spread, jitter_sigma=c.jitter_sigma,
+                               straggler_prob=c.straggler_prob,
+                               straggler_slowdown=c.straggler_slowdown)
+  return run_lib.simulate(
+      strategy, model=model, dataset=dataset, num_workers=m, per_worker_batch=c.per_worker_batch,
+      max_samples=int((epochs or c.epochs) * n), seed=seed, compute=compute, network=network,
+      duplex=c.duplex, payload_bytes=4 * c.payload_params if c.payload_params else None,
+      eval_every_samples=max(1, int(c.eval_every_epochs * n)), progress=c.progress, desc=desc,
+      on_log=on_log)
+
+
+def to_target(result: run_lib.SimResult, target: float) -> dict[str, float]:
+  """Server steps, simulated time, samples and worker steps at the first evaluation reaching ``target``."""
+  row = result.first_reaching(target)
+  if row is None:
+    return {"steps_to_target": float("nan"), "time_to_target": float("nan"),
+            "samples_to_target": float("nan")}
+  return {"steps_to_target": float(row["server_step"]), "time_to_target": float(row["sim_time"]),
+          "samples_to_target": float(row["samples"])}
+
+
+def per_step_times(result: run_lib.SimResult, compute_s: float) -> dict[str, float]:
+  """Table 4 analogue: simulated time per local step split into computation and the rest ("Cu").
+
+  ``Cp`` is the mean drawn compute time (``compute_s`` times the mean speed factor
+  and jitter, estimated as ``compute_s``); ``Cu`` = time per local step - Cp:
+  communication, queueing on the server link, and waiting at barriers.
+  """
+  s = result.summary
+  local = float(np.mean(s["worker_steps"]))
+  per_step = s["sim_time_s"] / local if local else float("nan")
+  return {"time_per_local_step": per_step, "cu_per_local_step": per_step - compute_s}
+
+
+def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], fields: Sequence[str]
+              ) -> list[dict[str, Any]]:
+  """Groups ``rows`` by ``keys``; for each field gives ``<f>_mean``, ``<f>_std`` (over finite values)
+  and ``<f>_n`` (how many seeds had a finite value)."""
+  groups: dict[tuple, list[Mapping[str, Any]]] = {}
+  for r in rows:
+    groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+  out = []
+  for key, rs in groups.items():
+    row: dict[str, Any] = dict(zip(keys, key))
+    row["seeds"] = len(rs)
+    for f in fields:
+      vals = [float(r[f]) for r in rs if r.get(f) is not None and np.isfinite(float(r[f]))]
+      mean, std = report.mean_std(vals) if vals else (float("nan"), float("nan"))
+      row[f + "_mean"], row[f + "_std"], row[f + "_n"] = mean, std, len(vals)
+    out.append(row)
+  return out
+
+
+def pm(row: Mapping[str, Any], field: str, digits: int = 3) -> str:
+  """``mean ± std (n/seeds)`` cell."""
+  m, s, n = row[field + "_mean"], row[field + "_std"], row[field + "_n"]
+  if not n:
+    return f"not reached (0/{row['seeds']})"
+  tail = f" ({n}/{row['seeds']})" if n != row["seeds"] else ""
+  return f"{m:.{digits}g} ± {s:.2g}{tail}"
+
+
+def claim(a_mean: float, a_std: float, b_mean: float, b_std: float, lower_is_better: bool = True) -> str:
+  """The protocol's verdict on "a beats b": the difference has the sign and exceeds two std.
+
+  For times/steps to a target (``lower_is_better``) a NaN mean means "never reached".
+  """
+  a_ok, b_ok = np.isfinite(a_mean), np.isfinite(b_mean)
+  if not (a_ok and b_ok):
+    if lower_is_better and a_ok and not b_ok:
+      return "reproduced (the baseline never reached the target)"
+    if lower_is_better and b_ok and not a_ok:
+      return "not reproduced at this scale (ours never reached the target)"
+    return "not decidable (neither reached the target)"
+  diff = (b_mean - a_mean) if lower_is_better else (a_mean - b_mean)
+  spread = 2 * float(np.hypot(a_std if np.isfinite(a_std) else 0, b_std if np.isfinite(b_std) else 0))
+  if diff > spread:
+    return "reproduced"
+  return "not reproduced at this scale"
+
+
+def setup_lines(c, ds, model_desc: str, networks: Sequence[Any], extra: str = "") -> list[str]:
+  """Report header lines every simulator experiment shares."""
+  env = report.environment()
+  payload = (f"{c.payload_params:,} float32 parameters ({4 * c.payload_params / 1e6:.1f} MB, "
+             "ResNet101 of seed Table 2)" if c.payload_params else "the real model's float32 parameters")
+  return [
+      report.environment_markdown(env),
+      "- **All times are simulated time** (mfopt.sim virtual clock), never measured; gradients "
+      "are real computations on this machine.",
+      f"- Dataset: {c.dataset}, {len(ds.train):,} train / {len(ds.test):,} test examples; "
+      f"model: {model_desc}.",
+      f"- Workers: {c.num_workers}; per-worker batch {c.per_worker_batch}; budget {c.epochs:g} "
+      f"epochs = {int(c.epochs * len(ds.train)):,} samples per run (equal for every algorithm); "
+      f"seeds {tuple(c.seeds)}; evaluation every {c.eval_every_epochs:g} epoch.",
+      f"- Simulated compute {c.compute_s:g} s per local step (speed factors exp({c.speed_spread:g} z), "
+      f"lognormal jitter {c.jitter_sigma:g}, stragglers p={c.straggler_prob:g} x{c.straggler_slowdown:g}); "
+      f"message size: {payload}; networks: "
+      + ", ".join(str(n) for n in networks) + " (mfopt.costmodel presets; the server link is shared "
+      f"and {'full' if c.duplex else 'half'}-duplex).",
+      f"- Baselines: SGD lr {c.learning_rate:g} x {c.decay_rate:g}^epoch"
+      + (f", momentum {c.momentum:g}" if c.momentum else ", no momentum")
+      + f"; SSP s={c.ssp_staleness}; EASGD interval {c.easgd_interval}; DropWorker drop "
+      f"{c.drop_rate:g}. Seed's model: α_0 = {c.learning_rate:g}; presets `faithful` "
+      "(spec defaults) and `working` (dampened momentum, exact ν, k_max = 8, α floor).",
+      extra,
+  ]

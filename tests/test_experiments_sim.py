@@ -1,0 +1,60 @@
+"""One --quick smoke test per simulator experiment (seed 002), checking the tables' content."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mfopt import runner
+
+
+def _run(name, tmp_path, overrides=()):
+  summary = runner.run_experiment(name, quick=True, workdir=tmp_path, overrides=list(overrides))
+  text = (tmp_path / "report.md").read_text()
+  assert "simulated" in text.lower() and "| " in text
+  return summary, json.loads((tmp_path / "results.json").read_text()), text
+
+
+def test_async_convergence_quick(tmp_path):
+  _, res, text = _run("async_convergence", tmp_path)
+  table = {(r["network"], r["strategy"]): r for r in res["table"]}
+  assert set(s for _, s in table) == {"ASP", "BSP", "all-reduce", "KSync[working]"}
+  bsp, ar, asp = table[("100gbit", "BSP")], table[("100gbit", "all-reduce")], table[("100gbit", "ASP")]
+  # BSP and all-reduce are the same optimisation on the same data: same accuracy, different time
+  assert bsp["test_accuracy_mean"] == ar["test_accuracy_mean"]
+  assert bsp["mean_staleness_mean"] == 0 and asp["mean_staleness_mean"] > 0
+  assert table[("100gbit", "KSync[working]")]["mean_k_mean"] >= 2
+  assert all(r["test_accuracy_mean"] > 0.12 for r in res["table"])  # above chance (0.1)
+  assert asp["link_utilisation_push_mean"] > 0 and ar["link_utilisation_push_mean"] == 0
+  assert "Seed claims" in text and "KSync[working] needs less time" in text
+
+
+def test_async_scaling_quick(tmp_path):
+  _, res, _ = _run("async_scaling", tmp_path)
+  rows = {(r["strategy"], r["workers"]): r for r in res["table"]}
+  assert set(rows) == {(s, m) for s in ("ASP", "KSync[working]") for m in (1, 2, 4)}
+  for s in ("ASP", "KSync[working]"):
+    assert rows[(s, 1)]["speedup_time_mean"] == 1.0
+    assert rows[(s, 1)]["mean_staleness_mean"] == 0.0
+  assert rows[("ASP", 4)]["mean_staleness_mean"] > rows[("ASP", 2)]["mean_staleness_mean"] > 0
+  assert np.isfinite(rows[("ASP", 4)]["speedup_time_mean"])
+
+
+def test_ksync_trace_quick(tmp_path):
+  _, res, _ = _run("ksync_trace", tmp_path)
+  rows = {r["variant"]: r for r in res["table"]}
+  assert rows["fixed k=2 [working]"]["k_p50_mean"] == 2 == rows["fixed k=2 [working]"]["k_p90_mean"]
+  assert rows["fixed k=3 [working]"]["k_p10_mean"] == 3
+  a = rows["adaptive k [working]"]
+  assert 2 <= a["k_p10_mean"] <= a["k_p90_mean"] <= 4  # quick preset: 4 workers
+  assert (tmp_path / "k_trace.png").exists()
+
+
+def test_bb_lr_quick(tmp_path):
+  _, res, _ = _run("bb_lr", tmp_path)
+  rows = {r["variant"]: r for r in res["table"]}
+  bb, dec = rows["BB [working]"], rows["decay [working]"]
+  assert 0 < bb["alpha_final_min_mean"] <= bb["alpha_final_max_mean"]
+  assert bb["bb_applied_frac_mean"] > 0.5 and dec["alpha_final_min_n"] == 0
+  assert bb["test_accuracy_mean"] != dec["test_accuracy_mean"]
+  assert len(res["lr_traces_seed0"]["working"]) == 4
