@@ -31,10 +31,10 @@ def test_adpsgd_variance_quick(tmp_path):
 def test_adpsgd_table_quick(tmp_path):
   summary, report = _run("adpsgd_table", tmp_path)
   names = [r["algorithm"].replace(" (best)", "") for r in summary["rows"]]
-  assert names == ["SMALL_BATCH", "ADPSGD", "CPSGD p=8", "FULLSGD lr=0.1", "DECREASING 4->2",
+  assert names == ["SMALL_BATCH lr=0.1", "ADPSGD", "CPSGD p=8", "FULLSGD lr=0.1", "DECREASING 4->2",
                    "QSGD-8bit"]
   runs = json.loads((tmp_path / "runs.json").read_text())
-  full, q, small = runs["FULLSGD lr=0.1"][0], runs["QSGD-8bit"][0], runs["SMALL_BATCH"][0]
+  full, q, small = runs["FULLSGD lr=0.1"][0], runs["QSGD-8bit"][0], runs["SMALL_BATCH lr=0.1"][0]
   assert full["collectives"] == 16 and q["collectives"] == 16 and small["collectives"] == 0
   assert small["steps"] == 16 * 8
   assert 0.25 < q["payload_bytes"] / full["payload_bytes"] < 0.27
