@@ -1,0 +1,183 @@
+"""Shared timing harness of the ``experiments/bench_*.py`` benchmarks (issue 8).
+
+Harness (the issue asks every report to state it):
+
+* every timed function is jitted, with its state argument **donated** when the
+  benchmark says so, and compiled before timing;
+* ``warmup`` untimed calls, then ``reps`` repetitions of ``iters`` back-to-back calls,
+  each repetition ended by ``jax.block_until_ready`` on the whole output (no host sync
+  inside a repetition); the figure is the **median** seconds per call over the
+  repetitions, the spread is reported as min and max (and the IQR);
+* two variants compared for a ratio are timed **interleaved** (A, B, A, B, ...) in one
+  process, so slow drift of a shared machine affects both alike.
+
+Output: one line per figure, ``FIG <bench> | <name> | <value> <unit> | <details>``, and
+at the end one ``TARGET`` line per target and ``RESULT: PASS`` or ``RESULT: FAIL``. With
+``--json PATH`` the same figures are written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+#: Peak memory bandwidth (bytes/s) by device kind (vendor datasheets); unknown kinds print "n/a".
+PEAK_BANDWIDTH = {
+    "NVIDIA H100 80GB HBM3": 3.35e12,   # H100 SXM5
+    "NVIDIA H100 PCIe": 2.0e12,
+    "NVIDIA H100 NVL": 3.9e12,
+    "NVIDIA H200": 4.8e12,
+    "NVIDIA A100-SXM4-80GB": 2.039e12,
+    "NVIDIA A100-SXM4-40GB": 1.555e12,
+}
+
+
+def parse_args(argv: Sequence[str] | None, description: str,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes, 1 repetition: checks that the bench runs (CI)")
+  parser.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
+  parser.add_argument("--json", default=None, help="write the figures to this JSON file")
+  if extra is not None:
+    extra(parser)
+  args = parser.parse_args(argv)
+  if args.reps is not None and args.reps <= 0:
+    parser.error(f"--reps must be positive, got {args.reps}")
+  return args
+
+
+def environment() -> dict[str, Any]:
+  dev = jax.devices()[0]
+  return {
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+      "device_kind": dev.device_kind,
+      "num_devices": jax.device_count(),
+      "host_cpus": os.cpu_count(),
+      "python": platform.python_version(),
+  }
+
+
+def peak_bandwidth() -> float | None:
+  return PEAK_BANDWIDTH.get(jax.devices()[0].device_kind)
+
+
+def block(tree: Any) -> Any:
+  return jax.block_until_ready(tree)
+
+
+class Timing:
+  """Seconds per call over repetitions: median, min, max, IQR."""
+
+  def __init__(self, samples: Sequence[float]):
+    self.samples = [float(s) for s in samples]
+
+  @property
+  def median(self) -> float:
+    return statistics.median(self.samples)
+
+  def spread(self) -> str:
+    s = np.asarray(self.samples)
+    q1, q3 = np.percentile(s, [25, 75])
+    return (f"median {fmt_s(self.median)} [min {fmt_s(s.min())}, max {fmt_s(s.max())}, "
+            f"IQR {fmt_s(q3 - q1)}, n={len(s)}]")
+
+  def as_dict(self) -> dict[str, Any]:
+    return {"median_s": self.median, "samples_s": self.samples}
+
+
+def fmt_s(seconds: float) -> str:
+  if seconds >= 1:
+    return f"{seconds:.3f} s"
+  if seconds >= 1e-3:
+    return f"{seconds * 1e3:.3f} ms"
+  return f"{seconds * 1e6:.1f} us"
+
+
+class Runner:
+  """A stateful timed call: ``state = fn(state, *args)``, state threaded (and donated)."""
+
+  def __init__(self, fn: Callable[..., Any], state: Any, args: tuple = (),
+               out_state: Callable[[Any], Any] = lambda out: out):
+    self.fn, self.state, self.args, self.out_state = fn, state, args, out_state
+
+  def call(self, iters: int) -> float:
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(iters):
+      out = self.fn(self.state, *self.args)
+      self.state = self.out_state(out)
+    block(out)
+    return (time.perf_counter() - t0) / iters
+
+
+def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int,
+                     iters: int) -> list[Timing]:
+  """Warm up every runner, then time them round-robin ``reps`` times."""
+  for r in runners:
+    for _ in range(warmup):
+      r.call(1)
+  samples = [[] for _ in runners]
+  for _ in range(reps):
+    for i, r in enumerate(runners):
+      samples[i].append(r.call(iters))
+  return [Timing(s) for s in samples]
+
+
+class Report:
+  """Collects figures and targets, prints them as they come, and the final verdict."""
+
+  def __init__(self, bench: str, args: argparse.Namespace):
+    self.bench, self.args = bench, args
+    self.figures: list[dict[str, Any]] = []
+    self.targets: list[dict[str, Any]] = []
+    if not jax.config.jax_compilation_cache_dir:  # re-runs skip compiling (pytest sets its own)
+      from mfopt import runner
+      runner.enable_compilation_cache()
+    self.env = environment()
+    print(f"# {bench} on {self.env['backend']} ({self.env['device_kind']} x"
+          f"{self.env['num_devices']}), JAX {self.env['jax']}, {self.env['date_utc']}"
+          f"{' [--quick: sizes for CI, timings meaningless]' if args.quick else ''}", flush=True)
+
+  def figure(self, name: str, value: float, unit: str, details: str = "", **data: Any) -> None:
+    print(f"FIG {self.bench} | {name} | {value:.4g} {unit} | {details}", flush=True)
+    self.figures.append({"name": name, "value": value, "unit": unit, "details": details, **data})
+
+  def note(self, text: str) -> None:
+    print(f"NOTE {self.bench} | {text}", flush=True)
+    self.figures.append({"note": text})
+
+  def target(self, name: str, value: float, op: str, threshold: float,
+             applies: bool = True, why_not: str = "") -> None:
+    """Records ``value op threshold``; targets that do not apply here are listed, not judged."""
+    ok = value <= threshold if op == "<=" else value >= threshold
+    status = ("PASS" if ok else "FAIL") if applies else f"n/a ({why_not})"
+    print(f"TARGET {self.bench} | {name} | {value:.4f} {op} {threshold} | {status}", flush=True)
+    self.targets.append({"name": name, "value": value, "op": op, "threshold": threshold,
+                         "applies": applies, "passed": bool(ok) if applies else None})
+
+  def finish(self) -> dict[str, Any]:
+    judged = [t for t in self.targets if t["applies"]]
+    passed = all(t["passed"] for t in judged)
+    verdict = "PASS" if passed else "FAIL"
+    print(f"RESULT {self.bench}: {verdict} ({sum(t['passed'] for t in judged)}/{len(judged)} "
+          f"targets met{', quick mode: timings not meaningful' if self.args.quick else ''})",
+          flush=True)
+    out = {"bench": self.bench, "env": self.env, "quick": self.args.quick,
+           "figures": self.figures, "targets": self.targets, "passed": passed}
+    if self.args.json:
+      with open(self.args.json, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return out

@@ -1,0 +1,190 @@
+"""mfopt's synchronized train step vs a plain flax + optax train step (issue 8, targets 2 and 5).
+
+Command (same on CPU and GPU; the device is printed in the header line)::
+
+  python -m experiments.bench_train_step           # GPU: full sizes; CPU: reduced sizes
+  python -m experiments.bench_train_step --quick   # CI: tiny sizes, 1 repetition
+
+Compared, on one device, per model and compute dtype (bf16 and fp32; parameters and
+optimizer state are fp32 in both):
+
+* **mfopt**: ``mfopt.train.make_train_step`` with
+  ``optax.chain(mfopt.sync_gradients(WORKER_AXES), optax.sgd(0.1, momentum=0.9))``, W=1
+  worker (the worker-stacked, shard_map + vmap step every synchronous run uses; it also
+  computes the per-worker metrics loss, accuracy and ``update_norm``);
+* **plain**: the textbook flax step written below (``model.apply`` with
+  ``mutable=["batch_stats"]``, ``jax.value_and_grad``, ``optax.sgd(0.1, momentum=0.9)``,
+  ``optax.apply_updates``, loss returned), jitted with the state donated.
+
+Sizes. GPU: ResNet-18 (CIFAR stem, width 64, 32x32x3, batch 512) and ResNet-50 (ImageNet
+stem, 224x224x3, batch 128). ``--quick``: a CNN (4, 8) with BN at 8x8 batch 4. CPU (reduced, as the issue allows; ratios only): ResNet-18
+width 16 at 32x32 batch 32, ResNet-50 width 8 at 64x64 batch 8. Data: synthetic (random
+normal images, random labels), fixed across steps (the step time does not depend on values).
+
+Figures: images/s of each, ratio mfopt/plain (target >= 0.97), and bf16/fp32 step time of the
+plain step (target 5: <= 0.6, judged on GPU only: XLA:CPU has no fast bf16 convolutions).
+Target 3: a periodic-averaging local train step vs a step with no communication (<= 1.01),
+and a sync step's extra cost (see :func:`periodic_step_cost`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from experiments import _bench
+
+
+def plain_train_step(model, tx: optax.GradientTransformation):
+  """The baseline: a plain flax + optax step, ``((params, batch_stats, opt_state), x, y) -> (state, loss)``."""
+
+  def step(state, x, y):
+    params, batch_stats, opt_state = state
+
+    def loss_fn(p):
+      logits, new_vars = model.apply({"params": p, "batch_stats": batch_stats}, x, train=True,
+                                     mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), y).mean()
+      return loss, new_vars["batch_stats"]
+
+    (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), new_stats, opt_state), loss
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def plain_runner(model, tx, x: np.ndarray, y: np.ndarray, seed: int = 0) -> _bench.Runner:
+  from mfopt import models
+  params, model_state = models.init_model(model, jax.random.PRNGKey(seed), x[:1])
+  state = (params, model_state["batch_stats"], tx.init(params))
+  return _bench.Runner(plain_train_step(model, tx), state, (jnp.asarray(x), jnp.asarray(y)),
+                       out_state=lambda out: out[0])
+
+
+def mfopt_runner(model, tx, x: np.ndarray, y: np.ndarray, num_workers: int = 1,
+                 seed: int = 0) -> _bench.Runner:
+  """The library's worker-stacked step on one device; ``x`` is ``(W, B, ...)``."""
+  from mfopt import parallel
+  from mfopt import train as train_lib
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  state = train_lib.init_train_state(model, tx, x[0, :1], num_workers=num_workers, mesh=mesh,
+                                     seed=seed)
+  step = train_lib.make_train_step(model, tx, mesh=mesh, num_workers=num_workers)
+  batch = parallel.shard_workers({"x": x, "y": y}, mesh)
+  return _bench.Runner(step, state, (batch,), out_state=lambda out: out[0])
+
+
+def synthetic(batch: int, image: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(batch, image, image, 3)).astype(np.float32),
+          rng.integers(0, classes, size=(batch,)).astype(np.int32))
+
+
+def configs(quick: bool, gpu: bool) -> list[dict[str, Any]]:
+  if quick:  # CI: a small CNN with BN compiles in a fraction of ResNet-18's time
+    return [dict(name="cnn", width=0, image=8, batch=4, classes=10)]
+  if gpu:
+    return [dict(name="resnet18", width=64, image=32, batch=512, classes=10),
+            dict(name="resnet50", width=64, image=224, batch=128, classes=1000)]
+  return [dict(name="resnet18", width=16, image=32, batch=32, classes=10),
+          dict(name="resnet50", width=8, image=64, batch=8, classes=1000)]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _bench.parse_args(argv, __doc__.splitlines()[0])
+  import mfopt
+  from mfopt import models, parallel
+
+  gpu = jax.default_backend() == "gpu"
+  report = _bench.Report("bench_train_step", args)
+  warmup, reps, iters = (2, 1, 1) if args.quick else (2, args.reps or (10 if gpu else 5),
+                                                      5 if gpu else 1)
+  report.note(f"harness: jit, state donated, {warmup} warm-up, {reps} interleaved reps x "
+              f"{iters} steps, block_until_ready per rep; sizes "
+              f"{'full (GPU)' if gpu and not args.quick else 'REDUCED (CPU/quick): ratios only'}")
+  results = []
+  for cfg in configs(args.quick, gpu):
+    x, y = synthetic(cfg["batch"], cfg["image"], cfg["classes"])
+    step_time = {}
+    for dtype_name, dtype in (("bf16", jnp.bfloat16), ("fp32", jnp.float32)):
+      size = {"features": (4, 8)} if cfg["name"] == "cnn" else {"width": cfg["width"]}
+      model = models.get_model(cfg["name"], num_classes=cfg["classes"], dtype=dtype, **size)
+      sgd = optax.sgd(0.1, momentum=0.9)
+      sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)
+      runners = [mfopt_runner(model, sync, x[None], y[None]), plain_runner(model, sgd, x, y)]
+      t_mf, t_plain = _bench.time_interleaved(runners, warmup=warmup, reps=reps, iters=iters)
+      ratio = t_plain.median / t_mf.median  # images/s ratio mfopt / plain
+      label = (f"{cfg['name']} width {cfg['width']} {cfg['image']}x{cfg['image']} "
+               f"batch {cfg['batch']} {dtype_name}")
+      report.figure(f"{label} | mfopt sync step / plain flax+optax (images/s)", ratio, "x",
+                    f"mfopt {cfg['batch'] / t_mf.median:,.1f} img/s ({t_mf.spread()}); plain "
+                    f"{cfg['batch'] / t_plain.median:,.1f} img/s ({t_plain.spread()})",
+                    config=cfg, dtype=dtype_name, mfopt=t_mf.as_dict(),
+                    plain=t_plain.as_dict(), ratio=ratio)
+      results.append((label, ratio))
+      step_time[dtype_name] = (t_mf.median, t_plain.median)
+    mp = step_time["bf16"][1] / step_time["fp32"][1]
+    report.figure(f"{cfg['name']} width {cfg['width']} batch {cfg['batch']} | bf16 / fp32 step "
+                  f"time (plain step)", mp, "x time",
+                  f"mfopt step: {step_time['bf16'][0] / step_time['fp32'][0]:.3f}x")
+    results.append((f"target 5: {cfg['name']} bf16/fp32", mp))
+  local_ratio = periodic_step_cost(report, args, gpu, warmup=warmup, reps=reps, iters=iters)
+  for label, value in results:
+    if label.startswith("target 5"):
+      report.target(label, value, "<=", 0.6, applies=gpu and not args.quick,
+                    why_not="GPU target; CPU has no fast bf16" if not gpu else "quick mode")
+    else:
+      report.target(f"target 2: {label} images/s mfopt/plain", value, ">=", 0.97,
+                    applies=not args.quick, why_not="quick mode")
+  if local_ratio is not None:
+    report.target("target 3: periodic_averaging local train step / no-communication step",
+                  local_ratio, "<=", 1.01, applies=not args.quick, why_not="quick mode")
+  return report.finish()
+
+
+def periodic_step_cost(report: _bench.Report, args, gpu: bool, *, warmup: int, reps: int,
+                       iters: int) -> float | None:
+  """Target 3: a local step of periodic averaging vs a step with no communication at all.
+
+  Three worker-stacked steps (``mfopt.train.make_train_step``, W=1, one device) of the first
+  model of :func:`configs`, interleaved: inner ``optax.sgd(momentum=0.9)`` alone (no
+  communication), ``periodic_averaging`` with a period never due (local steps), and with
+  period 1 (a sync step every step: its extra cost; with W=1 on one device the all-reduce
+  spans one worker, so this is the sync branch's compute, not network time).
+  """
+  import mfopt
+  from mfopt import models, parallel
+  averaging = getattr(mfopt, "periodic_averaging", None)
+  if averaging is None:
+    report.note("periodic_averaging: not on main yet (skipped)")
+    return None
+  cfg = configs(args.quick, gpu)[0]
+  x, y = synthetic(cfg["batch"], cfg["image"], cfg["classes"])
+  size = {"features": (4, 8)} if cfg["name"] == "cnn" else {"width": cfg["width"]}
+  dtype_name, dtype = ("bf16", jnp.bfloat16) if gpu else ("fp32", jnp.float32)
+  model = models.get_model(cfg["name"], num_classes=cfg["classes"], dtype=dtype, **size)
+  sgd = lambda: optax.sgd(0.1, momentum=0.9)  # noqa: E731
+  txs = [sgd(), averaging(sgd(), parallel.WORKER_AXES, 10**9),
+         averaging(sgd(), parallel.WORKER_AXES, 1)]
+  runners = [mfopt_runner(model, tx, x[None], y[None]) for tx in txs]
+  t_none, t_local, t_sync = _bench.time_interleaved(runners, warmup=warmup, reps=reps,
+                                                    iters=iters)
+  label = f"{cfg['name']} batch {cfg['batch']} {dtype_name}"
+  ratio = t_local.median / t_none.median
+  report.figure(f"{label} | periodic_averaging local step / no-communication step", ratio,
+                "x time", f"local {t_local.spread()}; no communication {t_none.spread()}")
+  report.figure(f"{label} | periodic_averaging sync step / no-communication step",
+                t_sync.median / t_none.median, "x time",
+                f"sync {t_sync.spread()} (W=1 on one device: sync-branch compute only)")
+  return ratio
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,325 @@
+"""Update cost of every mfopt transform vs the closest optax transform (issue 8, targets 1 and 3).
+
+Command (same on CPU and GPU; the device is printed in the header line)::
+
+  python -m experiments.bench_update            # full: 256M flat on GPU, 16M on CPU
+  python -m experiments.bench_update --quick    # CI: tiny sizes, 1 repetition
+
+What is timed: one jitted optimizer step ``(params, opt_state) -> (params', opt_state')``
+= ``tx.update(grads, opt_state, params)`` + ``optax.apply_updates``, with ``params`` and
+``opt_state`` donated, ``grads`` a fixed input, on
+
+(a) a flat float32 vector of ``--flat`` parameters (default 2**28 = 268M on GPU, 2**24 = 16.8M
+    on CPU), and
+(b) the parameter tree of ResNet-50 (ImageNet, 1000 classes: 161 leaves, 25.6M parameters;
+    ``--quick`` uses width 4).
+
+Pairs (mfopt vs optax): mf_sgd vs ``optax.sgd(momentum=0.9)``, mf_nesterov vs
+``optax.sgd(momentum=0.9, nesterov=True)``, mf_adam / adabound / linear_scaling_adabound /
+hybrid_adabound_lars (AdaBound phase) vs ``optax.adam``, hybrid_adabound_lars (LARS phase) vs
+``optax.lars``, and the *local* step of periodic_averaging / block_momentum (period 10**9:
+never due) vs their inner ``optax.sgd(momentum=0.9)``. The two averaging rows run both
+variants under the worker map (``mfopt.parallel.per_worker``, W=1 on one device) so that
+the collective of the sync branch is in the compiled program. One more figure (target 3):
+a sync step (period 1) against the local step. Transforms not on main yet are skipped.
+
+Byte convention for GB/s on (a): the minimum traffic of the *optax* algorithm: every
+parameter-sized f32 array read once and written once except the gradient (read only):
+``4 * (3 + 2*S)`` bytes/parameter with ``S`` parameter-sized arrays in optax's state
+(SGD-momentum and LARS: S=1, 20 B/param; Adam: S=2, 28 B/param). The same bytes are used for
+the mfopt variant, so GB/s ratios equal time ratios.
+
+Targets: time ratio mfopt/optax <= 1.03 for every pair on (a) and (b); local step of periodic
+averaging within 1% (ratio <= 1.01) of the no-communication step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from experiments import _bench
+
+LR = 0.1
+NEVER = 10**9  # an averaging period that is never due during the benchmark
+
+
+def _mfopt_attr(name: str):
+  """``mfopt.<name>`` if it exists on main now, else ``None`` (transforms land concurrently)."""
+  try:
+    import mfopt
+  except Exception:  # a concurrently edited module may fail to import
+    return None
+  return getattr(mfopt, name, None)
+
+
+def _hybrid_lars_phase():
+  hybrid = _mfopt_attr("hybrid_adabound_lars")
+  if hybrid is None:
+    return None
+  # Switch after one step: the warm-up call moves the count past it, timed steps are LARS.
+  return hybrid(num_workers=8, steps_per_epoch=1, warmup_epochs=1)
+
+
+def pairs() -> list[tuple[str, Callable[[], Any], Callable[[], Any], str, bool]]:
+  """``(name, mfopt factory, optax factory, optax name, needs worker axes)``.
+
+  Factories return ``None`` when the mfopt transform is not on main yet.
+  """
+  from mfopt import parallel
+
+  def mk(attr, *args, **kw):
+    def factory():
+      fn = _mfopt_attr(attr)
+      return None if fn is None else fn(*args, **kw)
+    return factory
+
+  sgd_m = lambda: optax.sgd(LR, momentum=0.9)  # noqa: E731
+  adam = lambda: optax.adam(1e-3)  # noqa: E731
+  return [
+      ("mf_sgd", mk("mf_sgd", LR, mf=0.9), sgd_m, "optax.sgd(momentum=0.9)", False),
+      ("mf_nesterov", mk("mf_nesterov", LR, mf=0.9),
+       lambda: optax.sgd(LR, momentum=0.9, nesterov=True), "optax.sgd(nesterov)", False),
+      ("mf_adam", mk("mf_adam", 1e-3), adam, "optax.adam", False),
+      ("adabound", mk("adabound", 1e-3), adam, "optax.adam", False),
+      ("linear_scaling_adabound",
+       mk("linear_scaling_adabound", base_lr=0.1, num_workers=8, steps_per_epoch=10**6),
+       adam, "optax.adam", False),
+      ("hybrid_adabound_lars[adabound phase]",
+       mk("hybrid_adabound_lars", num_workers=8, steps_per_epoch=10**6), adam, "optax.adam",
+       False),
+      ("hybrid_adabound_lars[lars phase]", _hybrid_lars_phase,
+       lambda: optax.lars(LR, weight_decay=1e-4, trust_coefficient=1e-3, momentum=0.9),
+       "optax.lars", False),
+      ("periodic_averaging local step",
+       mk("periodic_averaging", sgd_m(), parallel.WORKER_AXES, NEVER), sgd_m,
+       "optax.sgd(momentum=0.9) (no communication)", True),
+      ("block_momentum local step",
+       mk("block_momentum", sgd_m(), parallel.WORKER_AXES, NEVER), sgd_m,
+       "optax.sgd(momentum=0.9) (no communication)", True),
+  ]
+
+
+def resnet50_params(width: int) -> Any:
+  """Random f32 parameters with the tree of ResNet-50 (ImageNet stem, 1000 classes)."""
+  from mfopt import models
+  model = models.get_model("resnet50", num_classes=1000, width=width)
+  shapes = jax.eval_shape(lambda: models.init_model(
+      model, jax.random.PRNGKey(0), jnp.zeros((1, 64, 64, 3)))[0])
+  return _random_tree(shapes, 0)
+
+
+def _random_tree(shapes: Any, seed: int) -> Any:
+  """Random normal f32 leaves of the given shapes (made on the host: nothing to compile)."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda s: jax.device_put((0.01 * rng.standard_normal(s.shape, np.float32))), shapes)
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|s16|s8|u64|u32|u16|u8|pred)\[([\d,]*)\]")
+_ITEM = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+         "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "conditional",
+         "after-all", "partition-id", "replica-id"}
+
+
+def _shape_bytes(shape: str) -> int:
+  return sum(_ITEM[d] * int(np.prod([int(x) for x in dims.split(",") if x]))
+             for d, dims in _ARRAY.findall(shape))
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  comps, entry, cur = {}, None, None
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", line)
+      cur = m.group(2)
+      comps[cur] = []
+      entry = cur if m.group(1) else entry
+    elif cur is not None and line.strip() == "}":
+      cur = None
+    elif cur is not None:
+      comps[cur].append(line)
+  return comps, entry
+
+
+def _traffic(lines: list[str]) -> tuple[int, list[list[str]]]:
+  sizes, total, branches = {}, 0, []
+  for line in lines:
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, shape, op, rest = m.groups()
+    sizes[name] = _shape_bytes(shape)
+    if op == "conditional":
+      group = re.search(r"branch_computations=\{([^}]*)\}", rest)
+      names = ([b.strip().lstrip("%") for b in group.group(1).split(",")] if group else
+               re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest))
+      branches.append(names)
+    if op in _FREE:
+      continue
+    args = rest.split(")", 1)[0]
+    total += sizes[name] + sum(sizes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
+  return total, branches
+
+
+def entry_traffic_bytes(hlo_text: str) -> tuple[int, list[int]]:
+  """Bytes read + written by the top-level ops of a compiled HLO module, and per branch.
+
+  Each fusion/copy/... in ENTRY counts its result and operand bytes once (XLA runs each as
+  one kernel, so this is its minimum memory traffic); ``parameter``,
+  ``get-tuple-element``, ``bitcast`` count nothing. A ``conditional`` counts nothing in
+  the first number; the traffic of each of its branch computations is returned apart
+  (only one runs per step). A deterministic profile beside the noisy timings.
+
+  Returns:
+    ``(entry_bytes, [bytes of each conditional branch, in HLO order])``.
+  """
+  comps, entry = _computations(hlo_text)
+  total, branches = _traffic(comps.get(entry, []))
+  per_branch = [_traffic(comps.get(b, []))[0] for group in branches for b in group]
+  return total, per_branch
+
+
+def _count_param_sized(state: Any, num_params: int) -> int:
+  sizes = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state) if hasattr(x, "shape"))
+  return round(sizes / num_params)
+
+
+def build_step(tx, params, grads, worker_axes: bool):
+  """``(state=(params, opt_state)) -> state`` jitted with the state donated, and the initial state."""
+  from mfopt import parallel
+
+  def update(state, g):
+    p, s = state
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  if not worker_axes:
+    opt_state = jax.jit(tx.init)(params)
+    return jax.jit(update, donate_argnums=0), (params, opt_state)
+
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  stack = lambda t: parallel.shard_workers(jax.tree.map(lambda x: x[None], t), mesh)  # noqa: E731
+  p1, g1 = stack(params), stack(grads)
+  opt_state = jax.jit(parallel.per_worker(tx.init, mesh, 1))(p1)
+  mapped = parallel.per_worker(lambda p, s, g: update((p, s), g), mesh, 1)
+  step = jax.jit(lambda state, g: mapped(state[0], state[1], g), donate_argnums=0)
+  return step, (p1, opt_state), g1
+
+
+def run_case(report: _bench.Report, shape_name: str, params: Any, name: str, mf_factory,
+             ox_factory, ox_name: str, worker_axes: bool, *, warmup: int, reps: int,
+             iters: int) -> float | None:
+  tx_mf = mf_factory()
+  if tx_mf is None:
+    report.note(f"{shape_name} | {name}: not on main yet (skipped)")
+    return None
+  tx_ox = ox_factory()
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  grads = _random_tree(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), 1)
+  runners, state_counts, traffic_bpp = [], [], []
+  for tx in (tx_mf, tx_ox):
+    p = jax.tree.map(jnp.copy, params)
+    built = build_step(tx, p, grads, worker_axes)
+    fn, state = built[0], built[1]
+    g = built[2] if worker_axes else grads
+    state_counts.append(_count_param_sized(state[1], num_params))
+    entry, branch = entry_traffic_bytes(fn.lower(state, g).compile().as_text())
+    traffic_bpp.append((entry / num_params, [round(b / num_params, 1) for b in branch]))
+    runners.append(_bench.Runner(fn, state, (g,)))
+  t_mf, t_ox = _bench.time_interleaved(runners, warmup=warmup, reps=reps, iters=iters)
+  ratio = t_mf.median / t_ox.median
+  s_ref = state_counts[1]
+  bytes_per_param = 4 * (3 + 2 * s_ref)
+  traffic = num_params * bytes_per_param
+  gbs_mf, gbs_ox = traffic / t_mf.median / 1e9, traffic / t_ox.median / 1e9
+  peak = _bench.peak_bandwidth()
+  peak_txt = f", {gbs_mf * 1e9 / peak:.0%} of peak {peak / 1e12:.2f} TB/s" if peak else ""
+  report.figure(
+      f"{shape_name} | {name} / {ox_name}", ratio, "x time",
+      f"mfopt {t_mf.spread()}; optax {t_ox.spread()}; {num_params:,} params; "
+      f"{bytes_per_param} B/param ({s_ref} state array(s) in optax, {state_counts[0]} in mfopt); "
+      f"mfopt {gbs_mf:.1f} GB/s, optax {gbs_ox:.1f} GB/s{peak_txt}; compiled traffic "
+      f"(ENTRY + conditional branches) mfopt {traffic_bpp[0][0]:.1f} + {traffic_bpp[0][1]} "
+      f"B/param vs optax {traffic_bpp[1][0]:.1f} + {traffic_bpp[1][1]} B/param",
+      shape=shape_name, transform=name, baseline=ox_name, ratio=ratio,
+      mfopt=t_mf.as_dict(), optax=t_ox.as_dict(), num_params=num_params,
+      bytes_per_param=bytes_per_param, gbs_mfopt=gbs_mf, gbs_optax=gbs_ox,
+      state_arrays_mfopt=state_counts[0], state_arrays_optax=s_ref,
+      traffic_bpp_mfopt=traffic_bpp[0], traffic_bpp_optax=traffic_bpp[1])
+  return ratio
+
+
+def sync_step_cost(report: _bench.Report, params: Any, *, warmup: int, reps: int,
+                   iters: int) -> None:
+  """Target 3's second figure: a sync step (period 1) vs a local step (period never due)."""
+  averaging = _mfopt_attr("periodic_averaging")
+  if averaging is None:
+    report.note("periodic_averaging sync step: not on main yet (skipped)")
+    return
+  from mfopt import parallel
+  grads = _random_tree(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), 1)
+  runners = []
+  for period in (1, NEVER):
+    tx = averaging(optax.sgd(LR, momentum=0.9), parallel.WORKER_AXES, period)
+    fn, state, g = build_step(tx, jax.tree.map(jnp.copy, params), grads, True)
+    runners.append(_bench.Runner(fn, state, (g,)))
+  t_sync, t_local = _bench.time_interleaved(runners, warmup=warmup, reps=reps, iters=iters)
+  report.figure("flat | periodic_averaging sync step / local step", t_sync.median / t_local.median,
+                "x time", f"sync {t_sync.spread()}; local {t_local.spread()}; "
+                f"{jax.device_count()} device(s) in the process, W=1 on one device: the "
+                f"all-reduce spans one worker, so this is the sync branch's compute, not network")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _bench.parse_args(argv, __doc__.splitlines()[0], lambda p: (
+      p.add_argument("--flat", type=int, default=None, help="flat vector size (parameters)"),
+      p.add_argument("--only", default=None, help="substring filter on transform names")))
+  gpu = jax.default_backend() == "gpu"
+  report = _bench.Report("bench_update", args)
+  if args.quick:
+    flat, width, warmup, reps, iters = 2**16, 4, 1, 1, 1
+  else:
+    flat, width = (2**28 if gpu else 2**24), 64
+    warmup, reps, iters = 3, (args.reps or (15 if gpu else 7)), (10 if gpu else 2)
+  flat = args.flat or flat
+  report.note(f"harness: jit, params+opt_state donated, {warmup} warm-up call(s), {reps} "
+              f"interleaved repetitions x {iters} calls, block_until_ready per repetition; "
+              f"median and [min, max, IQR]; flat size {flat:,} "
+              f"({'GPU size' if gpu or flat == 2**28 else 'reduced size for CPU; GPU uses 268,435,456'})")
+  shapes = {
+      "flat": _random_tree(jax.ShapeDtypeStruct((flat,), jnp.float32), 0),
+      f"resnet50-tree(width={width})": resnet50_params(width),
+  }
+  ratios = {}
+  for shape_name, params in shapes.items():
+    for name, mf_factory, ox_factory, ox_name, worker_axes in pairs():
+      if args.only and args.only not in name:
+        continue
+      if args.quick and shape_name != "flat" and name != "mf_sgd":
+        continue  # CI: the ResNet-50 tree once (compiling 161-leaf updates is the cost)
+      ratio = run_case(report, shape_name, params, name, mf_factory, ox_factory, ox_name,
+                       worker_axes, warmup=warmup, reps=reps, iters=iters)
+      if ratio is not None:
+        ratios[(shape_name, name)] = ratio
+  if not args.only:
+    sync_step_cost(report, shapes["flat"], warmup=warmup, reps=reps, iters=iters)
+  for (shape_name, name), ratio in ratios.items():
+    report.target(f"update cost {shape_name} {name} (mfopt/optax)", ratio, "<=", 1.03,
+                  applies=not args.quick, why_not="quick mode")
+    if name == "periodic_averaging local step":
+      report.target(f"target 3: local step / no-communication step ({shape_name})", ratio,
+                    "<=", 1.01, applies=not args.quick, why_not="quick mode")
+  return report.finish()
+
+
+if __name__ == "__main__":
+  main()
