@@ -144,13 +144,31 @@ def _checksum_fn(tree):
   return jnp.stack([one(x) for x in leaves])
 
 
+def _host_checksum(x: np.ndarray) -> list[int]:
+  """:func:`tree_checksum` of one NumPy array, on the host (float64/int64 kept exact)."""
+  a = np.ascontiguousarray(x).ravel()
+  if a.dtype == np.bool_:
+    words = a.astype(np.uint64)
+  elif a.dtype.itemsize in (1, 2):
+    words = a.view(np.uint8 if a.dtype.itemsize == 1 else np.uint16).astype(np.uint64)
+  else:
+    words = a.view(np.uint32).astype(np.uint64)
+  weights = (2 * np.arange(words.size, dtype=np.uint64) + 1) % 2**32
+  first = int((words * weights % 2**32).sum() % 2**32)
+  second = int((words ^ (weights * 0x9E3779B1 % 2**32)).sum() % 2**32)
+  return [first, second]
+
+
 def tree_checksum(tree: Any) -> list[list[int]]:
-  """Per-leaf ``[weighted sum, xor-weighted sum]`` of the bits of every array, computed on device.
+  """Per-leaf ``[weighted sum, xor-weighted sum]`` of the bits of every array.
 
   Position-weighted with odd weights modulo 2**32, so changing any single
-  element changes the first number. Works on multi-process global arrays (the
-  result is replicated to every process).
+  element changes the first number. JAX arrays are summed on device (works on
+  multi-process global arrays; the result is replicated to every process);
+  NumPy arrays on the host.
   """
+  if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(tree)):
+    return [_host_checksum(x) for x in jax.tree.leaves(tree)]
   leaves = jax.tree.leaves(tree)
   mesh = next((x.sharding.mesh for x in leaves
                if isinstance(getattr(x, "sharding", None), NamedSharding)), None)
@@ -277,11 +295,15 @@ class RunCheckpointer:
   def _restore_step(self, step: int, abstract_state: Any) -> Restored:
     meta = self.read_meta(step)
     self.check_fingerprint(meta, step)  # a different run is an error, not corruption
+    if callable(abstract_state):  # the target depends on the step (plain-data state)
+      abstract_state = abstract_state(meta)
     if meta.get("structure") != structure_hash(abstract_state):
       raise ConfigMismatchError(
           f"checkpoint step {step} in {self.directory} holds a state of a different structure "
           f"(shapes/dtypes/tree); it cannot be restored into this run's state")
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    target = jax.tree.map(
+        lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x),
+        abstract_state)  # NumPy leaves restore as NumPy (float64 stays float64)
     restored = self.manager.restore(
         int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     leaves, treedef = jax.tree.flatten(abstract_state)
@@ -298,7 +320,8 @@ class RunCheckpointer:
     """Restores the newest good checkpoint onto ``abstract_state``'s shardings, or returns None.
 
     ``abstract_state`` is a state of the right structure (arrays or
-    ``jax.ShapeDtypeStruct`` with shardings), e.g. a freshly initialised one.
+    ``jax.ShapeDtypeStruct`` with shardings), e.g. a freshly initialised one,
+    or a function of the checkpoint's meta returning one.
     A newest checkpoint that is unreadable or fails its checksum is reported,
     moved aside, and the previous one is tried.
 
@@ -340,6 +363,132 @@ class RunCheckpointer:
       ocp.multihost.sync_global_processes(f"mfopt_move_aside_{step}_{n}")
     self.manager.reload()
     return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-data state (NumPy arrays inside dicts, lists, tuples and numbers): the simulator's
+
+
+def encode_plain(obj: Any, arrays: dict[str, np.ndarray]) -> Any:
+  """JSON-able skeleton of plain data; non-empty NumPy arrays go into ``arrays`` (saved by orbax).
+
+  Exact round trip with :func:`decode_plain`: tuples, non-string dict keys, NumPy
+  scalars and empty arrays are tagged so they come back with their types.
+  """
+  if isinstance(obj, np.ndarray):
+    if obj.dtype == object:
+      raise TypeError("object arrays cannot be checkpointed")
+    if obj.size == 0:  # orbax does not store zero-size arrays
+      return {"__empty__": obj.dtype.str, "shape": list(obj.shape)}
+    key = f"a{len(arrays)}"
+    arrays[key] = obj
+    return {"__nd__": key}
+  if isinstance(obj, np.generic):
+    return {"__np__": obj.dtype.str, "v": obj.item()}
+  if isinstance(obj, tuple):
+    return {"__tuple__": [encode_plain(v, arrays) for v in obj]}
+  if isinstance(obj, list):
+    return [encode_plain(v, arrays) for v in obj]
+  if isinstance(obj, dict):
+    if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+      return {k: encode_plain(v, arrays) for k, v in obj.items()}
+    return {"__dict__": [[encode_plain(k, arrays), encode_plain(v, arrays)] for k, v in obj.items()]}
+  if obj is None or isinstance(obj, (bool, int, float, str)):
+    return obj
+  raise TypeError(f"cannot checkpoint a {type(obj).__name__} as plain data")
+
+
+def decode_plain(obj: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+  """Inverse of :func:`encode_plain`."""
+  if isinstance(obj, list):
+    return [decode_plain(v, arrays) for v in obj]
+  if isinstance(obj, dict):
+    if "__nd__" in obj:
+      return np.asarray(arrays[obj["__nd__"]])
+    if "__empty__" in obj:
+      return np.zeros(obj["shape"], np.dtype(obj["__empty__"]))
+    if "__np__" in obj:
+      return np.dtype(obj["__np__"]).type(obj["v"])
+    if "__tuple__" in obj:
+      return tuple(decode_plain(v, arrays) for v in obj["__tuple__"])
+    if "__dict__" in obj:
+      return {_hashable(decode_plain(k, arrays)): decode_plain(v, arrays) for k, v in obj["__dict__"]}
+    return {k: decode_plain(v, arrays) for k, v in obj.items()}
+  return obj
+
+
+def _hashable(key: Any) -> Any:
+  return tuple(key) if isinstance(key, list) else key
+
+
+def _plain_target(meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  return {k: np.zeros(shape, np.dtype(dtype)) for k, (shape, dtype) in meta["arrays"].items()}
+
+
+def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: int,
+                  keep: int = 2, fingerprint: Mapping[str, Any] | None = None,
+                  allow_mismatch: bool = False, on_checkpoint=None, **run_kwargs) -> Any:
+  """Runs an event-driven engine (``mfopt.sim.Simulator``) with checkpoints every ``chunk_events``.
+
+  ``engine`` must offer ``run(max_events=..., **run_kwargs)`` (running until a
+  limit in ``run_kwargs`` or ``max_events`` events), ``state_dict()`` (plain
+  data) and ``load_state_dict(d)``. The state after each chunk is saved with
+  orbax (arrays) plus JSON (the rest) into ``directory``; a call that finds a
+  checkpoint resumes from it, and one that finds the final checkpoint only
+  restores the finished state. Chunked running equals one uninterrupted
+  ``run`` (the engine's limits are checked before every event), so a resumed
+  simulation is bit-for-bit the uninterrupted one.
+
+  Args:
+    chunk_events: events between checkpoints.
+    on_checkpoint: optional ``chunk -> None`` called after each save.
+    **run_kwargs: the engine's limits, e.g. ``max_samples=20_000``.
+
+  Returns:
+    ``engine``, in its final state (``engine.result()`` for the simulator).
+  """
+  if isinstance(chunk_events, bool) or not isinstance(chunk_events, int) or chunk_events <= 0:
+    raise ValueError(f"chunk_events must be a positive integer, got {chunk_events!r}")
+  ckpt = RunCheckpointer(directory, keep=keep, allow_mismatch=allow_mismatch,
+                         fingerprint={"run_kwargs": run_kwargs, "chunk_events": chunk_events,
+                                      **dict(fingerprint or {})})
+  chunk = 0
+  try:
+    restored = ckpt.restore_latest(_plain_target)
+    if restored is not None:
+      engine.load_state_dict(decode_plain(restored.meta["plain"], restored.state))
+      chunk = restored.step
+      if restored.meta.get("finished"):
+        return engine
+
+    def progress_mark():  # changes whenever an event ran (the queue's sequence number grows)
+      queue = engine.state_dict().get("queue")
+      return (getattr(engine, "now", None), getattr(engine, "samples", None),
+              getattr(engine, "version", None), queue.get("seq") if isinstance(queue, dict) else None)
+
+    while True:
+      before = progress_mark()
+      engine.run(max_events=chunk_events, **run_kwargs)
+      finished = progress_mark() == before or _limits_reached(engine, run_kwargs)
+      chunk += 1
+      arrays: dict[str, np.ndarray] = {}
+      skeleton = encode_plain(engine.state_dict(), arrays)
+      if not arrays:
+        arrays["a_none"] = np.zeros(1, np.int32)
+      ckpt.save(chunk, arrays, {"plain": skeleton, "finished": finished,
+                                "arrays": {k: [list(v.shape), v.dtype.str] for k, v in arrays.items()}})
+      if on_checkpoint is not None:
+        on_checkpoint(chunk)
+      if finished:
+        return engine
+  finally:
+    ckpt.close()
+
+
+def _limits_reached(engine: Any, limits: Mapping[str, Any]) -> bool:
+  checks = {"max_samples": "samples", "max_server_steps": "version", "max_time": "now"}
+  return any(limits.get(k) is not None and getattr(engine, attr) >= limits[k]
+             for k, attr in checks.items())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The SIGKILL test runs training in a child process (this file, ``child_main``),
 kills it at random steps (twice for SGD), resumes from the same checkpoint directory, and
 compares the final worker-stacked state and every history row with an
 uninterrupted in-process run. Adding an algorithm is one entry in
-``ALGORITHMS``.
+``ALGORITHMS``. The asynchronous simulator is checkpointed through
+``mfopt.checkpoint.run_resumable`` and tested the same way.
 """
 
 import json
@@ -47,8 +48,8 @@ def _adpsgd_metrics():
 
 
 # name -> (transform factory, extra_metrics factory, number of SIGKILLs before the final
-# resume). The asynchronous simulator (issue 5, mfopt.sim) has its own event loop rather than
-# train.fit; it gets a row here once it runs through fit.
+# resume): every algorithm that trains through train.fit gets a row. The asynchronous simulator
+# (issue 5, mfopt.sim) has its own event loop; its resume test is further down.
 ALGORITHMS = {
     "sync_sgd": (_sync_sgd, dict, 2),
     "adpsgd": (_adpsgd, _adpsgd_metrics, 1),  # one kill keeps the suite within its time budget
@@ -250,3 +251,84 @@ def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, c
   # The CLI says the same and exits 2 before training anything.
   code = runner.main(["quickstart", "--quick", "--workdir", str(workdir), *QUICK, "seed=3"])
   assert code == 2 and "config.seed: 0 -> 3" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The asynchronous simulator (issue 5): checkpointed in chunks of events via its state_dict
+
+SIM_SAMPLES, SIM_CHUNK = 8 * 40, 8
+
+
+def _simulator():
+  from mfopt import sim  # issue 5
+  dataset = data.load("synthetic", num_train=256, num_test=64, input_shape=(10,), num_classes=4)
+  model = models.get_model("mlp", hidden=(8,), num_classes=4)
+  return sim.Simulator(sim.ksync_preset("faithful", alpha0=0.05), model=model, dataset=dataset,
+                       num_workers=4, per_worker_batch=8, seed=3, network="1gbit",
+                       eval_every_samples=80,
+                       compute=sim.ComputeModel(0.01, speed_spread=0.4, jitter_sigma=0.3,
+                                                straggler_prob=0.1, straggler_slowdown=3.0))
+
+
+def _sim_trace(engine):
+  r = engine.result()
+  return (engine.theta.tobytes(), r.k_trace, r.staleness, r.lr_traces, r.history,
+          r.server_lr_trace, r.summary)
+
+
+def sim_child_main(ckpt_dir, out, pause):
+  jax.config.update("jax_num_cpu_devices", 8)
+  runner.enable_compilation_cache(os.environ.get("MFOPT_JAX_CACHE") or ROOT / ".jax_cache")
+
+  def on_checkpoint(chunk):
+    print(f"CHUNK {chunk}", flush=True)
+    time.sleep(pause)
+
+  engine = checkpoint.run_resumable(_simulator(), ckpt_dir, chunk_events=SIM_CHUNK,
+                                    on_checkpoint=on_checkpoint, max_samples=SIM_SAMPLES)
+  import pickle
+  pathlib.Path(out).write_bytes(pickle.dumps(_sim_trace(engine)))
+
+
+def test_simulator_sigkill_then_resume_is_bitwise_identical(tmp_path):
+  import pickle
+  ckpt_dir, out = tmp_path / "ckpt", tmp_path / "trace.pkl"
+
+  def spawn(pause):
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_resume; "
+            f"test_resume.sim_child_main({str(ckpt_dir)!r}, {str(out)!r}, {pause})")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+  target = int(np.random.default_rng(7).integers(2, 6))
+  proc = spawn(0.2)
+  for line in proc.stdout:
+    if line.startswith("CHUNK ") and int(line.split()[1]) >= target:
+      proc.send_signal(signal.SIGKILL)
+      break
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
+  assert not out.exists()
+  proc = spawn(0.0)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+
+  reference = _simulator()
+  reference.run(max_samples=SIM_SAMPLES)  # one uninterrupted run, no checkpoints
+  got, want = pickle.loads(out.read_bytes()), _sim_trace(reference)
+  assert got[0] == want[0]  # final parameters, bit for bit
+  assert got[1:] == want[1:]  # k trace, staleness, lr traces, history, summary
+  assert len(want[1]) > 2 and reference.samples >= SIM_SAMPLES
+
+
+def test_plain_codec_round_trips_types_exactly():
+  state = {"a": np.arange(3.0), 3: (1, np.float32(2.5), [None, np.zeros((0, 2), np.int8)]),
+           "__x": {"k": np.int64(7)}, (1, 2): "tuple key", "nan": float("nan")}
+  arrays = {}
+  back = checkpoint.decode_plain(json.loads(json.dumps(checkpoint.encode_plain(state, arrays))),
+                                 arrays)
+  assert back.keys() == state.keys() and back[(1, 2)] == "tuple key"
+  assert type(back[3]) is tuple and type(back[3][1]) is np.float32 and back[3][1] == 2.5
+  assert back[3][2][1].shape == (0, 2) and back[3][2][1].dtype == np.int8
+  assert type(back["__x"]["k"]) is np.int64 and np.isnan(back["nan"])
+  np.testing.assert_array_equal(back["a"], state["a"])
