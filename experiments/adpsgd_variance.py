@@ -16,8 +16,8 @@ Reported: Fig. 1 (V_t vs step for CPSGD), Fig. 2 (ADPSGD vs CPSGD p=8), Fig. 3
 mean V_t per learning-rate phase, final train loss and test accuracy, mean ± std
 over seeds; plus verdicts on the paper's claims by SPEC.md's rule.
 
-Hardware/runtime (measured on 2 shared CPU cores): quick preset ~15 s; full preset
-(3 seeds, 600 steps, 8 workers) about 3-6 minutes.
+Hardware/runtime: full preset (3 seeds, 600 steps, 8 workers) measured 168 s wall
+on 2 CPU cores shared with other jobs (load average ~20); quick < 1 min.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config.
 
   Command: ``python -m experiments adpsgd_variance`` (``--quick`` for CI).
-  Hardware: any; sized for 2 CPU cores. Runtime: full ~3-6 min, quick ~15 s.
+  Hardware: any; sized for 2 CPU cores. Runtime: full ~3 min measured on 2 loaded
+  cores; quick < 1 min.
   Expected: V_t of CPSGD falls after each lr decay and grows with p; ADPSGD has
   a smaller lr-weighted variance (eq. 9) than CPSGD p=8 at a similar sync count.
   """
