@@ -41,10 +41,12 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   Hardware: one GPU (workers are virtual); the full grid is 42 cells x 2 optimizers x 3
   seeds = 252 runs of 10 epochs of 20,000 MNIST-1D examples (6,250 steps at batch 32,
   98 at 2048; 117,000 steps per seed and optimizer).
-  Runtime: projected, not measured in full. Reduced run on this project's 2-core CPU (8 fake
-  devices, shared with other jobs): see the issue note for the per-step times
-  measured with ``epochs=0.25 seeds=(0,)``; the full grid extrapolates to many hours
-  on that CPU, and to well under 2 h on one H100 (not measured here).
+  Runtime: projected, not measured in full. A reduced run on this project's 2-core CPU (1 JAX
+  device, shared with ~6 other jobs; load average ~20) --
+  ``python -m experiments mf_batch_workers "batches=(128,2048)" "workers=(1,32)" epochs=0.5
+  "seeds=(0,)"`` -- measured 0.25-1.35 ms per training sample (mean ~0.7) plus 21-31 s of
+  compilation per run; the full grid (252 runs x 200,000 samples) extrapolates to ~12 h on
+  that CPU. On one GPU it should be far shorter (not measured: no GPU was available).
   Expected (paper): SGD accuracy falls slowly with workers at a fixed batch; Adam falls
   sharply with the batch (its linearly scaled lr reaches 0.8).
   """

@@ -37,8 +37,11 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   Command: ``python -m experiments mf_sweep`` (``--quick``: CI preset).
   Hardware: one GPU (virtual workers). Full: 4 MF x 6 worker counts x 3 optimizers x 3
   seeds = 216 runs of 10 epochs of 20,000 MNIST-1D examples at batch 1024 (195 steps each).
-  Runtime: projected from the reduced run in the issue note (per-step time on the 2-core
-  CPU x 42,120 steps); about 2-3 h on that CPU, well under 1 h on one H100 (not measured).
+  Runtime: projected, not measured in full: the per-sample cost measured for the same CNN
+  in ``mf_batch_workers``' reduced run (0.25-1.35 ms per sample at batch 128-2048 on the
+  loaded 2-core CPU, ~25 s compile per run) x 216 runs x 200,000 samples gives ~11 h on
+  that CPU; runs that differ only in MF share one compiled program (hyperparameters are
+  injected as state). GPU: not measured.
   Expected (paper): at the largest worker count, accuracy rises with MF for SGD and NAG
   (Adam: less clearly); at 1 worker MF 0.99 is worse than 0.9.
   """
