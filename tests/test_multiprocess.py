@@ -98,20 +98,22 @@ def test_two_processes_match_one_process_and_checkpoint_restores_on_one(tmp_path
     np.testing.assert_array_equal(g, r)
 
 
-def test_killing_one_process_stops_the_other_and_launcher_names_it(tmp_path):
+@pytest.mark.parametrize("victim", [1, 0])  # 0 hosts the coordination service
+def test_killing_one_process_stops_the_other_and_launcher_names_it(tmp_path, victim):
   proc = _launch(tmp_path, 10_000, heartbeat=5)
   first = proc.stdout.readline()  # "launch_local: started 2 processes (pids A, B), ..."
   pids = [int(p) for p in re.search(r"pids (\d+), (\d+)", first).groups()]
   for line in proc.stdout:  # wait until both train (past the first checkpoint)
     if line.startswith("[p1] STEP 10"):
       break
-  os.kill(pids[1], signal.SIGKILL)
+  survivor = 1 - victim
+  os.kill(pids[victim], signal.SIGKILL)
   killed_at = time.monotonic()
   out, err = proc.communicate(timeout=60)
   elapsed = time.monotonic() - killed_at
   assert proc.returncode != 0
-  assert f"process 1 (pid {pids[1]}) died: killed by SIGKILL" in err, err[-3000:]
-  match = re.search(rf"process 0 \(pid {pids[0]}\) then ended: (.*)", err)
+  assert f"process {victim} (pid {pids[victim]}) died: killed by SIGKILL" in err, err[-3000:]
+  match = re.search(rf"process {survivor} \(pid {pids[survivor]}\) then ended: (.*)", err)
   assert match, err[-3000:]  # it ended by itself ("did not exit within" would be a hang)
   assert match.group(1) != "exit code 0"
   assert elapsed < 30, elapsed
