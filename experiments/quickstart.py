@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -97,7 +98,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         lambda ctx, lr: mfopt.block_momentum(
             optax.sgd(ctx.schedule(lr), momentum=0.9), ctx.axis_name, 8, momentum=0.5),
         0.1, "seed 003 Alg. 1: block momentum 0.5 on the averaged delta, learner momentum 0.9"),
-    # [issue 5: simulator rows]
+    # [issue 5: simulator rows]  -> SIM_RUNS below (a simulated cluster, not train.fit)
     # [issue 6: hybrid rows]
     "sync hybrid AdaBound->LARS SGD (seed 004)": Algorithm(
         lambda ctx, lr: optax.chain(
@@ -110,6 +111,42 @@ ALGORITHMS: dict[str, Algorithm] = {
              "LARS SGD at lr 0.1 x 8 workers decaying 0.9 per epoch; its own schedule, not the "
              "cosine one"),
 }
+
+
+# [issue 5: simulator rows] The seed-002 parameter-server algorithms run in mfopt.sim, a
+# simulated cluster (virtual clock, real gradients), not through train.fit. They use an MLP
+# (the simulator needs a model without BatchNorm), 8 workers x 16 per worker, SGD/α_0 lr 0.1
+# x 0.99^epoch, compute 0.01 simulated s per step (speed spread 0.3, jitter 0.2), 10 Gbit/s,
+# and c.sim_sample_fraction of the fit rows' samples (trimmed to keep the tour < 5 min).
+SIM_RUNS: dict[str, Callable[[], Any]] = {
+    "KSync[working] adaptive k-sync (seed 002, simulated)":
+        lambda: mfopt.sim.ksync_preset("working", alpha0=0.1),
+    "BSP parameter server (simulated)": lambda: mfopt.sim.BSP(mfopt.sim.BaseSGD(0.1)),
+    "ASP parameter server (simulated)": lambda: mfopt.sim.ASP(mfopt.sim.BaseSGD(0.1)),
+}
+
+
+def _simulated_rows(c, dataset_name, dataset, metrics_log) -> list[dict[str, Any]]:
+  rows = []
+  model = models_lib.get_model("mlp", num_classes=dataset.num_classes)
+  samples = int(c.sim_sample_fraction * c.num_steps * c.global_batch)
+  for name in c.sim_runs:
+    t0 = time.perf_counter()
+    res = mfopt.sim.simulate(
+        SIM_RUNS[name](), model=model, dataset=dataset, num_workers=c.num_workers,
+        per_worker_batch=c.global_batch // c.num_workers, max_samples=samples, seed=c.seed,
+        compute=mfopt.sim.ComputeModel(0.01, speed_spread=0.3, jitter_sigma=0.2), network="10gbit",
+        eval_every_samples=max(1, samples // 4),
+        on_log=lambda r, name=name: metrics_log({"dataset": dataset_name, "algorithm": name, **r}))
+    s = res.summary
+    rows.append({"dataset": dataset_name, "model": "mlp", "algorithm": name, "peak_lr": 0.1,
+                 "test_accuracy": s["test_accuracy"], "final_train_loss": s["final_train_loss"],
+                 "all_reduces": s["exchanges_per_worker"], "payload_bytes": s["bytes_per_worker"],
+                 "train_s": time.perf_counter() - t0, "sim_time_s": s["sim_time_s"],
+                 "samples": s["samples"]})
+    print(f"{dataset_name:8s} {name:32s} test acc {s['test_accuracy']:.4f}  "
+          f"simulated time {s['sim_time_s']:.2f} s")
+  return rows
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
@@ -128,6 +165,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   c.log_every = 10 if quick else 25
   c.seed = 0
   c.algorithms = tuple(ALGORITHMS)
+  c.sim_runs = tuple(SIM_RUNS)  # [issue 5: simulator rows]
+  c.sim_sample_fraction = 0.25  # of num_steps * global_batch samples (simulator rows only)
   c.progress = True
   return c
 
@@ -140,6 +179,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise runner.ConfigError(str(e)) from e
   runner.require_choice(c, "datasets", ("digits", "mnist1d"))
   runner.require_choice(c, "algorithms", tuple(ALGORITHMS))
+  runner.require_choice(c, "sim_runs", tuple(SIM_RUNS))
   runner.require_choice(c, "models", tuple(models_lib.MODELS))
   if len(c.models) != len(c.datasets):
     raise runner.ConfigError(
@@ -187,6 +227,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                                          [r["train_loss"] for r in result.history])
       print(f"{dataset_name:8s} {algo_name:32s} test acc {s['test_accuracy']:.4f}  "
             f"train loss {s['final_train_loss']:.4f}  all-reduces {s['all_reduces']}")
+    rows += _simulated_rows(c, dataset_name, dataset, metrics_log)  # [issue 5: simulator rows]
 
   report.plot_curves(workdir / "loss_curves.png", curves, xlabel="step",
                      ylabel="train loss (mean over workers, log scale)", logy=True,
@@ -213,13 +254,18 @@ def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
       report.markdown_table(
           rows,
           ["dataset", "algorithm", "peak_lr", "test_accuracy", "final_train_loss", "all_reduces",
-           "payload_bytes", "train_s"],
+           "payload_bytes", "train_s", "sim_time_s"],
           ["dataset", "algorithm", "peak lr", "test acc", "final train loss", "all-reduces/worker",
-           "bytes sent/worker", "train time (s)"]),
+           "bytes sent/worker", "train time (s)", "simulated time (s)"]),
       "\n## Notes\n",
   ]
   for name in c.algorithms:
     if ALGORITHMS[name].note:
       lines.append(f"- **{name}**: {ALGORITHMS[name].note}")
+  if c.sim_runs:  # [issue 5: simulator rows]
+    lines.append(f"- **(simulated) rows**: mfopt.sim parameter-server cluster, MLP, "
+                 f"{c.sim_sample_fraction:g} x the samples of the other rows (trimmed for time); "
+                 "'all-reduces/worker' is push+pull exchanges per worker there, 'simulated time' "
+                 "is the virtual clock (compute 0.01 s/step, 10 Gbit/s), 'train time' is measured.")
   lines.append("\n![loss curves](loss_curves.png)\n")
   (workdir / "report.md").write_text("\n".join(lines) + "\n")
