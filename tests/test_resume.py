@@ -332,3 +332,38 @@ def test_plain_codec_round_trips_types_exactly():
   assert back[3][2][1].shape == (0, 2) and back[3][2][1].dtype == np.int8
   assert type(back["__x"]["k"]) is np.int64 and np.isnan(back["nan"])
   np.testing.assert_array_equal(back["a"], state["a"])
+
+
+# ---------------------------------------------------------------------------------------------
+# More transforms on main, resumed in-process (checkpoints after the resume point deleted):
+# stochastic rounding keys (QSGD), epoch-based schedules (hybrid AdaBound->LARS), fp16 loss scale.
+
+
+def _in_process_transforms():
+  from mfopt import precision
+  return {
+      "qsgd": lambda: optax.chain(mfopt.qsgd(mfopt.WORKER_AXES), optax.sgd(LR)),
+      "hybrid_adabound_lars": lambda: optax.chain(
+          mfopt.sync_gradients(mfopt.WORKER_AXES),
+          mfopt.hybrid_adabound_lars(num_workers=8, steps_per_epoch=4, warmup_epochs=2)),
+      "fp16_loss_scale": lambda: precision.dynamic_loss_scale(
+          optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(LR)), init_scale=2.0 ** 20),
+  }
+
+
+@pytest.mark.parametrize("name", ["qsgd", "fp16_loss_scale"])  # hybrid: kept out for time
+def test_resume_in_process_equals_uninterrupted(name, tmp_path):
+  import shutil
+  dataset = data.load("synthetic", num_train=256, num_test=64, input_shape=(10,), num_classes=4)
+  kw = dict(model=models.get_model("mlp", hidden=(8,), num_classes=4), dataset=dataset,
+            num_workers=8, per_worker_batch=4, num_steps=20, log_every=5, progress=False,
+            checkpoint_dir=tmp_path, keep_checkpoints=4)
+  make = _in_process_transforms()[name]
+  full = train.fit(tx=make(), **kw)
+  for step in ("20", "15"):  # as if the run had died after step 10's checkpoint
+    shutil.rmtree(tmp_path / step)
+  resumed = train.fit(tx=make(), **kw)
+  assert _strip(resumed.history) == _strip(full.history)
+  for a, b in zip(jax.tree.leaves(jax.device_get(full.state)),
+                  jax.tree.leaves(jax.device_get(resumed.state))):
+    np.testing.assert_array_equal(a, b)
