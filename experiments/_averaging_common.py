@@ -6,16 +6,15 @@ rule of SPEC.md, and cost-model projections (always labelled "projected").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 
-from mfopt import costmodel, parallel, train
+from mfopt import parallel, train
 from mfopt import models as models_lib
-from mfopt.comm import CollectiveKind
 
 
 def step_decay(peak: float, num_steps: int) -> optax.Schedule:
@@ -74,23 +73,6 @@ def verdict_lines(verdicts: Sequence[dict[str, Any]]) -> list[str]:
           f"std {v['std_diff']:.3g}, {v['seeds']} seeds)" for v in verdicts]
 
 
-def projected_epoch_time(*, compute_s: float, totals: dict[str, int], num_workers: int,
-                         net: str) -> float:
-  """Projected wall-clock: measured compute + cost-model communication (per worker)."""
-  return costmodel.projected_time(compute_s, totals, num_workers, net)["projected_s"]
-
-
-def comm_time_per_kind(param_syncs: int, param_bytes: int, scalar_syncs: int, num_workers: int,
-                       net: str, kind: CollectiveKind = CollectiveKind.ALL_REDUCE) -> float:
-  """Modeled communication time when one kind mixes payload sizes (ADPSGD's params + scalar).
-
-  ``costmodel.communication_time`` assumes one payload per kind; ADPSGD's
-  parameter all-reduce and its 4-byte S_k all-reduce are timed separately here.
-  """
-  return (param_syncs * costmodel.collective_time(param_bytes, num_workers, net, kind)
-          + scalar_syncs * costmodel.all_reduce_time(4, num_workers, net))
-
-
 def averaging_comm(opt_state) -> dict[str, int]:
   """Parameter syncs, their payload, and scalar syncs of a periodic_averaging state (worker 0)."""
   from mfopt import averaging
@@ -99,5 +81,3 @@ def averaging_comm(opt_state) -> dict[str, int]:
   return {"param_syncs": first(s.param_comm.count), "param_bytes": first(s.param_comm.payload_bytes),
           "scalar_syncs": first(s.scalar_comm.count)}
 
-
-Factory = Callable[..., optax.GradientTransformation]

@@ -332,3 +332,18 @@ def test_plain_vmap_axis_keeps_cond_and_matches_numpy():
     p = optax.apply_updates(p, u)
     want = want - 0.1 * np.asarray(grads["x"])
   np.testing.assert_allclose(np.asarray(p["x"]), np.broadcast_to(want.mean(0), (4, 3)), rtol=1e-6)
+
+
+
+def test_cost_model_totals_are_exact_for_adpsgd_mixed_payloads():
+  """ADPSGD mixes a parameter and a 4-byte all-reduce; the cost model's per-kind mean is exact
+  because each collective's time is affine in its payload."""
+  from mfopt import costmodel
+  ctl = mfopt.adpsgd_period(learning_rate=schedule, sampling_steps=N // 4, p_init=4)
+  tx = mfopt.periodic_averaging(optax.sgd(schedule), mfopt.WORKER_AXES, ctl)
+  _, state = run_jax(tx, steps=40)
+  syncs = 10  # period 4 throughout the sampling phase
+  want = syncs * (costmodel.all_reduce_time(D * 4, W, "10gbit")
+                  + costmodel.all_reduce_time(4, W, "10gbit"))
+  got = costmodel.communication_time(mfopt.comm_totals(state), W, "10gbit")
+  assert got == pytest.approx(want, rel=1e-12)
