@@ -201,6 +201,7 @@ def saver_main(directory):
     step += 1
 
 
+@pytest.mark.slow  # child processes
 @pytest.mark.parametrize("delay", [0.05, 0.12])
 def test_sigkill_during_saves_never_corrupts_the_last_good_checkpoint(tmp_path, delay):
   code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_checkpoint; "

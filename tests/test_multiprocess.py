@@ -66,6 +66,7 @@ def _launch(out, num_steps, heartbeat=5):
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # child processes
 def test_two_processes_match_one_process_and_checkpoint_restores_on_one(tmp_path):
   proc = _launch(tmp_path, NUM_STEPS)
   out, err = proc.communicate(timeout=150)
@@ -98,6 +99,7 @@ def test_two_processes_match_one_process_and_checkpoint_restores_on_one(tmp_path
     np.testing.assert_array_equal(g, r)
 
 
+@pytest.mark.slow  # child processes
 @pytest.mark.parametrize("victim", [1, 0])  # 0 hosts the coordination service
 def test_killing_one_process_stops_the_other_and_launcher_names_it(tmp_path, victim):
   proc = _launch(tmp_path, 10_000, heartbeat=5)

@@ -116,6 +116,7 @@ def reference():
   return get
 
 
+@pytest.mark.slow  # child processes
 @pytest.mark.parametrize("algo", list(ALGORITHMS))
 def test_sigkill_then_resume_is_bitwise_identical(algo, reference, tmp_path):
   rng = np.random.default_rng(zlib.crc32(algo.encode()))  # random steps, reproducible
@@ -290,6 +291,7 @@ def sim_child_main(ckpt_dir, out, pause):
   pathlib.Path(out).write_bytes(pickle.dumps(_sim_trace(engine)))
 
 
+@pytest.mark.slow  # child processes
 def test_simulator_sigkill_then_resume_is_bitwise_identical(tmp_path):
   import pickle
   ckpt_dir, out = tmp_path / "ckpt", tmp_path / "trace.pkl"
