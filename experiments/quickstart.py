@@ -165,7 +165,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   c.log_every = 10 if quick else 25
   c.seed = 0
   c.algorithms = tuple(ALGORITHMS)
-  c.sim_runs = tuple(SIM_RUNS)  # [issue 5: simulator rows]
+  c.sim_runs = () if quick else tuple(SIM_RUNS)  # [issue 5: simulator rows]; quick: none
   c.sim_sample_fraction = 0.25  # of num_steps * global_batch samples (simulator rows only)
   c.progress = True
   return c
