@@ -102,6 +102,7 @@ def _timing_dir(tmp_path_factory) -> pathlib.Path:
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=EXPECTED)
 def test_notebook_executes(path, kernel_home, monkeypatch, tmp_path_factory):
   monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(
@@ -110,7 +111,6 @@ def test_notebook_executes(path, kernel_home, monkeypatch, tmp_path_factory):
       [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
   monkeypatch.setenv("MFOPT_JAX_CACHE", os.environ.get("MFOPT_JAX_CACHE")
                      or str(ROOT / ".jax_cache"))
-  monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebooks choose their own devices
   nb = nbformat.read(path, as_version=4)
   nb.cells.append(nbformat.v4.new_code_cell(CPU_CELL))
   client = NotebookClient(nb, kernel_name=KERNEL_NAME, timeout=int(4 * PER_NOTEBOOK_S),
