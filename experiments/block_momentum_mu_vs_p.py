@@ -12,8 +12,8 @@ model at initialisation (``theory.estimate_constants``, labelled as a theory
 prediction, not a measurement). P that the device count does not divide run on
 the largest dividing sub-mesh (P = 6 on 8 devices: 2 devices x 3 workers).
 
-Hardware/runtime (measured on 2 shared CPU cores): quick ~20 s; full preset
-(4 P x 5 mu x 3 seeds) about 15-25 minutes.
+Hardware/runtime: full preset (4 P x 5 mu x 3 seeds) measured 680 s wall on 2 CPU
+cores shared with other jobs (load average ~20); quick < 1.5 min there.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config.
 
   Command: ``python -m experiments block_momentum_mu_vs_p`` (``--quick`` for CI).
-  Hardware: any; sized for 2 CPU cores. Runtime: full ~15-25 min, quick ~20 s.
+  Hardware: any; sized for 2 CPU cores. Runtime: full 11 min measured on 2 loaded
+  cores; quick < 1.5 min.
   Expected (paper, ResNet-18 CIFAR-10): best mu 0.7 at P=6, rising to 0.9 at P=48.
   """
   c = ml_collections.ConfigDict()
