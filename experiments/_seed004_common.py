@@ -173,6 +173,15 @@ def fmt_ms(values: Sequence[float], digits: int = 4) -> str:
   return text + (f" ({missing} of {len(vals)} never)" if missing else "")
 
 
+def censored_epochs(runs: Sequence[dict[str, Any]], epochs: int) -> list[float]:
+  """Epochs to target per run; a run that never reached it counts as ``epochs + 1``.
+
+  That is a lower bound on its true value, so a claim "x converges in fewer epochs than y"
+  judged with a censored y is judged conservatively (the true difference is larger).
+  """
+  return [r["efficiency"]["epochs_to_target"] or float(epochs + 1) for r in runs]
+
+
 def verdict(a: Sequence[float], b: Sequence[float], *, expect_greater: bool, what: str
             ) -> dict[str, Any]:
   """SPEC.md rule on per-seed paired values: claimed sign and |mean diff| > 2 std of the diffs."""

@@ -76,8 +76,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         finals["hybrid"], finals["warmup_sgd"], expect_greater=True,
         what="hybrid final test accuracy > gradual warmup + SGD (seed: +0.5 %)"))
     verdicts.append(common.verdict(
-        [e["efficiency"]["epochs_to_target"] or float("inf") for e in runs["hybrid"]],
-        [e["efficiency"]["epochs_to_target"] or float("inf") for e in runs["warmup_sgd"]],
+        common.censored_epochs(runs["hybrid"], c.epochs),
+        common.censored_epochs(runs["warmup_sgd"], c.epochs),
         expect_greater=False,
         what=f"hybrid reaches test accuracy {target} in fewer epochs than gradual warmup + SGD"))
 

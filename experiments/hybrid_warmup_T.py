@@ -65,8 +65,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
     verdicts.append(common.verdict(finals[lo], finals[hi], expect_greater=True,
                                    what=f"larger T slightly lowers final test accuracy (T={lo} vs T={hi})"))
     verdicts.append(common.verdict(
-        [r["efficiency"]["epochs_to_target"] or float("inf") for r in runs[hi]],
-        [r["efficiency"]["epochs_to_target"] or float("inf") for r in runs[lo]],
+        common.censored_epochs(runs[hi], c.epochs), common.censored_epochs(runs[lo], c.epochs),
         expect_greater=False, what=f"larger T converges in fewer epochs (T={hi} vs T={lo})"))
   curves = {"test accuracy": {}, "train accuracy": {}}
   for t, rs in runs.items():
