@@ -25,11 +25,14 @@ import pathlib
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 from mfopt import report, runner
 from mfopt.sim import suite
 
 SEED_MODEL = "KSync[working]"
+#: the seed's model as the issue defines it (``working``) and with the spec's re-averaging merge
+SEED_MODELS = (SEED_MODEL, "KSync[working,reaverage]")
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
@@ -96,33 +99,31 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
 
 def _claims(c, table) -> list[dict[str, Any]]:
   by = {(r["network"], r["strategy"]): r for r in table}
+  ours_names = [m for m in SEED_MODELS if m in c.strategies]
   out = []
-  for net in c.networks:
-    me = by.get((net, SEED_MODEL))
-    if me is None:
-      continue
-    for name in c.strategies:
-      if name == SEED_MODEL:
-        continue
-      other = by[(net, name)]
-      for f in ("time_to_target", "samples_to_target"):
-        out.append({"network": net, "claim": f"{SEED_MODEL} needs less {f.split('_')[0]} to target "
-                    f"than {name}", "ours": suite.pm(me, f), "baseline": suite.pm(other, f),
-                    "verdict": suite.claim(me[f + "_mean"], me[f + "_std"], other[f + "_mean"],
-                                           other[f + "_std"])})
-  if len(c.networks) >= 2 and ("ASP" in c.strategies):
-    lo, hi = c.networks[0], c.networks[-1]
-    gains = {}
-    for net in (lo, hi):
-      me, asp = by.get((net, SEED_MODEL)), by.get((net, "ASP"))
-      if me and asp:
-        gains[net] = asp["time_to_target_mean"] / me["time_to_target_mean"]
-    if len(gains) == 2:
-      out.append({"network": f"{lo} vs {hi}", "claim": f"the gain of {SEED_MODEL} over ASP in "
-                  "time to target is larger on the faster network",
+  for ours in ours_names:
+    for net in c.networks:
+      me = by[(net, ours)]
+      for name in c.strategies:
+        if name.startswith("KSync"):
+          continue
+        other = by[(net, name)]
+        for f in ("time_to_target", "samples_to_target"):
+          out.append({"network": net, "claim": f"{ours} needs less {f.split('_')[0]} to target "
+                      f"than {name}", "ours": suite.pm(me, f), "baseline": suite.pm(other, f),
+                      "verdict": suite.claim(me[f + "_mean"], me[f + "_std"], other[f + "_mean"],
+                                             other[f + "_std"])})
+    if len(c.networks) >= 2 and "ASP" in c.strategies:
+      lo, hi = c.networks[0], c.networks[-1]
+      gains = {net: by[(net, "ASP")]["time_to_target_mean"] / by[(net, ours)]["time_to_target_mean"]
+               for net in (lo, hi)}
+      finite = all(np.isfinite(g) for g in gains.values())
+      out.append({"network": f"{lo} vs {hi}", "claim": f"the gain of {ours} over ASP in time to "
+                  "target is larger on the faster network",
                   "ours": f"{hi}: {gains[hi]:.3g}x", "baseline": f"{lo}: {gains[lo]:.3g}x",
-                  "verdict": ("consistent in sign (single ratio of means, no std)"
-                              if gains[hi] > gains[lo] else "not reproduced at this scale")})
+                  "verdict": ("not decidable (target not reached)" if not finite else
+                              "consistent in sign (ratio of means, no std)" if gains[hi] > gains[lo]
+                              else "not reproduced at this scale")})
   return out
 
 
