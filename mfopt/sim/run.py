@@ -427,7 +427,7 @@ class Simulator:
     if kind == clock_lib.COMPUTE_DONE:
       self._finish_compute(w)
     elif kind == clock_lib.PUSH_ARRIVE:
-      if self.strategy.uses_server and not isinstance(self.strategy, server_lib.EASGD):
+      if self.strategy.logs_staleness:
         self.staleness[self.version - self.msg[w].version] += 1
       self.strategy.on_push(self, w)
     elif kind == clock_lib.PULL_ARRIVE:

@@ -120,6 +120,8 @@ class Strategy:
   bb: bb_lib.BBConfig | None = None
   #: True if workers exchange through the parameter server's link
   uses_server: bool = True
+  #: True if pushes carry gradients of a server version (their staleness is logged)
+  logs_staleness: bool = True
 
   def reset(self, sim) -> None:
     """Called once at construction, after the simulator's own state exists."""
@@ -575,6 +577,7 @@ class EASGD(Strategy):
   """
 
   name = "EASGD"
+  logs_staleness = False  # workers push their local parameters, not gradients of a version
 
   def __init__(self, interval: int = 20, base: BaseSGD | None = None, moving_rate: float | None = None):
     if not isinstance(interval, int) or interval < 1:
