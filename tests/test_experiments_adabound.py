@@ -69,3 +69,29 @@ def test_bn_strategies_quick(tmp_path):
   assert varying["summary"]["all_reduces"] == steps + 2 * steps * 1
   assert varying["efficiency"]["scaling_efficiency"] < 1
   assert out["target"] > 0
+
+
+def test_seed004_metrics_closed_forms():
+  """mfopt.metrics against the seed's own arithmetic (§1, §3.2.2, Table 3.8)."""
+  from mfopt import metrics
+  # §3.2.2: 24 V100s, actual/ideal speed = 36082/37008 = 97.5 %; as 1/(1+comm/compute):
+  eff = metrics.scaling_efficiency(compute_s=1.0, comm_s=37008 / 36082 - 1)
+  assert eff == pytest.approx(36082 / 37008, rel=1e-12)
+  # Actual average single-GPU time = epochs * samples/epoch / (speed * efficiency); 24 GPUs share it.
+  t1 = metrics.actual_single_gpu_time(32, 1_281_167, 1542.0, 0.975)
+  assert t1 == pytest.approx(32 * 1_281_167 / (1542.0 * 0.975), rel=1e-12)
+  assert metrics.actual_single_gpu_time(None, 100, 1.0, 1.0) == float("inf")
+  history = [{"epoch": 1.0, "test_accuracy": 0.5}, {"epoch": 2.0}, {"epoch": 3.0, "test_accuracy": 0.8}]
+  assert metrics.epochs_to_target(history, 0.75) == 3.0
+  assert metrics.epochs_to_target(history, 0.9) is None
+  summary = {"num_workers": 8, "train_s": 16.0, "samples": 8 * 1000, "all_reduces": 10,
+             "all_reduce_bytes": 10 * 4_000_000}
+  rep = metrics.efficiency_report(summary=summary, history=history, target=0.75,
+                                  samples_per_epoch=1000, num_devices=1, net="10gbit")
+  comm = 10 * (2 * 7 / 8 * 4_000_000 / (10e9 / 8) + 2 * 7 * 20e-6)  # ring all-reduce, SPEC.md
+  assert rep["compute_s"] == 2.0 and rep["comm_s"] == pytest.approx(comm, rel=1e-9)
+  assert rep["scaling_efficiency"] == pytest.approx(1 / (1 + comm / 2.0), rel=1e-9)
+  assert rep["efficiency_source"].startswith("projected")
+  assert rep["actual_single_gpu_time_s"] == pytest.approx(3 * 1000 / (500.0 * rep["scaling_efficiency"]))
+  with pytest.raises(ValueError, match="compute_s"):
+    metrics.scaling_efficiency(0.0, 1.0)
