@@ -23,8 +23,9 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """hybrid_warmup_T config.
 
   Command: ``python -m experiments hybrid_warmup_T`` (``--quick``: CI smoke preset).
-  Hardware: CPU. Runtime: full preset about 10-20 min on 2 shared CPU cores (4 T x 3 seeds x
-  30 epochs); quick < 25 s. Expected: final accuracies within noise of each other.
+  Hardware: CPU. Runtime measured on 2 shared CPU cores (load ~20): full preset 760 s (4 T x
+  3 seeds x 30 epochs); CI smoke test 3-4 s. Measured: larger T gave higher accuracy here
+  (LARS trust coefficient 1e-3 makes the SGD phase slow at this scale).
   """
   c = common.base_config(quick)
   c.warmup_values = (1, 2) if quick else (1, 3, 6, 10)
