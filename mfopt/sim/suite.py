@@ -188,13 +188,13 @@ def pm(row: Mapping[str, Any], field: str, digits: int = 3) -> str:
 def claim(a_mean: float, a_std: float, b_mean: float, b_std: float, lower_is_better: bool = True) -> str:
   """The protocol's verdict on "a beats b": the difference has the sign and exceeds two std.
 
-  For times/steps to a target (``lower_is_better``) a NaN mean means "never reached".
+  A NaN mean (a time, samples or speedup to a target) means "never reached the target".
   """
   a_ok, b_ok = np.isfinite(a_mean), np.isfinite(b_mean)
   if not (a_ok and b_ok):
-    if lower_is_better and a_ok and not b_ok:
+    if a_ok and not b_ok:
       return "reproduced (the baseline never reached the target)"
-    if lower_is_better and b_ok and not a_ok:
+    if b_ok and not a_ok:
       return "not reproduced at this scale (ours never reached the target)"
     return "not decidable (neither reached the target)"
   diff = (b_mean - a_mean) if lower_is_better else (a_mean - b_mean)
