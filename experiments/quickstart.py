@@ -114,10 +114,10 @@ ALGORITHMS: dict[str, Algorithm] = {
 
 
 # [issue 5: simulator rows] The seed-002 parameter-server algorithms run in mfopt.sim, a
-# simulated cluster (virtual clock, real gradients), not through train.fit. They use an MLP
-# (the simulator needs a model without BatchNorm), 8 workers x 16 per worker, SGD/α_0 lr 0.1
-# x 0.99^epoch, compute 0.01 simulated s per step (speed spread 0.3, jitter 0.2), 10 Gbit/s,
-# and c.sim_sample_fraction of the fit rows' samples (trimmed to keep the tour < 5 min).
+# simulated cluster (virtual clock, real gradients), not through train.fit. They train the same
+# model as the other rows (the simulator needs a model without BatchNorm, hence the CNN without
+# BN on mnist1d), 8 workers x 16 per worker, for the same number of samples; SGD/α_0 lr 0.1
+# x 0.99^epoch, compute 0.01 simulated s per step (speed spread 0.3, jitter 0.2), 10 Gbit/s.
 SIM_RUNS: dict[str, Callable[[], Any]] = {
     "KSync[working] adaptive k-sync (seed 002, simulated)":
         lambda: mfopt.sim.ksync_preset("working", alpha0=0.1),
@@ -126,10 +126,9 @@ SIM_RUNS: dict[str, Callable[[], Any]] = {
 }
 
 
-def _simulated_rows(c, dataset_name, dataset, metrics_log) -> list[dict[str, Any]]:
+def _simulated_rows(c, dataset_name, model_name, model, dataset, metrics_log) -> list[dict[str, Any]]:
   rows = []
-  model = models_lib.get_model("mlp", num_classes=dataset.num_classes)
-  samples = int(c.sim_sample_fraction * c.num_steps * c.global_batch)
+  samples = c.num_steps * c.global_batch  # equal samples with the train.fit rows
   for name in c.sim_runs:
     t0 = time.perf_counter()
     res = mfopt.sim.simulate(
@@ -139,7 +138,7 @@ def _simulated_rows(c, dataset_name, dataset, metrics_log) -> list[dict[str, Any
         eval_every_samples=max(1, samples // 4),
         on_log=lambda r, name=name: metrics_log({"dataset": dataset_name, "algorithm": name, **r}))
     s = res.summary
-    rows.append({"dataset": dataset_name, "model": "mlp", "algorithm": name, "peak_lr": 0.1,
+    rows.append({"dataset": dataset_name, "model": model_name, "algorithm": name, "peak_lr": 0.1,
                  "test_accuracy": s["test_accuracy"], "final_train_loss": s["final_train_loss"],
                  "all_reduces": s["exchanges_per_worker"], "payload_bytes": s["bytes_per_worker"],
                  "train_s": time.perf_counter() - t0, "sim_time_s": s["sim_time_s"],
@@ -165,8 +164,10 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   c.log_every = 10 if quick else 25
   c.seed = 0
   c.algorithms = tuple(ALGORITHMS)
-  c.sim_runs = () if quick else tuple(SIM_RUNS)  # [issue 5: simulator rows]; quick: none
-  c.sim_sample_fraction = 0.25  # of num_steps * global_batch samples (simulator rows only)
+  c.sim_runs = tuple(SIM_RUNS)  # [issue 5: simulator rows]
+  # One model per dataset for every row; BatchNorm off so the simulated rows can train the same
+  # model (mfopt.sim needs a model without BatchNorm statistics).
+  c.use_bn = False
   c.progress = True
   return c
 
@@ -177,6 +178,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
     train.split_batch(c.global_batch, c.num_workers)
   except ValueError as e:
     raise runner.ConfigError(str(e)) from e
+  for field in ("datasets", "models", "algorithms"):
+    if not c[field]:
+      raise runner.ConfigError(f"config field {field!r} must not be empty, got {c[field]!r}")
+  if c.sim_runs and c.use_bn:
+    raise runner.ConfigError("config field 'use_bn' must be False when sim_runs are requested "
+                             "(the simulator trains models without BatchNorm), got True")
   runner.require_choice(c, "datasets", ("digits", "mnist1d"))
   runner.require_choice(c, "algorithms", tuple(ALGORITHMS))
   runner.require_choice(c, "sim_runs", tuple(SIM_RUNS))
@@ -186,8 +193,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"config field 'models' needs one model per dataset ({len(c.datasets)}), got {c.models!r}")
 
 
-def _model_for(name: str, dataset: data_lib.Dataset):
-  return models_lib.get_model(name, num_classes=dataset.num_classes)
+def _model_for(name: str, dataset: data_lib.Dataset, use_bn: bool):
+  kwargs = {"use_bn": use_bn} if name == "cnn" else {}
+  return models_lib.get_model(name, num_classes=dataset.num_classes, **kwargs)
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
@@ -199,7 +207,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   for dataset_name, model_name in zip(c.datasets, c.models):
     dataset = data_lib.load(dataset_name)
     sizes[dataset_name] = {"train": len(dataset.train), "test": len(dataset.test)}
-    model = _model_for(model_name, dataset)
+    model = _model_for(model_name, dataset, c.use_bn)
     steps_per_epoch = len(dataset.train) // c.global_batch
 
     def schedule(peak: float) -> optax.Schedule:
@@ -227,7 +235,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                                          [r["train_loss"] for r in result.history])
       print(f"{dataset_name:8s} {algo_name:32s} test acc {s['test_accuracy']:.4f}  "
             f"train loss {s['final_train_loss']:.4f}  all-reduces {s['all_reduces']}")
-    rows += _simulated_rows(c, dataset_name, dataset, metrics_log)  # [issue 5: simulator rows]
+    rows += _simulated_rows(c, dataset_name, model_name, model, dataset, metrics_log)  # [issue 5]
 
   report.plot_curves(workdir / "loss_curves.png", curves, xlabel="step",
                      ylabel="train loss (mean over workers, log scale)", logy=True,
@@ -248,7 +256,8 @@ def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
       f"{c.seed}; one seed (this is a tour, not a paper table).",
       "- Datasets: " + "; ".join(
           f"{k}: {v['train']:,} train / {v['test']:,} test examples" for k, v in sizes.items()),
-      "- Models: " + ", ".join(f"{d} -> {m}" for d, m in zip(c.datasets, c.models)),
+      "- Models: " + ", ".join(f"{d} -> {m}" for d, m in zip(c.datasets, c.models))
+      + f" (BatchNorm {'on' if c.use_bn else 'off'}), the same for every row of a dataset",
       "- Times are measured on this machine (compile excluded). All-reduces and bytes are "
       "per worker, counted by the transforms (payload in the exchanged dtype).\n",
       report.markdown_table(
@@ -263,8 +272,8 @@ def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
     if ALGORITHMS[name].note:
       lines.append(f"- **{name}**: {ALGORITHMS[name].note}")
   if c.sim_runs:  # [issue 5: simulator rows]
-    lines.append(f"- **(simulated) rows**: mfopt.sim parameter-server cluster, MLP, "
-                 f"{c.sim_sample_fraction:g} x the samples of the other rows (trimmed for time); "
+    lines.append("- **(simulated) rows**: mfopt.sim parameter-server cluster, same model and "
+                 "same number of samples as the other rows, lr 0.1 x 0.99^epoch (its own schedule); "
                  "'all-reduces/worker' is push+pull exchanges per worker there, 'simulated time' "
                  "is the virtual clock (compute 0.01 s/step, 10 Gbit/s), 'train time' is measured.")
   lines.append("\n![loss curves](loss_curves.png)\n")

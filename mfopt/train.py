@@ -133,29 +133,37 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _eval_sums(model, loss_fn, params, model_state, x, y, mask):
+  del loss_fn  # part of the cache key: a custom loss gets its own compiled evaluation
+  logits, _ = models_lib.apply_model(model, params, model_state, x, train=False)
+  logits = logits.astype(jnp.float32)
+  per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+  m = mask.reshape(mask.shape + (1,) * (per_example.ndim - mask.ndim)).astype(jnp.float32)
+  m = jnp.broadcast_to(m, per_example.shape)
+  return (per_example * m).sum(), (correct * m).sum(), m.sum()
+
+
 def make_eval_fn(model, loss_fn: LossFn = classification_loss):
   """Jitted ``(params, model_state, x, y, mask) -> (sum_loss, sum_correct, count)`` for one model.
 
   Evaluation uses a single (worker-averaged) model in inference mode; sums are
-  returned so batches of different sizes combine exactly.
+  returned so batches of different sizes combine exactly. The model is a static
+  argument of one module-level jitted function, so every run of the same model
+  (all algorithms of an experiment) shares one compiled evaluation.
   """
+  return functools.partial(_eval_sums, model, loss_fn)
 
-  def evaluate(params, model_state, x, y, mask):
-    logits, _ = models_lib.apply_model(model, params, model_state, x, train=False)
-    logits = logits.astype(jnp.float32)
-    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-    correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
-    m = mask.reshape(mask.shape + (1,) * (per_example.ndim - mask.ndim)).astype(jnp.float32)
-    m = jnp.broadcast_to(m, per_example.shape)
-    return (per_example * m).sum(), (correct * m).sum(), m.sum()
 
-  return jax.jit(evaluate)
+@jax.jit
+def _worker_means(params, model_state):
+  return parallel.worker_mean(params), parallel.worker_mean(model_state)
 
 
 def averaged_model(state: TrainState) -> tuple[Any, Any]:
   """The worker-averaged parameters and model state (what evaluation uses)."""
-  return jax.jit(lambda p, s: (parallel.worker_mean(p), parallel.worker_mean(s)))(
-      state.params, state.model_state)
+  return _worker_means(state.params, state.model_state)
 
 
 def evaluate(eval_fn, params, model_state, source, batch_size: int = 512) -> dict[str, float]:

@@ -61,15 +61,15 @@ def test_bb_lr_quick(tmp_path):
 
 
 def test_quickstart_simulated_rows(tmp_path):
-  """quickstart's simulator rows (off in --quick, so the synchronous rows' smoke tests are unchanged)."""
+  """quickstart's simulator rows: same samples as the train.fit rows, simulated time reported."""
   runs = ("KSync[working] adaptive k-sync (seed 002, simulated)", "BSP parameter server (simulated)")
   summary = runner.run_experiment("quickstart", quick=True, workdir=tmp_path, overrides=[
       "datasets=digits", "models=mlp", "num_steps=40", "log_every=20", "progress=false",
-      "algorithms=('sync SGD m=0.9 (optax)',)", f"sim_runs={runs!r}", "sim_sample_fraction=1.0"])
+      "algorithms=('sync SGD m=0.9 (optax)',)", f"sim_runs={runs!r}"])
   rows = {r["algorithm"]: r for r in summary["rows"]}
   sync, bsp = rows["sync SGD m=0.9 (optax)"], rows[runs[1]]
   assert "sim_time_s" not in sync and bsp["sim_time_s"] > 0
-  assert bsp["samples"] == sync["samples"] == 40 * 128  # equal samples at fraction 1
+  assert bsp["samples"] == sync["samples"] == 40 * 128  # equal samples
   assert 78 <= bsp["all_reduces"] <= 80  # ~40 pushes + ~40 pulls per worker (the run stops mid-round)
   assert rows[runs[0]]["test_accuracy"] > 0.3  # learns (chance is 0.1)
   assert "simulated time (s)" in (tmp_path / "report.md").read_text()

@@ -77,13 +77,25 @@ def test_quickstart_quick_writes_report_table_and_plot(tmp_path):
   assert "1,437 train / 360 test" in report and "4,000 train / 1,000 test" in report
   rows = summary["rows"]
   assert {r["dataset"] for r in rows} == {"digits", "mnist1d"}
+  from experiments.quickstart import ALGORITHMS, SIM_RUNS
+  assert {r["algorithm"] for r in rows} == set(ALGORITHMS) | set(SIM_RUNS)  # every algorithm
   for r in rows:
-    # Synchronous algorithms: one all-reduce of the whole gradient per step.
-    assert r["all_reduces"] == 20
-    assert r["payload_bytes"] % 20 == 0 and r["payload_bytes"] > 0
+    assert r["samples"] == 20 * 128  # equal samples processed, simulated rows included
     assert 0.0 <= r["test_accuracy"] <= 1.0
+    if r["algorithm"].startswith("sync "):
+      # Synchronous algorithms: one all-reduce of the whole gradient per step.
+      assert r["all_reduces"] == 20
+      assert r["payload_bytes"] % 20 == 0 and r["payload_bytes"] > 0
+    elif "p=8" in r["algorithm"] or "K=8" in r["algorithm"]:
+      # Period 8 over 20 steps: floor(20/8) = 2 parameter exchanges, nothing on local steps.
+      assert r["all_reduces"] == 2
+  sync = next(r for r in rows if r["algorithm"] == "sync SGD m=0.9 (optax)"
+              and r["dataset"] == "digits")
+  cpsgd = next(r for r in rows if r["algorithm"].startswith("CPSGD") and r["dataset"] == "digits")
+  assert cpsgd["payload_bytes"] * 10 == sync["payload_bytes"]  # same payload, 2 vs 20 exchanges
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert len(lines) == 2 * len(rows)  # two log rows (steps 10, 20) per run
+  fit_rows = [r for r in rows if "sim_time_s" not in r]
+  assert sum(1 for l in lines if l["algorithm"] in ALGORITHMS) == 2 * len(fit_rows)  # steps 10, 20
   # Learning progressed: SGD beats chance on digits after 20 steps.
   sgd = [r for r in rows if r["dataset"] == "digits" and "SGD m=0.9" in r["algorithm"]][0]
   assert sgd["test_accuracy"] > 0.3
