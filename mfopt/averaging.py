@@ -443,7 +443,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   Seeds: 001 Alg. 1 (CPSGD), Alg. 2 (ADPSGD), eqs. 7, 11, 16; 003 Alg. 1 (M-AVG).
   """
   if isinstance(period, (int, np.integer)) and not isinstance(period, bool):
-    period = constant_period(int(period))
+    period = constant_period(_check_period("period", int(period)))
   if not isinstance(period, PeriodController):
     raise ValueError(f"period must be a PeriodController or a positive int, got {period!r}")
   if comm_dtype is not None:

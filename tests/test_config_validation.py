@@ -199,9 +199,6 @@ def test_quickstart_config_rejects_exactly_the_invalid_fields(data):
   assert any(repr(bad[n]) in message or str(bad[n]) in message for n in named), message
 
 
-@pytest.mark.xfail(strict=True, reason="issue 4 (mfopt.averaging): periodic_averaging(period=0) "
-                   "raises 'p must be a positive integer, got 0', naming constant_period's "
-                   "argument instead of `period`")
 def test_periodic_averaging_nonpositive_int_period_names_period():
   with pytest.raises(ValueError, match=r"period must be .*got 0"):
     mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, 0)

@@ -222,7 +222,8 @@ def test_check_finite_names_first_step_and_workers():
 # Runner: --workdir resume, finished runs skipped, a different config refused
 
 QUICK = ["datasets=digits", "models=mlp", "num_steps=20", "log_every=5", "progress=false",
-         "algorithms=('sync SGD m=0.9 (optax)', 'sync Adam (optax)')"]
+         "algorithms=('sync SGD m=0.9 (optax)', 'sync Adam (optax)')",
+         "sim_runs=()"]  # train.fit runs only: the simulated rows resume via run_resumable
 
 
 def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, capsys):
