@@ -127,9 +127,13 @@ def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequ
 
   n = max(len(panels), 1)
   fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
+  colors = plt.get_cmap("tab20").colors
+  styles = ("-", "--", ":", "-.")
   for ax, (panel, series) in zip(axes[0], panels.items()):
-    for name, (x, y) in series.items():
-      ax.plot(x, y, label=name)
+    for i, (name, (x, y)) in enumerate(series.items()):
+      # 20 colours x 4 line styles: no two of up to 80 series look alike.
+      ax.plot(x, y, label=name, color=colors[i % 20], linestyle=styles[(i // 20) % 4]
+              if len(series) > 20 else styles[i % 2])
     ax.set_title(panel)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
