@@ -66,7 +66,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         "same lr as m=0.9, so 10x the effective step lr/(1-m)"),
     "sync Adam (optax)": Algorithm(
         _sync(lambda s: optax.adam(s)), 1e-3, "optax.adam, b1=0.9, b2=0.999"),
-    # [issue 3: MF rows]
+    # Seed 000: momentum-like factors (lr inside the momentum buffer).
     "sync MF-SGD mf=0.9 (Alg. 1, lr in buffer)": Algorithm(
         _sync(lambda s: mfopt.mf_sgd(s, mf=0.9)), 0.1,
         "seed 000 Alg. 1: v = mf*v + lr_t*g keeps each step's lr inside the buffer; equals the "
@@ -78,7 +78,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "sync MF-Adam (Alg. 2, phi=adam)": Algorithm(
         _sync(lambda s: mfopt.mf_adam(s, mf1=0.9, mf2=0.999)), 1e-3,
         "seed 000 Alg. 2 with phi=adam: identical to optax.adam (lr outside the moments)"),
-    # [issue 4: averaging rows]
+    # Seeds 001 and 003: periodic averaging and block momentum.
     "CPSGD p=8 (local SGD m=0.9)": Algorithm(
         lambda ctx, lr: mfopt.periodic_averaging(
             optax.sgd(ctx.schedule(lr), momentum=0.9), ctx.axis_name, mfopt.constant_period(8)),
@@ -98,8 +98,8 @@ ALGORITHMS: dict[str, Algorithm] = {
         lambda ctx, lr: mfopt.block_momentum(
             optax.sgd(ctx.schedule(lr), momentum=0.9), ctx.axis_name, 8, momentum=0.5),
         0.1, "seed 003 Alg. 1: block momentum 0.5 on the averaged delta, learner momentum 0.9"),
-    # [issue 5: simulator rows]  -> SIM_RUNS below (a simulated cluster, not train.fit)
-    # [issue 6: hybrid rows]
+    # Seed 002: see SIM_RUNS below (a simulated cluster, not train.fit).
+    # Seed 004: linear-scaling AdaBound warm-up into LARS SGD.
     "sync hybrid AdaBound->LARS SGD (seed 004)": Algorithm(
         lambda ctx, lr: optax.chain(
             mfopt.sync_gradients(ctx.axis_name),
@@ -113,7 +113,7 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 
-# [issue 5: simulator rows] The seed-002 parameter-server algorithms run in mfopt.sim, a
+# Seed 002: the parameter-server algorithms run in mfopt.sim, a
 # simulated cluster (virtual clock, real gradients), not through train.fit. They train the same
 # model as the other rows (the simulator needs a model without BatchNorm, hence the CNN without
 # BN on mnist1d), 8 workers x 16 per worker, for the same number of samples; SGD/α_0 lr 0.1
@@ -164,7 +164,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   c.log_every = 10 if quick else 25
   c.seed = 0
   c.algorithms = tuple(ALGORITHMS)
-  c.sim_runs = tuple(SIM_RUNS)  # [issue 5: simulator rows]
+  c.sim_runs = tuple(SIM_RUNS)  # simulated parameter-server rows (mfopt.sim)
   # One model per dataset for every row; BatchNorm off so the simulated rows can train the same
   # model (mfopt.sim needs a model without BatchNorm statistics).
   c.use_bn = False
@@ -235,7 +235,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                                          [r["train_loss"] for r in result.history])
       print(f"{dataset_name:8s} {algo_name:32s} test acc {s['test_accuracy']:.4f}  "
             f"train loss {s['final_train_loss']:.4f}  all-reduces {s['all_reduces']}")
-    rows += _simulated_rows(c, dataset_name, model_name, model, dataset, metrics_log)  # [issue 5]
+    rows += _simulated_rows(c, dataset_name, model_name, model, dataset, metrics_log)
 
   report.plot_curves(workdir / "loss_curves.png", curves, xlabel="step",
                      ylabel="train loss (mean over workers, log scale)", logy=True,
@@ -271,7 +271,7 @@ def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
   for name in c.algorithms:
     if ALGORITHMS[name].note:
       lines.append(f"- **{name}**: {ALGORITHMS[name].note}")
-  if c.sim_runs:  # [issue 5: simulator rows]
+  if c.sim_runs:
     lines.append("- **(simulated) rows**: mfopt.sim parameter-server cluster, same model and "
                  "same number of samples as the other rows, lr 0.1 x 0.99^epoch (its own schedule); "
                  "'all-reduces/worker' is push+pull exchanges per worker there, 'simulated time' "
