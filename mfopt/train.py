@@ -133,9 +133,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _eval_sums(model, loss_fn, params, model_state, x, y, mask):
-  del loss_fn  # part of the cache key: a custom loss gets its own compiled evaluation
+@functools.partial(jax.jit, static_argnums=0)
+def _eval_sums(model, params, model_state, x, y, mask):
   logits, _ = models_lib.apply_model(model, params, model_state, x, train=False)
   logits = logits.astype(jnp.float32)
   per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
@@ -145,15 +144,17 @@ def _eval_sums(model, loss_fn, params, model_state, x, y, mask):
   return (per_example * m).sum(), (correct * m).sum(), m.sum()
 
 
-def make_eval_fn(model, loss_fn: LossFn = classification_loss):
+def make_eval_fn(model):
   """Jitted ``(params, model_state, x, y, mask) -> (sum_loss, sum_correct, count)`` for one model.
 
-  Evaluation uses a single (worker-averaged) model in inference mode; sums are
-  returned so batches of different sizes combine exactly. The model is a static
-  argument of one module-level jitted function, so every run of the same model
-  (all algorithms of an experiment) shares one compiled evaluation.
+  Evaluation uses a single (worker-averaged) model in inference mode and reports the
+  per-example softmax cross-entropy (per token for sequence models) and accuracy,
+  whatever loss trained it; sums are returned so batches of different sizes combine
+  exactly. The model is a static argument of one module-level jitted function, so
+  every run of the same model (all algorithms of an experiment) shares one compiled
+  evaluation.
   """
-  return functools.partial(_eval_sums, model, loss_fn)
+  return functools.partial(_eval_sums, model)
 
 
 @jax.jit
@@ -388,7 +389,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         return FitResult(history=history, summary=restored.meta["summary"], state=state)
 
   train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn)
-  eval_fn = make_eval_fn(model, loss_fn)
+  eval_fn = make_eval_fn(model)
 
   t0 = time.perf_counter()
   batch = device_batch(start)
