@@ -104,7 +104,8 @@ def make_tx(algo: str, c, *, num_workers: int, steps_per_epoch: int,
     opt = mfopt.hybrid_adabound_lars(
         num_workers=num_workers, steps_per_epoch=steps_per_epoch, base_lr=c.base_lr,
         alpha=c.alpha, warmup_epochs=t, decay=c.decay, momentum=c.momentum,
-        weight_decay=c.weight_decay, trust_coefficient=c.trust_coefficient)
+        weight_decay=c.weight_decay, trust_coefficient=c.trust_coefficient,
+        axis_name=parallel.WORKER_AXES)
   elif algo == "adabound":
     opt = mfopt.adabound(c.alpha, final_lr=c.base_lr * num_workers)
   elif algo == "warmup_sgd":

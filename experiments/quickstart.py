@@ -106,7 +106,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             mfopt.hybrid_adabound_lars(
                 num_workers=ctx.num_workers, steps_per_epoch=ctx.steps_per_epoch,
                 base_lr=lr / ctx.num_workers,
-                warmup_epochs=max(1, round(ctx.num_steps / ctx.steps_per_epoch / 9)))),
+                warmup_epochs=max(1, round(ctx.num_steps / ctx.steps_per_epoch / 9)),
+                axis_name=ctx.axis_name)),
         0.8, "linear-scaling AdaBound for the first 1/9 of the epochs (seed: T=10 of 90), then "
              "LARS SGD at lr 0.1 x 8 workers decaying 0.9 per epoch; its own schedule, not the "
              "cosine one"),

@@ -58,6 +58,7 @@ from jax import lax
 
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, init_comm_stats,
                         tree_payload_bytes)
+from mfopt.comm import unbatched as _unbatched
 
 __all__ = [
     "PeriodState", "PeriodController", "constant_period", "adpsgd_period", "scheduled_period",
@@ -345,33 +346,6 @@ class PeriodicAveragingState(NamedTuple):
   param_comm: CommStats
   scalar_comm: CommStats
   diagnostics: AveragingDiagnostics
-
-
-def _axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
-  if axis_name is None:
-    return ()
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
-def _vmap_axes(axis_name: AxisName) -> tuple[str, ...]:
-  """The axes of ``axis_name`` that are not manual mesh axes (i.e. ``vmap`` axes)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  mesh_axes = set(getattr(mesh, "manual_axes", ()) or ()) | set(
-      () if mesh.empty else mesh.axis_names)
-  return tuple(a for a in _axis_tuple(axis_name) if a not in mesh_axes)
-
-
-def _unbatched(pred: jax.Array, axis_name: AxisName) -> jax.Array:
-  """``pred`` (identical on all workers) made unbatched under ``vmap``, without communication.
-
-  A ``pmax`` over a ``vmap`` axis is a local reduction over the stacked axis and
-  its batching rule returns an unmapped value; mesh (``shard_map``) axes need no
-  reduction. See the module docstring.
-  """
-  axes = _vmap_axes(axis_name)
-  if not axes:
-    return pred
-  return lax.pmax(pred.astype(jnp.int32), axes) > 0
 
 
 def _sq_norm(tree: Any) -> jax.Array:

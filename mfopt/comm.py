@@ -52,6 +52,40 @@ class CommStats(NamedTuple):
   kind: jax.Array
 
 
+
+def _axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
+  if axis_name is None:
+    return ()
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _vmap_axes(axis_name: AxisName) -> tuple[str, ...]:
+  """The axes of ``axis_name`` that are not manual mesh axes (i.e. ``vmap`` axes)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  mesh_axes = set(getattr(mesh, "manual_axes", ()) or ()) | set(
+      () if mesh.empty else mesh.axis_names)
+  return tuple(a for a in _axis_tuple(axis_name) if a not in mesh_axes)
+
+
+def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
+  """``x`` (a scalar identical on all workers) made unbatched under ``vmap``, without communication.
+
+  Under the worker ``vmap`` a step count or a "sync now" predicate held in every worker's
+  state is *batched*, so a ``lax.cond`` on it lowers to a ``select`` that runs both branches
+  (and their collectives) on every step. A ``pmax`` over a ``vmap`` axis is a local reduction
+  over the stacked axis whose batching rule returns an unmapped value, which keeps the
+  ``cond`` a ``conditional``; mesh (``shard_map``) axes need no reduction and get none, so
+  nothing crosses a device. Bool inputs give bool, integer inputs their own dtype. Only
+  correct for values that really are equal on every worker (counts, schedules).
+  """
+  axes = _vmap_axes(axis_name)
+  if not axes:
+    return x
+  if x.dtype == jnp.bool_:
+    return lax.pmax(x.astype(jnp.int32), axes) > 0
+  return lax.pmax(x, axes)
+
+
 def init_comm_stats(payload_bytes: int, kind: CollectiveKind) -> CommStats:
   """A zeroed counter for exchanges of ``payload_bytes`` bytes per worker."""
   if not 0 <= payload_bytes < 2**31:
