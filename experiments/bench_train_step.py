@@ -69,14 +69,15 @@ def plain_runner(model, tx, x: np.ndarray, y: np.ndarray, seed: int = 0) -> _ben
 
 
 def mfopt_runner(model, tx, x: np.ndarray, y: np.ndarray, num_workers: int = 1,
-                 seed: int = 0) -> _bench.Runner:
+                 seed: int = 0, lowering: str = "vmap") -> _bench.Runner:
   """The library's worker-stacked step on one device; ``x`` is ``(W, B, ...)``."""
   from mfopt import parallel
   from mfopt import train as train_lib
   mesh = parallel.make_mesh(jax.devices()[:1])
   state = train_lib.init_train_state(model, tx, x[0, :1], num_workers=num_workers, mesh=mesh,
                                      seed=seed)
-  step = train_lib.make_train_step(model, tx, mesh=mesh, num_workers=num_workers)
+  step = train_lib.make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
+                                   lowering=lowering)
   batch = parallel.shard_workers({"x": x, "y": y}, mesh)
   return _bench.Runner(step, state, (batch,), out_state=lambda out: out[0])
 

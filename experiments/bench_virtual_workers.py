@@ -16,15 +16,19 @@ compute, fp32 parameters, SGD momentum 0.9, synthetic CIFAR-shaped data:
   under ``vmap``: grouped convolutions);
 * ``vmap local``: the same step with the inner optimizer only (no communication: what a
   local-SGD step of periodic averaging runs);
-* ``lax.map local``: the workers one after another (``jax.lax.map`` over the worker-stacked
-  state and batch), written here.
+* ``lax.map local``: the same step with ``lowering="map"`` (the workers' forward/backward one
+  after another with ``lax.map``; the update still ``vmap``-ed);
+* ``auto local``: ``lowering="auto"``: the step times both lowerings on its first call (a
+  warm-up call here) and keeps the faster.
 
-Target 4b (local algorithms) is reported as ``best(vmap, map) / one replica at W*B``; the
-stretch figure 16 x 256 >= 0.75 is judged on GPU only. The automatic choice between the two
-lowerings belongs in ``mfopt.train`` (not done in this benchmark; see BENCHMARKS.md).
+Target 4b (local algorithms): ``auto local >= 0.97 x the better of vmap local and lax.map
+local`` at every (W, B) (0.97: the timing noise the choice is made under), and
+``best(vmap, map) / one replica at W*B`` reported; the stretch figure 16 x 256 >= 0.75 is
+judged on GPU only.
 
 Sizes. GPU: ResNet-18 width 64, 32x32, (W, B) in (4, 256), (8, 128), (16, 64), (32, 32),
-(16, 256). CPU (reduced; ratios only): ResNet-18 width 8, 16x16, (4, 8), (8, 4).
+(16, 256). CPU (reduced; ratios only): ResNet-18 width 8, 16x16, (4, 8), (8, 4), (16, 2),
+(32, 1) (W in {4, 8, 16, 32} as in target 4b).
 ``--quick``: a CNN (4, 8) with BN at 8x8, (2, 2).
 """
 
@@ -40,35 +44,6 @@ import optax
 
 from experiments import _bench
 from experiments.bench_train_step import mfopt_runner, plain_runner, synthetic
-
-
-def map_runner(model, tx, x: np.ndarray, y: np.ndarray, seed: int = 0) -> _bench.Runner:
-  """Workers one after another with ``lax.map`` (local steps, no communication)."""
-  from mfopt import models, parallel
-  from mfopt import train as train_lib
-  num_workers = x.shape[0]
-  params, model_state = models.init_model(model, jax.random.PRNGKey(seed), x[0, :1])
-  state = parallel.stack_workers((params, model_state, tx.init(params)), num_workers)
-  state = jax.tree.map(jnp.array, state)
-
-  def worker(args):
-    p, ms, os, xb, yb = args
-
-    def loss_of(q):
-      logits, new_ms = models.apply_model(model, q, ms, xb, train=True)
-      loss, _ = train_lib.classification_loss(logits, yb)
-      return loss, new_ms
-
-    (loss, new_ms), grads = jax.value_and_grad(loss_of, has_aux=True)(p)
-    updates, os = tx.update(grads, os, p)
-    return optax.apply_updates(p, updates), new_ms, os, loss
-
-  def step(state, xs, ys):
-    p, ms, os, loss = jax.lax.map(worker, (*state, xs, ys))
-    return (p, ms, os), loss
-
-  return _bench.Runner(jax.jit(step, donate_argnums=0), state,
-                       (jnp.asarray(x), jnp.asarray(y)), out_state=lambda out: out[0])
 
 
 def fast_runner(model, inner, x: np.ndarray, y: np.ndarray, seed: int = 0) -> _bench.Runner:
@@ -87,7 +62,7 @@ def configs(quick: bool, gpu: bool) -> tuple[dict[str, Any], list[tuple[int, int
     return dict(width=4, image=8), [(2, 2)]
   if gpu:
     return dict(width=64, image=32), [(4, 256), (8, 128), (16, 64), (32, 32), (16, 256)]
-  return dict(width=8, image=16), [(4, 8), (8, 4)]
+  return dict(width=8, image=16), [(4, 8), (8, 4), (16, 2), (32, 1)]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -119,11 +94,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     yw = y.reshape(num_workers, batch)
     sgd = optax.sgd(0.1, momentum=0.9)
     sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)
-    names = ["one replica @ W*B", fastpath.LABEL, "vmap sync", "vmap local", "lax.map local"]
+    names = ["one replica @ W*B", fastpath.LABEL, "vmap sync", "vmap local", "lax.map local",
+             "auto local"]
     runners = [plain_runner(model, sgd, x, y), fast_runner(model, sgd, xw, yw),
                mfopt_runner(model, sync, xw, yw, num_workers=num_workers),
                mfopt_runner(model, sgd, xw, yw, num_workers=num_workers),
-               map_runner(model, sgd, xw, yw)]
+               mfopt_runner(model, sgd, xw, yw, num_workers=num_workers, lowering="map"),
+               mfopt_runner(model, sgd, xw, yw, num_workers=num_workers, lowering="auto")]
     timings = _bench.time_interleaved(runners, warmup=warmup, reps=reps, iters=iters)
     images = num_workers * batch
     ref = timings[0].median
@@ -136,8 +113,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     best_name = "vmap" if timings[3].median <= timings[4].median else "lax.map"
     report.figure(f"W={num_workers} B={batch} | best local lowering ({best_name}) / one replica",
                   best_local, "x")
-    targets.append((num_workers, batch, fast, best_local))
-  for num_workers, batch, fast, best_local in targets:
+    auto = min(timings[3].median, timings[4].median) / timings[5].median
+    report.figure(f"W={num_workers} B={batch} | auto local (chose "
+                  f"{runners[5].fn.choice}) / best of vmap, lax.map", auto, "x",
+                  "choice timings " + ", ".join(f"{k} {v * 1e3:.2f} ms"
+                                                for k, v in runners[5].fn.timings.items()))
+    targets.append((num_workers, batch, fast, best_local, auto))
+  for num_workers, batch, fast, best_local, auto in targets:
+    report.target(f"4b: auto local / best of vmap, lax.map, W={num_workers} B={batch}", auto,
+                  ">=", 0.97, applies=not args.quick, why_not="quick mode")
     report.target(f"4a: fast path / one replica, W={num_workers} B={batch}", fast, ">=", 0.97,
                   applies=not args.quick, why_not="quick mode")
     if (num_workers, batch) == (16, 256):

@@ -105,6 +105,19 @@ def per_worker(fn: Callable[..., Any], mesh: Mesh, num_workers: int) -> Callable
                        check_vma=False)
 
 
+def per_device(fn: Callable[..., Any], mesh: Mesh, num_workers: int) -> Callable[..., Any]:
+  """Runs ``fn`` once per device on that device's block of workers (leading axis ``W/devices``).
+
+  The lower-level sibling of :func:`per_worker`: ``fn`` chooses how to map over its
+  device's workers (``vmap`` with ``axis_name=LOCAL_AXIS`` for collectives, ``lax.map``, ...)
+  and may call collectives over :data:`DATA_AXIS`. Arguments and results are worker-stacked
+  and sharded over :data:`DATA_AXIS`. Not jitted.
+  """
+  local_workers(num_workers, mesh)
+  return jax.shard_map(fn, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(DATA_AXIS),
+                       check_vma=False)
+
+
 def unstack_worker(tree: Any, index: int = 0) -> Any:
   """Worker ``index``'s slice of a worker-stacked tree, fetched to the host."""
   return jax.tree.map(lambda x: np.asarray(jax.device_get(x[index])), tree)

@@ -85,9 +85,47 @@ def init_train_state(model, tx: optax.GradientTransformation, example_x: np.ndar
   return TrainState(params, model_state, opt_init(params))
 
 
+LOWERINGS = ("vmap", "map", "auto")
+
+
+def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn):
+  """One worker's step in two phases: gradients (no communication) and the update."""
+
+  def grad_phase(params, model_state, dynamic_scale, batch):
+    def loss_of(p):
+      logits, new_model_state = models_lib.apply_model(model, p, model_state, batch["x"], train=True)
+      loss, aux = loss_fn(logits, batch["y"])
+      return loss, (aux, new_model_state)
+
+    if dynamic_scale is None:
+      (loss, (aux, new_model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    else:
+      (loss, (aux, new_model_state)), grads = precision_lib.scaled_value_and_grad(
+          loss_of, dynamic_scale)(params)
+    return loss, aux, new_model_state, grads
+
+  def update_phase(params, old_model_state, new_model_state, opt_state, grads, loss, aux):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss, **aux, "update_norm": optax.tree.norm(updates)}
+    if precision_lib.loss_scale_of(opt_state) is not None:
+      # overflow: BN statistics kept; loss scale in the metrics
+      new_model_state, extra = precision_lib.finish_step(opt_state, new_model_state,
+                                                         old_model_state)
+      metrics.update(extra)
+    return params, new_model_state, opt_state, metrics
+
+  return grad_phase, update_phase
+
+
+def _communicating_model(model) -> bool:
+  return getattr(model, "bn_axis_name", None) is not None
+
+
 def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_workers: int,
-                    loss_fn: LossFn = classification_loss, donate: bool = True):
-  """Builds the jitted worker-stacked train step ``(state, batch) -> (state, metrics)``.
+                    loss_fn: LossFn = classification_loss, donate: bool = True,
+                    lowering: str = "vmap"):
+  """Builds the worker-stacked train step ``(state, batch) -> (state, metrics)``.
 
   ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over workers.
   ``metrics`` maps names to per-worker arrays of shape ``(W,)`` (loss, accuracy,
@@ -97,33 +135,59 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   (``mfopt.precision.apply_policy``); if ``tx`` is wrapped by
   ``mfopt.precision.dynamic_loss_scale`` the loss is scaled by its fp16 loss scale, an
   overflowing step keeps the BN statistics, and ``loss_scale``/``overflow`` join the metrics.
+
+  ``lowering`` says how the ``W / devices`` workers that share a device compute their
+  forward/backward pass (the optimizer update is always ``vmap``-ed with the worker axis
+  names, so every transform's collectives work unchanged):
+
+  * ``"vmap"`` (default): all of a device's workers at once. ``vmap`` of per-worker weights
+    lowers convolutions to grouped convolutions, which GPUs run slowly at large ``W``.
+  * ``"map"``: one worker after another (``lax.map``), each a plain convolution. Not possible
+    for a model whose BatchNorm communicates (``bn_axis_name`` set): raises.
+  * ``"auto"``: both are compiled on the first call and timed on a copy of the state (2
+    warm-up and 3 timed steps each); the faster one runs from then on (issue 8, target 4b:
+    never below the better of the two). The returned :class:`AutoLoweredStep` reports
+    ``choice`` and ``timings``. With one worker per device, or a communicating model, there is
+    nothing to choose and ``"vmap"`` is used without timing.
+
+  The two lowerings compute the same step (``tests/test_train.py`` compares them); the
+  float rounding of the convolutions may differ.
   """
+  if lowering not in LOWERINGS:
+    raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
+  local = parallel.local_workers(num_workers, mesh)
+  if lowering == "map" and _communicating_model(model):
+    raise ValueError(
+        f"lowering='map' runs a device's workers one after another, so the model's BatchNorm "
+        f"cannot communicate across them; got a model with "
+        f"bn_axis_name={getattr(model, 'bn_axis_name')!r} (use lowering='vmap')")
+  if lowering == "auto":
+    if local == 1 or _communicating_model(model):
+      lowering = "vmap"
+    else:
+      return AutoLoweredStep({name: make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
+                                                    loss_fn=loss_fn, donate=donate,
+                                                    lowering=name)
+                              for name in ("vmap", "map")})
+  grad_phase, update_phase = _worker_phases(model, tx, loss_fn)
 
   def worker_step(params, model_state, opt_state, batch):
-    def loss_of(p):
-      logits, new_model_state = models_lib.apply_model(model, p, model_state, batch["x"], train=True)
-      loss, aux = loss_fn(logits, batch["y"])
-      return loss, (aux, new_model_state)
-
-    # fp16 loss scaling is on iff tx is wrapped by mfopt.precision.dynamic_loss_scale (decided
-    # at trace time: without it the compiled step is exactly the plain one).
     dynamic_scale = precision_lib.loss_scale_of(opt_state)
-    if dynamic_scale is None:
-      (loss, (aux, new_model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-    else:
-      (loss, (aux, new_model_state)), grads = precision_lib.scaled_value_and_grad(
-          loss_of, dynamic_scale)(params)
-    old_model_state = model_state
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, **aux, "update_norm": optax.tree.norm(updates)}
-    if dynamic_scale is not None:  # overflow: BN statistics kept; loss scale in the metrics
-      new_model_state, extra = precision_lib.finish_step(opt_state, new_model_state,
-                                                         old_model_state)
-      metrics.update(extra)
-    return params, new_model_state, opt_state, metrics
+    loss, aux, new_model_state, grads = grad_phase(params, model_state, dynamic_scale, batch)
+    return update_phase(params, model_state, new_model_state, opt_state, grads, loss, aux)
 
-  mapped = parallel.per_worker(worker_step, mesh, num_workers)
+  if lowering == "vmap":
+    mapped = parallel.per_worker(worker_step, mesh, num_workers)
+  else:
+    def on_device(params, model_state, opt_state, batch):
+      # The stacked LossScaleState (or None) goes through the map; nothing else of opt_state.
+      dynamic_scale = precision_lib.loss_scale_of(opt_state)
+      loss, aux, new_model_state, grads = jax.lax.map(
+          lambda a: grad_phase(*a), (params, model_state, dynamic_scale, batch))
+      return jax.vmap(update_phase, axis_name=parallel.LOCAL_AXIS)(
+          params, model_state, new_model_state, opt_state, grads, loss, aux)
+
+    mapped = parallel.per_device(on_device, mesh, num_workers)
 
   def step(state: TrainState, batch):
     params, model_state, opt_state, metrics = mapped(
@@ -131,6 +195,57 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
     return TrainState(params, model_state, opt_state), metrics
 
   return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+class AutoLoweredStep:
+  """A train step that picks its lowering (``"vmap"`` or ``"map"``) by timing, on first call.
+
+  Built by ``make_train_step(..., lowering="auto")``. The first call compiles both jitted
+  steps for the call's shapes, runs each on a copy of the state (the caller's state is not
+  touched by the timing: donation consumes only the copies), 2 untimed then 3 timed steps,
+  ``block_until_ready`` after each, and keeps the one with the smaller median. Later calls
+  go straight to the chosen jitted step.
+
+  Attributes:
+    choice: ``"vmap"`` or ``"map"`` (``None`` before the first call).
+    timings: median seconds per step of each candidate (empty before the first call).
+    steps: the candidate jitted steps by name.
+  """
+
+  warmup: int = 2
+  reps: int = 3
+
+  def __init__(self, steps: Mapping[str, Any]):
+    self.steps = dict(steps)
+    self.choice: str | None = None
+    self.timings: dict[str, float] = {}
+
+  def _time(self, fn, state, batch) -> float:
+    state = jax.tree.map(jnp.copy, state)
+    for _ in range(self.warmup):
+      state, _ = fn(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(self.reps):
+      t0 = time.perf_counter()
+      state, metrics = fn(state, batch)
+      jax.block_until_ready((state, metrics))
+      times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+  def choose(self, state: TrainState, batch) -> str:
+    """Times every candidate on ``(state, batch)`` (copies) and records the choice."""
+    if self.choice is None:
+      self.timings = {name: self._time(fn, state, batch) for name, fn in self.steps.items()}
+      self.choice = min(self.timings, key=self.timings.get)
+    return self.choice
+
+  def __call__(self, state: TrainState, batch):
+    return self.steps[self.choose(state, batch)](state, batch)
+
+  def lower(self, *args, **kwargs):
+    """``jax.jit(...).lower`` of the chosen step (``"vmap"`` before the first call)."""
+    return self.steps[self.choice or "vmap"].lower(*args, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -283,7 +398,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         extra_metrics: Mapping[str, Callable[[TrainState], Any]] | None = None,
         checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
         keep_checkpoints: int = 2, run_info: Mapping[str, Any] | None = None,
-        allow_mismatch: bool = False, checkpoint_interval_s: float | None = None) -> FitResult:
+        allow_mismatch: bool = False, checkpoint_interval_s: float | None = None,
+        lowering: str = "vmap") -> FitResult:
   """Trains ``model`` with ``tx`` on ``num_workers`` workers and returns history and summary.
 
   Every worker reads its own deterministic stream of ``per_worker_batch``
@@ -327,6 +443,11 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     checkpoint_interval_s: if given, a periodic checkpoint is skipped unless this
       many seconds passed since the previous save (the final one is always
       written); the runner's default is 60 s at logging steps.
+    lowering: how a device's workers run their forward/backward (``"vmap"``, ``"map"`` or
+      ``"auto"``; see :func:`make_train_step`). The lowering that ran (for ``"auto"``, the
+      one chosen by timing, which counts in ``compile_s``) is the summary's ``lowering``. A
+      resumed ``"auto"`` run times again and may choose differently (same step, different
+      rounding).
 
   Returns:
     A :class:`FitResult`. ``summary`` holds the final train loss (mean over the
@@ -388,11 +509,14 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         ckpt.close()
         return FitResult(history=history, summary=restored.meta["summary"], state=state)
 
-  train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn)
+  train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn,
+                               lowering=lowering)
   eval_fn = make_eval_fn(model)
 
   t0 = time.perf_counter()
   batch = device_batch(start)
+  if isinstance(train_step, AutoLoweredStep):  # times both lowerings on copies of the state
+    lowering = train_step.choose(state, batch)
   compiled = train_step.lower(state, batch).compile()
   if start == 0:
     compile_s = time.perf_counter() - t0
@@ -426,10 +550,11 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     return row
 
   def summarize(state) -> dict[str, Any]:
-    return _fit_summary(last_row, num_steps=num_steps, num_workers=num_workers,
-                        per_worker_batch=per_worker_batch, train_size=len(dataset.train),
-                        compile_s=compile_s, train_s=train_s,
-                        comm=_comm_totals(state.opt_state, mesh))
+    return {**_fit_summary(last_row, num_steps=num_steps, num_workers=num_workers,
+                           per_worker_batch=per_worker_batch, train_size=len(dataset.train),
+                           compile_s=compile_s, train_s=train_s,
+                           comm=_comm_totals(state.opt_state, mesh)),
+            "lowering": lowering}
 
   bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
   last_save = time.perf_counter()

@@ -143,3 +143,120 @@ def test_eval_uses_worker_average():
   avg, _ = train.averaged_model(state)
   expected = jax.tree.map(lambda p: p + 3.5, params)
   jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6), avg, expected)
+
+
+# ----------------------------------------------------------------------------- lowering (issue 8, 4b)
+
+
+def _cnn_bn():
+  return models.get_model("cnn", features=(4,), num_classes=5, use_bn=True)
+
+
+def _image_batch(rng, workers, per_worker):
+  x = rng.normal(size=(workers, per_worker, 6, 6, 1)).astype(np.float32)
+  y = rng.integers(0, 5, size=(workers, per_worker)).astype(np.int32)
+  return {"x": x, "y": y}
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_map_lowering_equals_vmap_lowering_for_divergent_workers(lossy):
+  """``lax.map`` of the forward/backward (one worker after another) is the same step as the
+  ``vmap`` (grouped convolution): per-worker BN statistics, local SGD for 3 steps, then a
+  periodic average; 16 workers on 8 devices (2 per device). With ``lossy`` the optimizer is
+  wrapped in fp16 dynamic loss scaling (its state is mapped too)."""
+  num_workers = 16
+  mesh = parallel.make_mesh()
+  model = _cnn_bn()
+  tx = mfopt.periodic_averaging(optax.sgd(0.2, momentum=0.9), mfopt.WORKER_AXES, 4)
+  if lossy:
+    tx = mfopt.precision.dynamic_loss_scale(tx)
+  rng = np.random.default_rng(1)
+  batches = [parallel.shard_workers(_image_batch(rng, num_workers, 3), mesh) for _ in range(4)]
+  init = lambda: train.init_train_state(model, tx, batches[0]["x"][0], num_workers=num_workers,  # noqa: E731
+                                        mesh=mesh, seed=2)
+  out = {}
+  for lowering in ("vmap", "map"):
+    step = train.make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
+                                 lowering=lowering)
+    state = init()
+    for i, b in enumerate(batches):
+      state, metrics = step(state, b)
+      if i == 2:  # before the sync: replicas differ
+        spread = np.ptp(np.asarray(jax.tree.leaves(state.params)[0]), axis=0).max()
+    out[lowering] = (jax.device_get(state), jax.device_get(metrics), spread)
+  (sv, mv, spread_v), (sm, mm, spread_m) = out["vmap"], out["map"]
+  assert spread_v > 1e-3 and spread_m > 1e-3  # the workers really diverged before the sync
+  for a, b in zip(jax.tree.leaves(sv), jax.tree.leaves(sm)):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                               rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(mv["loss"], mm["loss"], rtol=1e-5)
+  assert mfopt.comm_totals(sm.opt_state) == mfopt.comm_totals(sv.opt_state)
+
+
+def test_map_lowering_has_no_grouped_convolution():
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  model = _cnn_bn()
+  tx = optax.sgd(0.1)
+  b = _image_batch(np.random.default_rng(0), 4, 2)
+  state = train.init_train_state(model, tx, b["x"][0], num_workers=4, mesh=mesh)
+  texts = {}
+  for lowering in ("vmap", "map"):
+    step = train.make_train_step(model, tx, mesh=mesh, num_workers=4, lowering=lowering,
+                                 donate=False)
+    texts[lowering] = step.lower(state, parallel.shard_workers(b, mesh)).as_text()
+  groups = lambda t: [int(g) for g in re.findall(r"feature_group_count = (\d+)", t)]  # noqa: E731
+  assert max(groups(texts["vmap"])) == 4  # vmap of per-worker weights: a 4-group convolution
+  assert max(groups(texts["map"]), default=1) == 1
+
+
+def test_auto_lowering_times_both_and_leaves_the_callers_state_alone():
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  model = _cnn_bn()
+  tx = optax.sgd(0.1, momentum=0.9)
+  b = parallel.shard_workers(_image_batch(np.random.default_rng(0), 4, 2), mesh)
+  state = train.init_train_state(model, tx, b["x"][0], num_workers=4, mesh=mesh)
+  before = jax.device_get(state)
+  step = train.make_train_step(model, tx, mesh=mesh, num_workers=4, lowering="auto")
+  assert isinstance(step, train.AutoLoweredStep) and step.choice is None
+  chosen = step.choose(state, b)
+  assert chosen == min(step.timings, key=step.timings.get)
+  assert set(step.timings) == {"vmap", "map"} and all(t > 0 for t in step.timings.values())
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state))):
+    np.testing.assert_array_equal(x, y)  # timing ran on copies
+  new, _ = step(state, b)
+  ref = train.make_train_step(model, tx, mesh=mesh, num_workers=4, lowering=chosen,
+                              donate=False)
+  want, _ = ref(train.init_train_state(model, tx, b["x"][0], num_workers=4, mesh=mesh), b)
+  for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_lowering_errors_name_the_argument():
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  with pytest.raises(ValueError, match="lowering must be one of .* got 'grouped'"):
+    train.make_train_step(_model(), optax.sgd(0.1), mesh=mesh, num_workers=2, lowering="grouped")
+  sync_bn = models.get_model("cnn", features=(4,), num_classes=5, use_bn=True,
+                             bn_axis_name=mfopt.WORKER_AXES)
+  with pytest.raises(ValueError, match="bn_axis_name=.*lowering='vmap'"):
+    train.make_train_step(sync_bn, optax.sgd(0.1), mesh=mesh, num_workers=2, lowering="map")
+  # auto has nothing to choose for a communicating model or one worker per device
+  assert not isinstance(train.make_train_step(sync_bn, optax.sgd(0.1), mesh=mesh, num_workers=2,
+                                              lowering="auto"), train.AutoLoweredStep)
+  assert not isinstance(train.make_train_step(_model(), optax.sgd(0.1), mesh=mesh, num_workers=1,
+                                              lowering="auto"), train.AutoLoweredStep)
+
+
+def test_fit_with_auto_lowering_records_the_choice_and_trains_like_vmap():
+  dataset = mfopt.data.load("digits")
+  model = models.get_model("mlp", hidden=(16,), num_classes=dataset.num_classes)
+  mesh = parallel.make_mesh(jax.devices()[:2])  # 8 workers on 2 devices: 4 per device
+  tx = mfopt.periodic_averaging(optax.sgd(0.1, momentum=0.9), mfopt.WORKER_AXES, 5)
+  kw = dict(model=model, tx=tx, dataset=dataset, num_workers=8, per_worker_batch=8,
+            num_steps=10, log_every=5, progress=False, mesh=mesh)
+  auto = train.fit(lowering="auto", **kw)
+  ref = train.fit(lowering="vmap", **kw)
+  assert auto.summary["lowering"] in ("vmap", "map") and ref.summary["lowering"] == "vmap"
+  # an MLP has no convolution: both lowerings are the same arithmetic
+  for a, b in zip(jax.tree.leaves(auto.state.params), jax.tree.leaves(ref.state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert auto.history[-1]["train_loss"] == pytest.approx(ref.history[-1]["train_loss"], rel=1e-5)
