@@ -85,7 +85,28 @@ def init_train_state(model, tx: optax.GradientTransformation, example_x: np.ndar
   return TrainState(params, model_state, opt_init(params))
 
 
-LOWERINGS = ("vmap", "map", "auto")
+LOWERINGS = ("vmap", "map", "map:K", "auto")
+
+
+def _parse_lowering(lowering: Any) -> tuple[str, int | None]:
+  """``"vmap"`` / ``"map"`` / ``"map:K"`` / ``"auto"`` -> (kind, lax.map batch size)."""
+  if isinstance(lowering, str):
+    if lowering in ("vmap", "map", "auto"):
+      return lowering, None
+    head, _, k = lowering.partition(":")
+    if head == "map" and k.isdigit() and int(k) >= 1:
+      return "map", int(k) if int(k) > 1 else None
+  raise ValueError(f"lowering must be one of {LOWERINGS} (K a positive int), got {lowering!r}")
+
+
+def _auto_candidates(local: int) -> list[str]:
+  """What ``lowering="auto"`` times: ``vmap``, ``map`` and one mixed ``map:K`` (K workers
+  ``vmap``-ed at a time, ``local / K`` such groups one after another), K the largest power of
+  two <= sqrt(local), when that is > 1 (4 -> 2, 8 -> 2, 16 -> 4, 32 -> 4)."""
+  k = 1
+  while (2 * k) ** 2 <= local:
+    k *= 2
+  return ["vmap", "map"] + ([f"map:{k}"] if k > 1 else [])
 
 
 def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn):
@@ -144,11 +165,14 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
     lowers convolutions to grouped convolutions, which GPUs run slowly at large ``W``.
   * ``"map"``: one worker after another (``lax.map``), each a plain convolution. Not possible
     for a model whose BatchNorm communicates (``bn_axis_name`` set): raises.
-  * ``"auto"``: both are compiled on the first call and timed on a copy of the state (2
-    warm-up and 3 timed steps each); the faster one runs from then on (issue 8, target 4b:
-    never below the better of the two). The returned :class:`AutoLoweredStep` reports
-    ``choice`` and ``timings``. With one worker per device, or a communicating model, there is
-    nothing to choose and ``"vmap"`` is used without timing.
+  * ``"map:K"``: mixed; ``K`` workers ``vmap``-ed at a time, the groups one after another
+    (``lax.map(..., batch_size=K)``).
+  * ``"auto"``: ``vmap``, ``map`` and one ``map:K`` (:func:`_auto_candidates`) are compiled on
+    the first call and timed on a copy of the state (2 warm-up and 3 timed steps each); the
+    fastest runs from then on (issue 8, target 4b: never below the better lowering). The
+    returned :class:`AutoLoweredStep` reports ``choice`` and ``timings``. With one worker per
+    device, or a communicating model, there is nothing to choose and ``"vmap"`` is used
+    without timing.
 
   With one worker per device (``num_workers == len(mesh.devices)``, e.g. one per GPU) and a
   model whose BatchNorm does not communicate, there is nothing to map: the forward/backward is
@@ -158,22 +182,21 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   The two lowerings compute the same step (``tests/test_train.py`` compares them); the
   float rounding of the convolutions may differ.
   """
-  if lowering not in LOWERINGS:
-    raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
+  kind, map_batch = _parse_lowering(lowering)
   local = parallel.local_workers(num_workers, mesh)
-  if lowering == "map" and _communicating_model(model):
+  if kind == "map" and _communicating_model(model):
     raise ValueError(
-        f"lowering='map' runs a device's workers one after another, so the model's BatchNorm "
-        f"cannot communicate across them; got a model with "
+        f"lowering={lowering!r} runs a device's workers one after another, so the model's "
+        f"BatchNorm cannot communicate across them; got a model with "
         f"bn_axis_name={getattr(model, 'bn_axis_name')!r} (use lowering='vmap')")
-  if lowering == "auto":
+  if kind == "auto":
     if local == 1 or _communicating_model(model):
-      lowering = "vmap"
+      kind = "vmap"
     else:
       return AutoLoweredStep({name: make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
                                                     loss_fn=loss_fn, donate=donate,
                                                     lowering=name)
-                              for name in ("vmap", "map")})
+                              for name in _auto_candidates(local)})
   grad_phase, update_phase = _worker_phases(model, tx, loss_fn)
 
   def worker_step(params, model_state, opt_state, batch):
@@ -181,7 +204,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
     loss, aux, new_model_state, grads = grad_phase(params, model_state, dynamic_scale, batch)
     return update_phase(params, model_state, new_model_state, opt_state, grads, loss, aux)
 
-  if lowering == "vmap" and (local > 1 or _communicating_model(model)):
+  if kind == "vmap" and (local > 1 or _communicating_model(model)):
     mapped = parallel.per_worker(worker_step, mesh, num_workers)
   else:
     def on_device(params, model_state, opt_state, batch):
@@ -196,7 +219,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
         out = grad_phase(*jax.tree.map(lambda a: a[0], args))
         loss, aux, new_model_state, grads = jax.tree.map(lambda a: a[None], out)
       else:
-        loss, aux, new_model_state, grads = jax.lax.map(lambda a: grad_phase(*a), args)
+        loss, aux, new_model_state, grads = jax.lax.map(lambda a: grad_phase(*a), args,
+                                                        batch_size=map_batch)
       return jax.vmap(update_phase, axis_name=parallel.LOCAL_AXIS)(
           params, model_state, new_model_state, opt_state, grads, loss, aux)
 
@@ -211,16 +235,16 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
 
 
 class AutoLoweredStep:
-  """A train step that picks its lowering (``"vmap"`` or ``"map"``) by timing, on first call.
+  """A train step that picks its lowering (``vmap``, ``map``, ``map:K``) by timing, on first call.
 
-  Built by ``make_train_step(..., lowering="auto")``. The first call compiles both jitted
-  steps for the call's shapes, runs each on a copy of the state (the caller's state is not
-  touched by the timing: donation consumes only the copies), 2 untimed then 3 timed steps,
-  ``block_until_ready`` after each, and keeps the one with the smaller median. Later calls
-  go straight to the chosen jitted step.
+  Built by ``make_train_step(..., lowering="auto")``. The first call compiles every candidate
+  (jitted step) for the call's shapes, runs each on a copy of the state (the caller's state
+  is not touched by the timing: donation consumes only the copies), 2 untimed then 3 timed
+  steps, ``block_until_ready`` after each, and keeps the one with the smallest median. Later
+  calls go straight to the chosen jitted step.
 
   Attributes:
-    choice: ``"vmap"`` or ``"map"`` (``None`` before the first call).
+    choice: the chosen lowering's name (``None`` before the first call).
     timings: median seconds per step of each candidate (empty before the first call).
     steps: the candidate jitted steps by name.
   """

@@ -199,14 +199,20 @@ def test_map_lowering_has_no_grouped_convolution():
   tx = optax.sgd(0.1)
   b = _image_batch(np.random.default_rng(0), 4, 2)
   state = train.init_train_state(model, tx, b["x"][0], num_workers=4, mesh=mesh)
-  texts = {}
-  for lowering in ("vmap", "map"):
+  texts, params = {}, {}
+  for lowering in ("vmap", "map", "map:2"):
     step = train.make_train_step(model, tx, mesh=mesh, num_workers=4, lowering=lowering,
                                  donate=False)
-    texts[lowering] = step.lower(state, parallel.shard_workers(b, mesh)).as_text()
+    batch = parallel.shard_workers(b, mesh)
+    texts[lowering] = step.lower(state, batch).as_text()
+    params[lowering] = jax.device_get(step(state, batch)[0].params)
   groups = lambda t: [int(g) for g in re.findall(r"feature_group_count = (\d+)", t)]  # noqa: E731
   assert max(groups(texts["vmap"])) == 4  # vmap of per-worker weights: a 4-group convolution
   assert max(groups(texts["map"]), default=1) == 1
+  assert max(groups(texts["map:2"])) == 2  # mixed: 2 workers vmap-ed at a time, twice
+  for name in ("map", "map:2"):
+    for x, y in zip(jax.tree.leaves(params["vmap"]), jax.tree.leaves(params[name])):
+      np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6, err_msg=name)
 
 
 def test_auto_lowering_times_both_and_leaves_the_callers_state_alone():
@@ -220,7 +226,9 @@ def test_auto_lowering_times_both_and_leaves_the_callers_state_alone():
   assert isinstance(step, train.AutoLoweredStep) and step.choice is None
   chosen = step.choose(state, b)
   assert chosen == min(step.timings, key=step.timings.get)
-  assert set(step.timings) == {"vmap", "map"} and all(t > 0 for t in step.timings.values())
+  # 4 workers on the device: vmap, map and the mixed map:2 are the candidates
+  assert set(step.timings) == {"vmap", "map", "map:2"}
+  assert all(t > 0 for t in step.timings.values())
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state))):
     np.testing.assert_array_equal(x, y)  # timing ran on copies
   new, _ = step(state, b)
@@ -233,8 +241,12 @@ def test_auto_lowering_times_both_and_leaves_the_callers_state_alone():
 
 def test_lowering_errors_name_the_argument():
   mesh = parallel.make_mesh(jax.devices()[:1])
-  with pytest.raises(ValueError, match="lowering must be one of .* got 'grouped'"):
-    train.make_train_step(_model(), optax.sgd(0.1), mesh=mesh, num_workers=2, lowering="grouped")
+  for bad in ("grouped", "map:0", "map:x", 3):
+    with pytest.raises(ValueError, match=f"lowering must be one of .* got {bad!r}"):
+      train.make_train_step(_model(), optax.sgd(0.1), mesh=mesh, num_workers=2, lowering=bad)
+  assert train._auto_candidates(2) == ["vmap", "map"]
+  assert train._auto_candidates(16) == ["vmap", "map", "map:4"]
+  assert train._auto_candidates(8) == ["vmap", "map", "map:2"]
   sync_bn = models.get_model("cnn", features=(4,), num_classes=5, use_bn=True,
                              bn_axis_name=mfopt.WORKER_AXES)
   with pytest.raises(ValueError, match="bn_axis_name=.*lowering='vmap'"):
