@@ -67,6 +67,14 @@ def _vmap_axes(axis_name: AxisName) -> tuple[str, ...]:
   return tuple(a for a in _axis_tuple(axis_name) if a not in mesh_axes)
 
 
+def _is_bound(name: str) -> bool:
+  try:
+    lax.axis_size(name)
+  except NameError:
+    return False
+  return True
+
+
 def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
   """``x`` (a scalar identical on all workers) made unbatched under ``vmap``, without communication.
 
@@ -75,10 +83,11 @@ def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
   (and their collectives) on every step. A ``pmax`` over a ``vmap`` axis is a local reduction
   over the stacked axis whose batching rule returns an unmapped value, which keeps the
   ``cond`` a ``conditional``; mesh (``shard_map``) axes need no reduction and get none, so
-  nothing crosses a device. Bool inputs give bool, integer inputs their own dtype. Only
+  nothing crosses a device; names that are not bound at all (the transform used outside the
+  worker ``vmap``) are skipped. Bool inputs give bool, integer inputs their own dtype. Only
   correct for values that really are equal on every worker (counts, schedules).
   """
-  axes = _vmap_axes(axis_name)
+  axes = tuple(a for a in _vmap_axes(axis_name) if _is_bound(a))
   if not axes:
     return x
   if x.dtype == jnp.bool_:

@@ -422,3 +422,20 @@ def test_lars_learning_rate_counts_decay_from_the_switch():
 def test_bad_arguments_are_named(make, arg, value):
   with pytest.raises(ValueError, match=arg):
     make(value)
+
+
+def test_hybrid_axis_name_is_harmless_outside_the_worker_vmap():
+  """axis_name only keeps a cond unbatched; used where the axes are not bound (a plain jit,
+  one worker) the transform still runs and equals the one without axis_name."""
+  kw = dict(num_workers=2, steps_per_epoch=2, warmup_epochs=1)
+  p = jnp.linspace(-1.0, 1.0, 5)
+  outs = []
+  for tx in (mfopt.hybrid_adabound_lars(axis_name=mfopt.WORKER_AXES, **kw),
+             mfopt.hybrid_adabound_lars(**kw)):
+    step = jax.jit(lambda q, s, tx=tx: tx.update(2.0 * q, s, q))
+    q, s = p, tx.init(p)
+    for _ in range(4):
+      u, s = step(q, s)
+      q = optax.apply_updates(q, u)
+    outs.append(np.asarray(q))
+  np.testing.assert_array_equal(outs[0], outs[1])
