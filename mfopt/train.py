@@ -436,7 +436,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
         keep_checkpoints: int = 2, run_info: Mapping[str, Any] | None = None,
         allow_mismatch: bool = False, checkpoint_interval_s: float | None = None,
-        lowering: str = "vmap") -> FitResult:
+        lowering: str | None = None) -> FitResult:
   """Trains ``model`` with ``tx`` on ``num_workers`` workers and returns history and summary.
 
   Every worker reads its own deterministic stream of ``per_worker_batch``
@@ -480,8 +480,10 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     checkpoint_interval_s: if given, a periodic checkpoint is skipped unless this
       many seconds passed since the previous save (the final one is always
       written); the runner's default is 60 s at logging steps.
-    lowering: how a device's workers run their forward/backward (``"vmap"``, ``"map"`` or
-      ``"auto"``; see :func:`make_train_step`). The lowering that ran (for ``"auto"``, the
+    lowering: how a device's workers run their forward/backward (``"vmap"``, ``"map"``,
+      ``"map:K"`` or ``"auto"``; see :func:`make_train_step`). ``None`` (default): the
+      environment variable ``MFOPT_LOWERING`` if set (so experiment scripts can be switched
+      to ``auto`` on a GPU without editing their configs), else ``"vmap"``. The lowering that ran (for ``"auto"``, the
       one chosen by timing, which counts in ``compile_s``) is the summary's ``lowering``. A
       resumed ``"auto"`` run times again and may choose differently (same step, different
       rounding).
@@ -546,6 +548,12 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         ckpt.close()
         return FitResult(history=history, summary=restored.meta["summary"], state=state)
 
+  if lowering is None:
+    lowering = os.environ.get("MFOPT_LOWERING", "vmap")
+    try:
+      _parse_lowering(lowering)
+    except ValueError as e:
+      raise ValueError(f"environment variable MFOPT_LOWERING: {e}") from None
   train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn,
                                lowering=lowering)
   eval_fn = make_eval_fn(model)

@@ -11,6 +11,7 @@ import pathlib
 import jax
 
 NUM_DEVICES = 8
+os.environ.pop("MFOPT_LOWERING", None)  # tests pick their lowering explicitly (fit default: vmap)
 jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
 jax.config.update("jax_platforms", "cpu")
 

@@ -272,3 +272,16 @@ def test_fit_with_auto_lowering_records_the_choice_and_trains_like_vmap():
   for a, b in zip(jax.tree.leaves(auto.state.params), jax.tree.leaves(ref.state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   assert auto.history[-1]["train_loss"] == pytest.approx(ref.history[-1]["train_loss"], rel=1e-5)
+
+
+def test_fit_reads_lowering_from_the_environment(monkeypatch):
+  dataset = mfopt.data.load("digits")
+  model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
+  kw = dict(model=model, tx=optax.sgd(0.1), dataset=dataset, num_workers=4, per_worker_batch=4,
+            num_steps=2, log_every=2, progress=False, mesh=parallel.make_mesh(jax.devices()[:2]))
+  monkeypatch.setenv("MFOPT_LOWERING", "map")
+  assert train.fit(**kw).summary["lowering"] == "map"
+  assert train.fit(lowering="vmap", **kw).summary["lowering"] == "vmap"  # argument wins
+  monkeypatch.setenv("MFOPT_LOWERING", "grouped")
+  with pytest.raises(ValueError, match="MFOPT_LOWERING: lowering must be one of .*'grouped'"):
+    train.fit(**kw)
