@@ -267,7 +267,9 @@ def test_fit_with_auto_lowering_records_the_choice_and_trains_like_vmap():
             num_steps=10, log_every=5, progress=False, mesh=mesh)
   auto = train.fit(lowering="auto", **kw)
   ref = train.fit(lowering="vmap", **kw)
-  assert auto.summary["lowering"] in ("vmap", "map") and ref.summary["lowering"] == "vmap"
+  # 4 workers per device: the candidates are vmap, map and map:2; the choice depends on timing
+  assert auto.summary["lowering"] in train._auto_candidates(4)
+  assert ref.summary["lowering"] == "vmap"
   # an MLP has no convolution: both lowerings are the same arithmetic
   for a, b in zip(jax.tree.leaves(auto.state.params), jax.tree.leaves(ref.state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
