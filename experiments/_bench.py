@@ -78,11 +78,30 @@ def block(tree: Any) -> Any:
   return jax.block_until_ready(tree)
 
 
-class Timing:
-  """Seconds per call over repetitions: median, min, max, IQR."""
+def minor_faults() -> int | None:
+  """This process's minor page faults so far (``getrusage``), ``None`` where unavailable."""
+  try:
+    import resource
+  except ImportError:  # not on Unix
+    return None
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-  def __init__(self, samples: Sequence[float]):
+
+class Timing:
+  """Seconds per call over repetitions: median, min, max, IQR; page faults per call.
+
+  ``faults`` (minor page faults of the whole process per call, median over repetitions) is a
+  host-side profile: on XLA:CPU a temporary parameter-sized buffer allocated afresh at every
+  execution costs one fault per 4 KiB page (BENCHMARKS.md, target 1).
+  """
+
+  def __init__(self, samples: Sequence[float], faults: Sequence[float] | None = None):
     self.samples = [float(s) for s in samples]
+    self.fault_samples = None if faults is None else [float(f) for f in faults]
+
+  @property
+  def faults(self) -> float | None:
+    return None if self.fault_samples is None else statistics.median(self.fault_samples)
 
   @property
   def median(self) -> float:
@@ -95,7 +114,8 @@ class Timing:
             f"IQR {fmt_s(q3 - q1)}, n={len(s)}]")
 
   def as_dict(self) -> dict[str, Any]:
-    return {"median_s": self.median, "samples_s": self.samples}
+    return {"median_s": self.median, "samples_s": self.samples,
+            "page_faults_per_call": self.faults}
 
 
 def fmt_s(seconds: float) -> str:
@@ -112,15 +132,20 @@ class Runner:
   def __init__(self, fn: Callable[..., Any], state: Any, args: tuple = (),
                out_state: Callable[[Any], Any] = lambda out: out):
     self.fn, self.state, self.args, self.out_state = fn, state, args, out_state
+    self.last_faults: float | None = None
 
   def call(self, iters: int) -> float:
+    f0 = minor_faults()
     t0 = time.perf_counter()
     out = None
     for _ in range(iters):
       out = self.fn(self.state, *self.args)
       self.state = self.out_state(out)
     block(out)
-    return (time.perf_counter() - t0) / iters
+    seconds = (time.perf_counter() - t0) / iters
+    f1 = minor_faults()
+    self.last_faults = None if f0 is None else (f1 - f0) / iters
+    return seconds
 
 
 def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int,
@@ -130,10 +155,12 @@ def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int,
     for _ in range(warmup):
       r.call(1)
   samples = [[] for _ in runners]
+  faults = [[] for _ in runners]
   for _ in range(reps):
     for i, r in enumerate(runners):
       samples[i].append(r.call(iters))
-  return [Timing(s) for s in samples]
+      faults[i].append(r.last_faults)
+  return [Timing(s, None if None in f else f) for s, f in zip(samples, faults)]
 
 
 class Report:

@@ -215,6 +215,10 @@ def build_step(tx, params, grads, worker_axes: bool):
   return step, (p1, opt_state), g1
 
 
+def _faults(t: _bench.Timing) -> str:
+  return "n/a" if t.faults is None else f"{t.faults:,.0f}"
+
+
 def run_case(report: _bench.Report, shape_name: str, params: Any, name: str, mf_factory,
              ox_factory, ox_name: str, worker_axes: bool, *, warmup: int, reps: int,
              iters: int) -> float | None:
@@ -249,7 +253,8 @@ def run_case(report: _bench.Report, shape_name: str, params: Any, name: str, mf_
       f"{bytes_per_param} B/param ({s_ref} state array(s) in optax, {state_counts[0]} in mfopt); "
       f"mfopt {gbs_mf:.1f} GB/s, optax {gbs_ox:.1f} GB/s{peak_txt}; compiled traffic "
       f"(ENTRY + conditional branches) mfopt {traffic_bpp[0][0]:.1f} + {traffic_bpp[0][1]} "
-      f"B/param vs optax {traffic_bpp[1][0]:.1f} + {traffic_bpp[1][1]} B/param",
+      f"B/param vs optax {traffic_bpp[1][0]:.1f} + {traffic_bpp[1][1]} B/param; minor page "
+      f"faults per call mfopt {_faults(t_mf)}, optax {_faults(t_ox)}",
       shape=shape_name, transform=name, baseline=ox_name, ratio=ratio,
       mfopt=t_mf.as_dict(), optax=t_ox.as_dict(), num_params=num_params,
       bytes_per_param=bytes_per_param, gbs_mfopt=gbs_mf, gbs_optax=gbs_ox,
