@@ -10,8 +10,9 @@ optimizer state are fp32 in both):
 
 * **mfopt**: ``mfopt.train.make_train_step`` with
   ``optax.chain(mfopt.sync_gradients(WORKER_AXES), optax.sgd(0.1, momentum=0.9))``, W=1
-  worker (the worker-stacked, shard_map + vmap step every synchronous run uses; it also
-  computes the per-worker metrics loss, accuracy and ``update_norm``);
+  worker (the worker-stacked ``shard_map`` step every synchronous run uses; with one worker
+  per device its forward/backward is not ``vmap``-ed, only the update is; it also computes
+  the per-worker metrics loss, accuracy and ``update_norm``);
 * **plain**: the textbook flax step written below (``model.apply`` with
   ``mutable=["batch_stats"]``, ``jax.value_and_grad``, ``optax.sgd(0.1, momentum=0.9)``,
   ``optax.apply_updates``, loss returned), jitted with the state donated.
