@@ -6,6 +6,10 @@ batch, calls ``tx.update`` and applies the update. Whatever communication the
 algorithm needs happens inside ``tx`` (``mfopt.sync_gradients``,
 ``mfopt.periodic_averaging``, ...), over :data:`mfopt.parallel.WORKER_AXES`.
 
+How a device's workers are stacked is the step's ``lowering`` (``vmap``, ``lax.map``, a mix,
+or chosen by timing; :func:`make_train_step`); the update is always ``vmap``-ed over the
+worker axis, so the transforms' collectives see the same axes under every lowering.
+
 Metrics stay on device: the step returns per-worker scalars, and :func:`fit`
 fetches them every ``log_every`` steps (no host sync in the hot loop).
 """
