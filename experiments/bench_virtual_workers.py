@@ -36,6 +36,7 @@ Sizes. GPU: ResNet-18 width 64, 32x32, (W, B) in (4, 256), (8, 128), (16, 64), (
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,9 +68,27 @@ def configs(quick: bool, gpu: bool) -> tuple[dict[str, Any], list[tuple[int, int
   return dict(width=8, image=16), [(4, 8), (8, 4), (16, 2), (32, 1)]
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+  """``"16x64,16x256"`` -> ``[(16, 64), (16, 256)]`` (W x per-worker batch)."""
+  shapes = []
+  for item in text.split(","):
+    w, _, b = item.strip().partition("x")
+    if not (w.isdigit() and b.isdigit() and int(w) > 0 and int(b) > 0):
+      raise argparse.ArgumentTypeError(
+          f"must be a comma list of WxB with positive ints, got {text!r}")
+    shapes.append((int(w), int(b)))
+  return shapes
+
+
+def _extra_args(parser) -> None:
+  parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+  parser.add_argument("--shapes", default=None, type=parse_shapes,
+                      help="comma list of WxB to run instead of the defaults, e.g. 16x64,16x256 "
+                           "(to fit one device call's time limit)")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  args = _bench.parse_args(argv, __doc__.splitlines()[0], lambda p: p.add_argument(
-      "--dtype", choices=("bf16", "fp32"), default="bf16"))
+  args = _bench.parse_args(argv, __doc__.splitlines()[0], _extra_args)
   import mfopt
   from mfopt import fastpath, models, parallel
   from mfopt import train as train_lib
@@ -79,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   warmup, reps, iters = (2, 1, 1) if args.quick else (2, args.reps or (10 if gpu else 5),
                                                       5 if gpu else 1)
   model_cfg, shapes = configs(args.quick, gpu)
+  if args.shapes is not None:
+    shapes = args.shapes
   dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
   if args.quick:  # CI: a small CNN with BN compiles in a fraction of ResNet-18's time
     model = models.get_model("cnn", features=(4, 8), num_classes=10, dtype=dtype)

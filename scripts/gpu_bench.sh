@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Issue 8's GPU rows in one command, for a machine with an NVIDIA GPU and JAX, flax, optax,
-# chex, orbax, tqdm installed (the lent H100/H200 image has them; ml_collections is carried as
-# a wheel: `bash scripts/gpu_bench.sh --fetch-wheels` here, then carry `.whl` there).
+# Issue 8's GPU rows, for a machine with an NVIDIA GPU and JAX, flax, optax, chex, orbax, tqdm
+# installed (the lent H100/H200 image has them; ml_collections is carried as a wheel:
+# `bash scripts/gpu_bench.sh --fetch-wheels` here, then carry `.whl` there).
 #
-#   bash scripts/gpu_bench.sh [OUTDIR]      # default OUTDIR: $OUT if set, else runs/gpu_bench
-#   BENCH_ARGS=--quick bash scripts/gpu_bench.sh /tmp/x   # smoke test of this script
+#   bash scripts/gpu_bench.sh [OUTDIR [BENCH[:ARGS] ...]]
+#       OUTDIR default: $OUT if set, else runs/gpu_bench; BENCH default: all four benches.
+#   bash scripts/gpu_bench.sh "$OUT" bench_update bench_train_step      # one device call
+#   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 4x256,8x128"
+#   BENCH_ARGS=--quick PYTHON=.venv/bin/python bash scripts/gpu_bench.sh /tmp/x   # smoke test
 #
 # Writes OUTDIR/<bench>.json (every figure as data) and OUTDIR/<bench>.log (the FIG/TARGET
-# lines), prints the RESULT lines. Budget on an H100: the four benches compile ResNet-18/50
-# several times; give it the full 10 minutes of one call.
+# lines) and prints the header and RESULT lines. Time: a device call may run 10 minutes and
+# nothing compiled survives between machines, so split the benches over calls (ResNet-18/50
+# compile once per variant and shape; bench_virtual_workers compiles ~10 steps per shape:
+# give it two or three shapes per call with --shapes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--fetch-wheels" ]]; then  # run where pip can reach PyPI
@@ -17,6 +22,11 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then  # run where pip can reach PyPI
   exit $?
 fi
 out="${1:-${OUT:-runs/gpu_bench}}"
+shift || true
+benches=("$@")
+if [[ ${#benches[@]} -eq 0 ]]; then
+  benches=(bench_update bench_train_step bench_virtual_workers bench_comm)
+fi
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -25,10 +35,16 @@ fi
 export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
-  || true  # (printed only: the device tool returns at most 8 files, the 4 JSON + 4 logs)
+  || true  # (printed only: the device tool returns at most 8 files)
 status=0
-for bench in bench_update bench_train_step bench_virtual_workers bench_comm; do
-  "$py" -m "experiments.$bench" ${BENCH_ARGS:-} --json "$out/$bench.json" 2>&1 | tee "$out/$bench.log" \
-    | grep -E "^(#|RESULT)" || status=1
+for spec in "${benches[@]}"; do
+  bench="${spec%%:*}"
+  extra=""
+  [[ "$spec" == *:* ]] && extra="${spec#*:}"
+  name="$bench"  # output names: letters, digits, '.', '_', '-' only (the device tool's rule)
+  [[ -n "$extra" ]] && name="${bench}_$(printf '%s' "$extra" | tr -c 'A-Za-z0-9._-' '_')"
+  # shellcheck disable=SC2086  # BENCH_ARGS and extra are word lists on purpose
+  "$py" -m "experiments.$bench" ${BENCH_ARGS:-} $extra --json "$out/$name.json" 2>&1 \
+    | tee "$out/$name.log" | grep -E "^(#|RESULT)" || status=1
 done
 exit $status
