@@ -262,6 +262,21 @@ class LinearScalingAdaBoundState(NamedTuple):
   nu: optax.Updates
 
 
+def _linear_scaling_hyper(*, base_lr, num_workers, steps_per_epoch, alpha, warmup_epochs, b1,
+                          b2, eps) -> dict[str, Any]:
+  """Validated hyperparameters of linear-scaling AdaBound (for :func:`_linear_scaling_step`)."""
+  _check_pos("base_lr", base_lr)
+  _check_pos_int("num_workers", num_workers)
+  _check_pos_int("steps_per_epoch", steps_per_epoch)
+  _check_pos("alpha", alpha)
+  _check_pos("warmup_epochs", warmup_epochs)
+  _check_unit("b1", b1)
+  _check_unit("b2", b2)
+  _check_nonneg("eps", eps)
+  return dict(base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch,
+              alpha=alpha, warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
+
+
 def _linear_scaling_step(count, mu, nu, *, base_lr, num_workers, steps_per_epoch, alpha,
                          warmup_epochs, b1, b2, eps):
   """``clip(alpha_k / (sqrt(v) + eps), B_l, B_u) * m`` per leaf, at the ``count``-th update."""
@@ -307,16 +322,9 @@ def scale_by_linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_
 
   Seed: 004 §2.2.1 (bounds ``B_u``, ``B_l``; steps 2-6 of the warmup loop).
   """
-  _check_pos("base_lr", base_lr)
-  _check_pos_int("num_workers", num_workers)
-  _check_pos_int("steps_per_epoch", steps_per_epoch)
-  _check_pos("alpha", alpha)
-  _check_pos("warmup_epochs", warmup_epochs)
-  _check_unit("b1", b1)
-  _check_unit("b2", b2)
-  _check_nonneg("eps", eps)
-  hyper = dict(base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch,
-               alpha=alpha, warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
+  hyper = _linear_scaling_hyper(base_lr=base_lr, num_workers=num_workers,
+                                steps_per_epoch=steps_per_epoch, alpha=alpha,
+                                warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
 
   def init_fn(params):
     return LinearScalingAdaBoundState(count=jnp.zeros([], jnp.int32),
@@ -474,12 +482,9 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
   _check_pos("trust_coefficient", trust_coefficient)
   if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
     raise ValueError(f"decay must be in (0, 1], got {decay!r}")
-  # Validates the AdaBound arguments (the hybrid evaluates the same step inline).
-  scale_by_linear_scaling_adabound(
-      base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch, alpha=alpha,
-      warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
-  hyper = dict(base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch,
-               alpha=alpha, warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
+  hyper = _linear_scaling_hyper(base_lr=base_lr, num_workers=num_workers,
+                                steps_per_epoch=steps_per_epoch, alpha=alpha,
+                                warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
   switch = _warmup_steps(warmup_epochs, steps_per_epoch)
   if switch < 1:
     raise ValueError(f"warmup_epochs * steps_per_epoch must be >= 1 (one warmup step), got "
