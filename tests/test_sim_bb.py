@@ -73,32 +73,32 @@ def test_armijo_never_returns_a_violating_step_unless_at_the_limit():
     return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(y.shape[0]), y])
 
   n_hit = n_ok = 0
-  for max_bt in (3,):
-    cfg = sim.BBConfig(alpha0=1.0, max_bt=max_bt)
-    step = jax.jit(jax.vmap(bb_lib.make_bb_step(loss, cfg, batch_size=8, dataset_size=1000)))
-    B = 128
-    theta = rng.normal(scale=2.0, size=(B, d_in * c)).astype(np.float32)
-    x = rng.normal(scale=3.0, size=(B, 8, d_in)).astype(np.float32)
-    y = rng.integers(0, c, size=(B, 8))
-    alpha0 = np.exp(rng.uniform(np.log(1e-3), np.log(1e3), B)).astype(np.float32)
-    zeros = np.zeros_like(theta)
-    f32 = lambda v: np.full(B, v, np.float32)  # noqa: E731
-    inp = bb_lib.BBInputs(theta, zeros, zeros, alpha0, np.zeros(B, bool), f32(1), np.zeros(B, bool),
-                          f32(0), f32(0), f32(0))
-    out = jax.device_get(step(inp, x, y))
-    single = jax.jit(loss)
-    for i in range(B):
-      alpha, g = float(out.alpha[i]), np.asarray(out.grad[i])
-      lhs = float(single(theta[i] - np.float32(alpha) * g, x[i], y[i]))
-      rhs = float(out.loss[i]) - 0.1 * alpha * float(g @ g)
-      violated = lhs > rhs + 1e-6 * abs(rhs)
-      assert alpha == pytest.approx(float(alpha0[i]) * 0.5 ** int(out.num_backtracks[i]), rel=1e-6)
-      if bool(out.hit_limit[i]):
-        n_hit += 1
-        assert int(out.num_backtracks[i]) == max_bt
-      else:
-        n_ok += 1
-        assert not violated, (max_bt, i, lhs, rhs)
+  max_bt = 3
+  cfg = sim.BBConfig(alpha0=1.0, max_bt=max_bt)
+  step = jax.jit(jax.vmap(bb_lib.make_bb_step(loss, cfg, batch_size=8, dataset_size=1000)))
+  B = 128
+  theta = rng.normal(scale=2.0, size=(B, d_in * c)).astype(np.float32)
+  x = rng.normal(scale=3.0, size=(B, 8, d_in)).astype(np.float32)
+  y = rng.integers(0, c, size=(B, 8))
+  alpha0 = np.exp(rng.uniform(np.log(1e-3), np.log(1e3), B)).astype(np.float32)
+  zeros = np.zeros_like(theta)
+  f32 = lambda v: np.full(B, v, np.float32)  # noqa: E731
+  inp = bb_lib.BBInputs(theta, zeros, zeros, alpha0, np.zeros(B, bool), f32(1), np.zeros(B, bool),
+                        f32(0), f32(0), f32(0))
+  out = jax.device_get(step(inp, x, y))
+  single = jax.jit(loss)
+  for i in range(B):
+    alpha, g = float(out.alpha[i]), np.asarray(out.grad[i])
+    lhs = float(single(theta[i] - np.float32(alpha) * g, x[i], y[i]))
+    rhs = float(out.loss[i]) - 0.1 * alpha * float(g @ g)
+    violated = lhs > rhs + 1e-6 * abs(rhs)
+    assert alpha == pytest.approx(float(alpha0[i]) * 0.5 ** int(out.num_backtracks[i]), rel=1e-6)
+    if bool(out.hit_limit[i]):
+      n_hit += 1
+      assert int(out.num_backtracks[i]) == max_bt
+    else:
+      n_ok += 1
+      assert not violated, (max_bt, i, lhs, rhs)
   assert n_hit > 0 and n_ok > 0  # both branches were exercised
 
 

@@ -20,8 +20,8 @@ def _ds():
 MODEL = models.get_model("mlp", hidden=(), num_classes=10)
 
 
-class Recording(sim.SSP):
-  """SSP that records, at every push arrival, the pusher's count minus the slowest worker's.
+class _Gaps:
+  """Mixin: records, at every push arrival, the pusher's count minus the slowest worker's.
 
   The counts are kept here, independently of the strategy's own clock.
   """
@@ -35,6 +35,14 @@ class Recording(sim.SSP):
     self.counts[w] += 1
     self.gaps.append(int(self.counts[w] - self.counts.min()))
     super().on_push(s, w)
+
+
+class Recording(_Gaps, sim.SSP):
+  pass
+
+
+class RecordingASP(_Gaps, sim.ASP):
+  pass
 
 
 def _run(strategy, speeds, jitter, straggle, network, seed, pushes=60):
@@ -64,17 +72,6 @@ def test_ssp_bound_is_tight_and_asp_violates_it():
   strat = Recording(3, sim.BaseSGD(0.05))
   _run(strat, speeds, 0.0, 0.0, None, 0)
   assert max(strat.gaps) == 3  # the fast workers do run ahead up to the bound
-
-  class RecordingASP(sim.ASP):
-    def reset(self, s):
-      super().reset(s)
-      self.counts = np.zeros(s.num_workers, np.int64)
-      self.gaps = []
-
-    def on_push(self, s, w):
-      self.counts[w] += 1
-      self.gaps.append(int(self.counts[w] - self.counts.min()))
-      super().on_push(s, w)
 
   asp = RecordingASP(sim.BaseSGD(0.05))
   _run(asp, speeds, 0.0, 0.0, None, 0)

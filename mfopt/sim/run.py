@@ -106,7 +106,7 @@ class SimResult:
     return None
 
 
-def flat_model(model, params_example):
+def flat_model(params_example):
   """``(theta0, unravel)`` of a model's parameters as one float32 vector."""
   theta, unravel = ravel_pytree(params_example)
   return np.asarray(theta, np.float32), unravel
@@ -131,10 +131,9 @@ def _engines(model, loss_fn, bb: bb_lib.BBConfig | None, batch_size: int, num_tr
                                                    dataset_size=num_train)))
 
   def evaluate(theta, x, y):
-    logits = model.apply({"params": unravel(theta)}, x, train=False).astype(jnp.float32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    acc = (jnp.argmax(logits, -1) == y).mean()
-    return loss, acc
+    loss, aux = train_lib.classification_loss(
+        model.apply({"params": unravel(theta)}, x, train=False), y)
+    return loss, aux["accuracy"]
 
   return plain, bb_step, jax.jit(evaluate)
 
@@ -193,7 +192,7 @@ class Simulator:
     if model_state:
       raise ValueError(f"mfopt.sim supports models without mutable state (no BatchNorm); model "
                        f"{type(model).__name__} has collections {sorted(model_state)}")
-    theta0, unravel = flat_model(model, params)
+    theta0, unravel = flat_model(params)
     self.unravel = unravel
     if init_params is not None:
       theta0 = np.asarray(init_params, np.float32).reshape(theta0.shape)
@@ -521,11 +520,8 @@ class Simulator:
   # ------------------------------------------------------------------ checkpointing
   def state_dict(self) -> dict[str, Any]:
     """All mutable state as plain data (NumPy arrays, numbers, lists, dicts)."""
-    def out_d(o):
+    def as_dict(o):  # an Outcome or Message dataclass, or None
       return None if o is None else dataclasses.asdict(o)
-
-    def msg_d(m):
-      return None if m is None else dataclasses.asdict(m)
 
     return {
         "now": self.now, "theta": self.theta.copy(), "version": self.version,
@@ -535,7 +531,7 @@ class Simulator:
         "w_incoming": self.w_incoming.copy(), "w_step": self.w_step.copy(),
         "w_phase": self.w_phase.copy(), "w_computed": self.w_computed.copy(),
         "w_bcast": self.w_bcast.copy(), "w_k_grew": self.w_k_grew.copy(),
-        "out": [out_d(o) for o in self.out], "msg": [msg_d(m) for m in self.msg],
+        "out": [as_dict(o) for o in self.out], "msg": [as_dict(m) for m in self.msg],
         "alpha_carry": self.alpha_carry.copy(), "has_prev": self.has_prev.copy(),
         "g_prev": None if self.g_prev is None else self.g_prev.copy(),
         "broadcast": dict(self.broadcast), "pushes": self.pushes.copy(), "pulls": self.pulls.copy(),

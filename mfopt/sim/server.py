@@ -270,16 +270,20 @@ class _Collect(Strategy):
       self.waiting.append(w)
       sim.block(w)
       if self._ready(sim):
-        n = len(self.waiting)
-        self._update(sim, n)
-        sim.record_update(k=n)
-        self._clear(sim)
-        released, self.waiting = self.waiting, []
-        for b in released:
-          sim.send(b)
+        self._finish_step(sim, sim.send)
     else:
       self._stale(sim, w, msg)
       sim.send(w)
+
+  def _finish_step(self, sim, release) -> None:
+    """One server update from the waiting workers' sum, then ``release`` each of them."""
+    n = len(self.waiting)
+    self._update(sim, n)
+    sim.record_update(k=n)
+    self._clear(sim)
+    released, self.waiting = self.waiting, []
+    for b in released:
+      release(b)
 
   def _fresh(self, sim, w, msg) -> None:
     self.sum += msg.grad
@@ -312,9 +316,6 @@ class BSP(_Collect, _OptStrategy):
   """
 
   name = "BSP"
-
-  def __init__(self, base: BaseSGD | None = None):
-    _OptStrategy.__init__(self, base)
 
   def reset(self, sim):
     _OptStrategy.reset(self, sim)
@@ -554,14 +555,11 @@ class AllReduce(BSP):
       sim.start_collective()
 
   def on_collective(self, sim):
-    n = len(self.waiting)
-    self._update(sim, n)
-    sim.record_update(k=n)
-    self._clear(sim)
-    released, self.waiting = self.waiting, []
-    for b in released:
+    def restart(b):  # all-reduce: no pull message, the worker adopts the new version at once
       sim.adopt(b, sim.version)
       sim.start_compute(b)
+
+    self._finish_step(sim, restart)
 
 
 class EASGD(Strategy):
@@ -597,9 +595,6 @@ class EASGD(Strategy):
 
   def worker_params(self, sim, w):
     return self.local[w]
-
-  def eval_params(self, sim):
-    return sim.theta
 
   def on_compute_done(self, sim, w):
     eta = np.float32(self.base.lr(sim.epoch))

@@ -34,27 +34,6 @@ def _base(c) -> server.BaseSGD:
   return server.BaseSGD(c.learning_rate, c.decay_rate, c.momentum if c.momentum > 0 else None)
 
 
-def _ksync(preset: str, **overrides) -> Callable[[Any], server.Strategy]:
-  def make(c):
-    return presets.ksync_preset(preset, alpha0=c.learning_rate, **overrides)
-  return make
-
-
-#: name -> factory(config) of a fresh strategy. Fixed-k and decay-schedule variants of the seed's
-#: model are built by :func:`ksync_variant`.
-STRATEGIES: Mapping[str, Callable[[Any], server.Strategy]] = {
-    "ASP": lambda c: server.ASP(_base(c)),
-    "BSP": lambda c: server.BSP(_base(c)),
-    "SSP": lambda c: server.SSP(c.ssp_staleness, _base(c)),
-    "EASGD": lambda c: server.EASGD(c.easgd_interval, _base(c)),
-    "DropWorker": lambda c: server.DropWorker(c.drop_rate, _base(c)),
-    "all-reduce": lambda c: server.AllReduce(_base(c)),
-    "KSync[faithful]": _ksync("faithful"),
-    "KSync[working]": _ksync("working"),
-    "KSync[working,reaverage]": _ksync("working", stale_merge="reaverage"),
-}
-
-
 def ksync_variant(preset: str, *, k: int | str = "adaptive", bb: bool = True, label: str | None = None,
                   **overrides) -> Callable[[Any], server.Strategy]:
   """A factory for the seed's model with a fixed ``k`` and/or the decay schedule instead of BB.
@@ -69,6 +48,21 @@ def ksync_variant(preset: str, *, k: int | str = "adaptive", bb: bool = True, la
   return make
 
 
+#: name -> factory(config) of a fresh strategy. Fixed-k and decay-schedule variants of the seed's
+#: model are built by :func:`ksync_variant` too.
+STRATEGIES: Mapping[str, Callable[[Any], server.Strategy]] = {
+    "ASP": lambda c: server.ASP(_base(c)),
+    "BSP": lambda c: server.BSP(_base(c)),
+    "SSP": lambda c: server.SSP(c.ssp_staleness, _base(c)),
+    "EASGD": lambda c: server.EASGD(c.easgd_interval, _base(c)),
+    "DropWorker": lambda c: server.DropWorker(c.drop_rate, _base(c)),
+    "all-reduce": lambda c: server.AllReduce(_base(c)),
+    "KSync[faithful]": ksync_variant("faithful"),
+    "KSync[working]": ksync_variant("working"),
+    "KSync[working,reaverage]": ksync_variant("working", stale_merge="reaverage"),
+}
+
+
 def base_config(quick: bool) -> ml_collections.ConfigDict:
   """Fields every simulator experiment shares (the experiment adds its own)."""
   c = ml_collections.ConfigDict()
@@ -77,7 +71,7 @@ def base_config(quick: bool) -> ml_collections.ConfigDict:
   c.num_workers = 4 if quick else 16
   c.per_worker_batch = 16 if quick else 32
   c.epochs = 2.0 if quick else 30.0
-  c.eval_every_epochs = 0.5 if quick else 0.5
+  c.eval_every_epochs = 0.5
   c.learning_rate = 0.1    # LR of every baseline and α_0 of the BB step
   c.decay_rate = 0.99      # DR per epoch (Table 3)
   c.momentum = 0.0         # baselines' momentum (0 = plain SGD, spec §5)
