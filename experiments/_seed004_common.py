@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 import mfopt
+from experiments._averaging_common import mesh_for  # noqa: F401 (also used by seed-004 scripts)
 from mfopt import batchnorm, data as data_lib, metrics, parallel, precision, runner, train
 from mfopt import models as models_lib
 
@@ -75,12 +76,6 @@ def load_dataset(c) -> data_lib.Dataset:
   if c.dataset == "mnist1d":
     return data_lib.load("mnist1d", num_train=c.num_train, num_test=c.num_test)
   return data_lib.load(c.dataset)
-
-
-def mesh_for(num_workers: int):
-  devices = jax.devices()
-  d = max(k for k in range(1, len(devices) + 1) if num_workers % k == 0)
-  return parallel.make_mesh(devices[:d])
 
 
 def warmup_sgd_schedule(*, base_lr, num_workers, steps_per_epoch, warmup_epochs, decay):

@@ -260,12 +260,13 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                                  what=f"Table I: SMALL_BATCH ({best['SMALL_BATCH']}) beats ADPSGD"))
   dec = f"DECREASING {c.decreasing_periods[0]}->{c.decreasing_periods[1]}"
   verdicts.append(common.verdict(accs("ADPSGD"), accs(dec), expect_greater=True,
-                                 what="§V.B: ADPSGD beats the decreasing period (20 then 5)"))
+                                 what=f"§V.B: ADPSGD beats the decreasing period ({c.decreasing_periods[0]} then "
+                                      f"{c.decreasing_periods[1]})"))
   qname = f"QSGD-{c.qsgd_bits}bit"
   verdicts.append(common.verdict(
       [-r["final_train_loss"] for r in per_seed["ADPSGD"]],
       [-r["final_train_loss"] for r in per_seed[qname]], expect_greater=True,
-      what="§IV-B: ADPSGD reaches a smaller training loss than QSGD-8bit"))
+      what=f"§IV-B: ADPSGD reaches a smaller training loss than {qname}"))
   if "CPSGD p=8" in per_seed:
     verdicts.append(common.verdict(
         [r["param_syncs"] for r in per_seed["CPSGD p=8"]],
@@ -286,8 +287,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       f"steps at period 1, p_init={c.p_init}, K_s={k_s}",
       f"- Reduced from the paper: CPSGD p in {tuple(c.cpsgd_periods)} (paper 2..16), FULLSGD lr in "
       f"{tuple(c.fullsgd_lrs)} (paper 0.1..1.6); SMALL_BATCH lr in {tuple(c.small_batch_lrs)} "
-      "(paper 0.1 at batch 128); MLP on mnist1d instead of GoogLeNet/VGG16 on "
-      "CIFAR-10; 8 workers instead of 16.",
+      f"(paper 0.1 at batch 128); {c.model.upper()} on {c.dataset} instead of GoogLeNet/VGG16 on "
+      f"CIFAR-10; {w} workers instead of 16.",
       "- Collectives and bytes are per worker, counted by the transforms (payload). "
       "'measured (s)' is this machine's training time. Projected times (cost model, SPEC.md) = "
       f"per-worker compute {t_step * 1e3:.3f} ms/step (measured on SMALL_BATCH: 1 worker, batch "

@@ -76,12 +76,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
                              f"got {c.periods!r}")
 
 
-def _weighted_variance(trace: dict[str, np.ndarray], schedule, num_steps: int) -> float:
+def _weighted_variance(trace: dict[str, np.ndarray], schedule) -> float:
   """Eq. (9): sum_k lr_k Var[W_k] / sum_k lr_k, from per-round V_t (lr constant in a round)."""
   steps_lr = np.asarray([float(schedule(k)) for k in trace["step"] - 1])
   num = np.sum(steps_lr * trace["period"] * trace["mean_variance"])
   den = np.sum(steps_lr * trace["period"])
-  del num_steps
   return float(num / den)
 
 
@@ -127,7 +126,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         traces[name] = trace
       results[name].append({
           "syncs": int(len(trace["step"])),
-          "weighted_variance": _weighted_variance(trace, schedule, n),
+          "weighted_variance": _weighted_variance(trace, schedule),
           "phase_v": _phase_means(trace, n),
           "final_train_loss": res.summary["final_train_loss"],
           "test_accuracy": res.summary["test_accuracy"],

@@ -67,8 +67,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   rows, verdicts, raw, curves = [], [], {}, {}
+  sizes = {}
   for dataset_name, model_name in c.pairs:
     dataset = data_lib.load(dataset_name)
+    sizes[dataset_name] = f"{len(dataset.train):,} train / {len(dataset.test):,} test"
     key = f"{dataset_name}/{model_name}"
     accs: dict[str, list[float]] = {"K-AVG": [], "M-AVG": []}
     losses: dict[str, list[float]] = {"K-AVG": [], "M-AVG": []}
@@ -108,7 +110,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       "# block_momentum_table: seed 003 Table I at small scale\n",
       report.environment_markdown(env),
       "- Pairs (dataset/model): " + ", ".join(f"{d}/{m}" for d, m in c.pairs)
-      + " (embedded datasets: digits 1,437 train / 360 test; mnist1d 4,000 / 1,000); "
+      + " (embedded datasets: " + "; ".join(f"{d} {z}" for d, z in sizes.items()) + "); "
       f"MLP hidden {tuple(c.mlp_hidden)}, CNN: the registry default",
       f"- Workers P={c.num_workers} (virtual, {env['device_count']} device(s)); per-worker batch "
       f"B={c.per_worker_batch}; K={c.period} local plain-SGD steps per round at lr "

@@ -201,7 +201,7 @@ def _write_report(c, workdir, dataset, act_rows, gauss_rows, noise_rows, verdict
       "(channel x position) per layer for eqs. 4-8; all channels for the BN noise",
       f"- Seeds: {tuple(c.seeds)} (training and sampling); values are means over seeds, "
       "SE = standard error over trials pooled over seeds",
-      f"- Wall time: {wall:.1f} s measured (CPU)\n",
+      f"- Wall time: {wall:.1f} s measured ({env['backend']})\n",
       f"**Verdict: {verdict['text']}**\n",
       "## E[S_t] in units of s^2 (eq. 7), measured beside the printed eq. 8 and the correct "
       "value\n",
