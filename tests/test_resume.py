@@ -365,7 +365,10 @@ def test_resume_in_process_equals_uninterrupted(name, tmp_path):
   full = train.fit(tx=make(), **kw)
   for step in ("20", "15"):  # as if the run had died after step 10's checkpoint
     shutil.rmtree(tmp_path / step)
-  resumed = train.fit(tx=make(), **kw)
+  logged = []
+  resumed = train.fit(tx=make(), on_log=logged.append, **kw)
+  # it resumed after step 10 (a fit that ignored the checkpoint would log from step 5)
+  assert [row["step"] for row in logged] == [15, 20]
   assert _strip(resumed.history) == _strip(full.history)
   for a, b in zip(jax.tree.leaves(jax.device_get(full.state)),
                   jax.tree.leaves(jax.device_get(resumed.state))):

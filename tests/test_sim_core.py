@@ -152,6 +152,9 @@ def test_checkpoint_resume_is_bit_identical(ds, linear, make):
   state = pickle.loads(pickle.dumps(state))
   resumed = build()
   resumed.load_state_dict(state)
+  # the state really arrived (a load that did nothing would rerun from t=0 and still match)
+  assert first.now > 0 and resumed.now == first.now and resumed.version == first.version
+  np.testing.assert_array_equal(resumed.theta, first.theta)
   resumed.run(max_samples=8 * 50)
   assert _trace(resumed) == _trace(full)
 
