@@ -116,6 +116,17 @@ def _moments(grads, state, b1, b2, amsbound):
   return mu, nu, nu_max
 
 
+def _clipped_step(step_size, lower, upper, eps, mu, denom):
+  """``clip(step_size / (sqrt(v) + eps), lower, upper) * m`` per leaf (AdaBound's step)."""
+
+  def one(m, v):
+    rate = jnp.clip((step_size / (jnp.sqrt(v) + eps)).astype(v.dtype),
+                    lower.astype(v.dtype), upper.astype(v.dtype))
+    return rate * m
+
+  return jax.tree.map(one, mu, denom)
+
+
 def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0.1,
                       gamma: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                       eps: float = 1e-8, amsbound: bool = False
@@ -173,14 +184,7 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
     step_size = lr * jnp.sqrt(_bias_correction(b2, t)) / _bias_correction(b1, t)
     lower = final * (1.0 - 1.0 / (gamma * t + 1.0))
     upper = final * (1.0 + 1.0 / (gamma * t))
-    denom = nu_max if amsbound else nu
-
-    def one(m, v):
-      rate = jnp.clip((step_size / (jnp.sqrt(v) + eps)).astype(v.dtype),
-                      lower.astype(v.dtype), upper.astype(v.dtype))
-      return rate * m
-
-    out = jax.tree.map(one, mu, denom)
+    out = _clipped_step(step_size, lower, upper, eps, mu, nu_max if amsbound else nu)
     return out, AdaBoundState(count=count, mu=mu, nu=nu, nu_max=nu_max)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -285,13 +289,7 @@ def _linear_scaling_step(count, mu, nu, *, base_lr, num_workers, steps_per_epoch
   lower, upper = linear_scaling_bounds(t / steps_per_epoch, base_lr=base_lr,
                                        num_workers=num_workers, warmup_epochs=warmup_epochs,
                                        b2=b2)
-
-  def one(m, v):
-    rate = jnp.clip((step_size / (jnp.sqrt(v) + eps)).astype(v.dtype),
-                    lower.astype(v.dtype), upper.astype(v.dtype))
-    return rate * m
-
-  return jax.tree.map(one, mu, nu)
+  return _clipped_step(step_size, lower, upper, eps, mu, nu)
 
 
 def scale_by_linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_per_epoch: int,

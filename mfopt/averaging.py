@@ -56,7 +56,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from mfopt.comm import (AxisName, CollectiveKind, CommStats, init_comm_stats,
+from mfopt.comm import (AxisName, CollectiveKind, CommStats, init_comm_stats, pmean_tree,
                         tree_payload_bytes)
 from mfopt.comm import unbatched as _unbatched
 
@@ -353,14 +353,6 @@ def _sq_norm(tree: Any) -> jax.Array:
   return sum(leaves, jnp.zeros([], jnp.float32))
 
 
-def _pmean(tree: Any, axis_name: AxisName, dtype: Any = None) -> Any:
-  if axis_name is None:
-    return tree
-  if dtype is None:
-    return jax.tree.map(lambda x: lax.pmean(x, axis_name), tree)
-  return jax.tree.map(lambda x: lax.pmean(x.astype(dtype), axis_name).astype(x.dtype), tree)
-
-
 def _is_float(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -472,8 +464,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
     diag = state.diagnostics
     if track_variance:
-      mean_now = _pmean(params, axis_name)
-      var_k = _pmean(_sq_norm(jax.tree.map(jnp.subtract, mean_now, params)), axis_name)
+      mean_now = pmean_tree(params, axis_name)
+      var_k = pmean_tree(_sq_norm(jax.tree.map(jnp.subtract, mean_now, params)), axis_name)
       diag = diag._replace(variance=var_k, variance_sum=diag.variance_sum + var_k,
                            variance_exchanges=diag.variance_exchanges + (2 if communicates else 0))
 
@@ -490,14 +482,14 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, inner_updates)
       if comm_dtype is not None:
         delta = jax.tree.map(jnp.subtract, local, anchor)
-        mean = jax.tree.map(jnp.add, anchor, _pmean(delta, axis_name, comm_dtype))
+        mean = jax.tree.map(jnp.add, anchor, pmean_tree(delta, axis_name, comm_dtype))
       else:
-        mean = _pmean(local, axis_name)
+        mean = pmean_tree(local, axis_name)
       if average_inner_state:
         inner_state = jax.tree.map(
-            lambda x: _pmean(x, axis_name) if _is_float(x) else x, inner_state)
+            lambda x: pmean_tree(x, axis_name) if _is_float(x) else x, inner_state)
       if compute_s:
-        s_k = _pmean(_sq_norm(jax.tree.map(jnp.subtract, mean, local)), axis_name)
+        s_k = pmean_tree(_sq_norm(jax.tree.map(jnp.subtract, mean, local)), axis_name)
         scalar_comm = scalar_comm._replace(
             count=scalar_comm.count + (1 if communicates else 0))
       else:

@@ -67,7 +67,7 @@ def _concrete(value: Any) -> float | None:
     return None
 
 
-def _values(name: str, value: ScalarOrSchedule, validate_steps: int | None) -> list[float]:
+def _values(value: ScalarOrSchedule, validate_steps: int | None) -> list[float]:
   """The concrete values of a constant or (if ``validate_steps``) a schedule, for checks."""
   if callable(value):
     if validate_steps is None:
@@ -83,7 +83,7 @@ def _values(name: str, value: ScalarOrSchedule, validate_steps: int | None) -> l
 
 def _check_mf(name: str, value: ScalarOrSchedule, validate_steps: int | None,
               non_decreasing: bool = False) -> None:
-  values = _values(name, value, validate_steps)
+  values = _values(value, validate_steps)
   for t, v in enumerate(values):
     if not (0.0 <= v < 1.0):
       where = f" at step {t}" if callable(value) else ""
@@ -97,7 +97,7 @@ def _check_mf(name: str, value: ScalarOrSchedule, validate_steps: int | None,
 
 
 def _check_lr(value: ScalarOrSchedule, validate_steps: int | None) -> None:
-  for t, v in enumerate(_values("learning_rate", value, validate_steps)):
+  for t, v in enumerate(_values(value, validate_steps)):
     if not (v >= 0.0 and math.isfinite(v)):
       where = f" at step {t}" if callable(value) else ""
       raise ValueError(f"learning_rate must be finite and >= 0, got {v!r}{where}")

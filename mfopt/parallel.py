@@ -96,13 +96,7 @@ def per_worker(fn: Callable[..., Any], mesh: Mesh, num_workers: int) -> Callable
   worker-stacked and sharded over :data:`DATA_AXIS`. The result is not jitted;
   wrap it in ``jax.jit``.
   """
-  local_workers(num_workers, mesh)  # validates before anything is traced
-
-  def on_device(*args):
-    return jax.vmap(fn, axis_name=LOCAL_AXIS)(*args)
-
-  return jax.shard_map(on_device, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(DATA_AXIS),
-                       check_vma=False)
+  return per_device(jax.vmap(fn, axis_name=LOCAL_AXIS), mesh, num_workers)
 
 
 def per_device(fn: Callable[..., Any], mesh: Mesh, num_workers: int) -> Callable[..., Any]:
