@@ -325,10 +325,13 @@ def averaged_model(state: TrainState) -> tuple[Any, Any]:
 
 def evaluate(eval_fn, params, model_state, source, batch_size: int = 512) -> dict[str, float]:
   """Loss and accuracy of one model over a whole source (the test set)."""
+  # Dispatch every batch, then fetch once: the host prepares batch i+1 while the device
+  # evaluates batch i (one device_get per batch would serialise them). Same summation order.
+  outs = [eval_fn(params, model_state, batch["x"], batch["y"], batch["mask"])
+          for batch in data_lib.eval_batches(source, batch_size)]
   totals = np.zeros(3)
-  for batch in data_lib.eval_batches(source, batch_size):
-    out = eval_fn(params, model_state, batch["x"], batch["y"], batch["mask"])
-    totals += np.asarray(jax.device_get(out), dtype=np.float64)
+  for out in jax.device_get(outs):
+    totals += np.asarray(out, dtype=np.float64)
   loss, correct, count = totals
   return {"test_loss": float(loss / count), "test_accuracy": float(correct / count)}
 
@@ -605,6 +608,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
                            comm=_comm_totals(state.opt_state, mesh)),
             "lowering": lowering}
 
+  summary = None  # the final summary, formed once (for the last checkpoint and the result)
   bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
   last_save = time.perf_counter()
   tick = time.perf_counter()
@@ -629,9 +633,11 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
             checkpoint_interval_s is None or time.perf_counter() - last_save >= checkpoint_interval_s)
         if ckpt is not None and (due or done == num_steps):
           last_save = time.perf_counter()
+          if done == num_steps:
+            summary = summarize(state)
           ckpt.save(done, state, {
               "history": history, "train_s": train_s, "compile_s": compile_s,
-              "summary": summarize(state) if done == num_steps else None})
+              "summary": summary})
         tick = time.perf_counter()
       bar.update(1)
   finally:
@@ -639,4 +645,6 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     if ckpt is not None:
       ckpt.close()
 
-  return FitResult(history=history, summary=summarize(state), state=state)
+  if summary is None:  # no checkpointing (or nothing trained): summarise now
+    summary = summarize(state)
+  return FitResult(history=history, summary=summary, state=state)
