@@ -230,10 +230,7 @@ def test_adabound_schedule_decays_the_bounds_like_the_reference():
     tx = mfopt.adabound(lambda c: 1e-2 * 0.98 ** c, final_lr=0.2, gamma=0.05)
     got = _run(tx, p0, jax_loss, STEPS, jnp.float64)
   _assert_traj(got, want, 1e-10)
-  # and it matters: ignoring the scaling of final_lr gives a different trajectory
-  other = np_adabound(p0, np_grad, STEPS, 1e-2, final_lr=0.2, gamma=0.05,
-                      lr_at=lambda i: 1e-2 if i == 0 else sched(i) * (1 + 1e-9))
-  assert np.abs(other[-1]["x"] - want[-1]["x"]).max() < 1e-6  # sanity of the reference
+  # and the schedule matters: a constant lr gives a different trajectory
   fixed = np_adabound(p0, np_grad, STEPS, 1e-2, final_lr=0.2, gamma=0.05)
   assert np.abs(fixed[-1]["x"] - want[-1]["x"]).max() > 1e-3
 

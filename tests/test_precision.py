@@ -223,6 +223,15 @@ def test_plain_optimizer_compiles_to_the_same_step():
   b = _batch(np.random.default_rng(0))
   state = train.init_train_state(model, tx, b["x"][0], num_workers=W, mesh=mesh)
   step = train.make_train_step(model, tx, mesh=mesh, num_workers=W, donate=False)
-  _, metrics = step(state, parallel.shard_workers(b, mesh))
+  batch = parallel.shard_workers(b, mesh)
+  _, metrics = step(state, batch)
   assert set(metrics) == {"loss", "accuracy", "update_norm"}
   assert precision.loss_scale_of(state.opt_state) is None
+  # The loss-scaled step adds finiteness checks of the gradients/updates; the plain one has
+  # none of them (it is the step a plain optimizer would compile).
+  plain_checks = step.lower(state, batch).as_text().count("stablehlo.is_finite")
+  scaled_tx = precision.dynamic_loss_scale(tx)
+  scaled_state = train.init_train_state(model, scaled_tx, b["x"][0], num_workers=W, mesh=mesh)
+  scaled = train.make_train_step(model, scaled_tx, mesh=mesh, num_workers=W, donate=False)
+  scaled_checks = scaled.lower(scaled_state, batch).as_text().count("stablehlo.is_finite")
+  assert scaled_checks > plain_checks

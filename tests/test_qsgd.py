@@ -30,6 +30,13 @@ def test_quantization_is_unbiased_statistically():
   mean = np.asarray(deq).mean(0)
   norms = np.asarray(q_and_norms[1][0])
   s = 2 ** (bits - 1) - 1
+  # The scale is the bucket's L2 norm (QSGD), recomputed here from v, not taken on trust.
+  buckets = np.pad(np.asarray(v, np.float64), (0, -n % bucket)).reshape(-1, bucket)
+  np.testing.assert_allclose(norms, np.linalg.norm(buckets, axis=1), rtol=1e-6)
+  # Every draw rounds |v_i| / ||v_b|| * s to one of its two neighbouring levels.
+  ideal = np.abs(np.asarray(v)) / np.repeat(norms, bucket)[:n] * s
+  levels = np.abs(np.asarray(q_and_norms[0][:8], np.float64))
+  assert np.all((levels >= np.floor(ideal) - 1e-6) & (levels <= np.floor(ideal) + 1 + 1e-6))
   se = np.repeat(norms, bucket)[:n] / (2 * s * np.sqrt(draws))
   assert np.all(np.abs(mean - np.asarray(v)) <= 5 * se)
   # Power: deterministic (floor) rounding is biased by far more than the tolerance.
