@@ -85,22 +85,26 @@ def wire_bytes(payload_bytes: float, num_workers: int, kind: CollectiveKind) -> 
   raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def all_reduce_time(payload_bytes: float, num_workers: int, net: str | Link) -> float:
-  """Ring all-reduce time in seconds (0 for one worker)."""
+def _ring_time(payload_bytes: float, num_workers: int, net: str | Link,
+               kind: CollectiveKind) -> float:
+  """:func:`wire_bytes` over the bandwidth plus one latency per ring step (2(n-1) for an
+  all-reduce: reduce-scatter then all-gather; n-1 for an all-gather); 0 for one worker."""
   _check_workers(num_workers)
   net, n = link(net), num_workers
   if n == 1:
     return 0.0
-  return 2 * (n - 1) / n * payload_bytes / net.bandwidth + 2 * (n - 1) * net.latency
+  steps = 2 * (n - 1) if kind == CollectiveKind.ALL_REDUCE else n - 1
+  return wire_bytes(payload_bytes, n, kind) / net.bandwidth + steps * net.latency
+
+
+def all_reduce_time(payload_bytes: float, num_workers: int, net: str | Link) -> float:
+  """Ring all-reduce time in seconds (0 for one worker)."""
+  return _ring_time(payload_bytes, num_workers, net, CollectiveKind.ALL_REDUCE)
 
 
 def all_gather_time(payload_bytes: float, num_workers: int, net: str | Link) -> float:
   """Ring all-gather time in seconds of ``payload_bytes`` per worker (0 for one worker)."""
-  _check_workers(num_workers)
-  net, n = link(net), num_workers
-  if n == 1:
-    return 0.0
-  return (n - 1) / n * n * payload_bytes / net.bandwidth + (n - 1) * net.latency
+  return _ring_time(payload_bytes, num_workers, net, CollectiveKind.ALL_GATHER)
 
 
 def collective_time(payload_bytes: float, num_workers: int, net: str | Link,

@@ -43,7 +43,6 @@ ENV_PROCESS_ID = "MFOPT_PROCESS_ID"
 ENV_HEARTBEAT = "MFOPT_HEARTBEAT_TIMEOUT"
 ENV_NUM_CPU_DEVICES = "MFOPT_NUM_CPU_DEVICES"
 ENV_AUTO = "MFOPT_DISTRIBUTED"
-_JOINED = False  # set once this process has called jax.distributed.initialize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +139,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   configure_cpu(num_cpu_devices, cpu_collectives if settings is not None else None)
   if settings is None:
     return None
-  global _JOINED
-  if _JOINED:
+  if jax.distributed.is_initialized():  # joined already (here or by the caller)
     return settings
   kwargs = {"initialization_timeout": initialization_timeout_s}
   if settings.heartbeat_timeout_s is not None:
     kwargs["heartbeat_timeout_seconds"] = settings.heartbeat_timeout_s
   jax.distributed.initialize(settings.coordinator_address, settings.num_processes,
                              settings.process_id, **kwargs)
-  _JOINED = True
   return settings
 
