@@ -57,7 +57,7 @@ import optax
 from jax import lax
 
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, init_comm_stats, pmean_tree,
-                        tree_payload_bytes)
+                        states_of, tree_payload_bytes)
 from mfopt.comm import unbatched as _unbatched
 
 __all__ = [
@@ -574,8 +574,7 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
 
 def find_averaging_state(opt_state: Any) -> PeriodicAveragingState:
   """The (first) :class:`PeriodicAveragingState` inside an optimizer state (chains included)."""
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
-      x, PeriodicAveragingState)) if isinstance(s, PeriodicAveragingState)]
+  found = states_of(opt_state, PeriodicAveragingState)
   if not found:
     raise ValueError("no PeriodicAveragingState in opt_state (is this a periodic_averaging state?)")
   return found[0]

@@ -115,6 +115,12 @@ def tree_payload_bytes(tree: Any, dtype: Any = None) -> int:
   return total
 
 
+def states_of(tree: Any, cls: type) -> list[Any]:
+  """Every node of type ``cls`` (e.g. a transform's state NamedTuple) in ``tree``, in order."""
+  return [s for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls))
+          if isinstance(s, cls)]
+
+
 def comm_totals(state: Any) -> dict[str, int]:
   """Sums every :class:`CommStats` found in an (optimizer) state.
 
@@ -126,8 +132,7 @@ def comm_totals(state: Any) -> dict[str, int]:
     "all_gathers": ..., "all_reduce_bytes": ..., "all_gather_bytes": ...}``,
     all Python ints, per worker.
   """
-  stats = [s for s in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, CommStats)) if isinstance(s, CommStats)]
+  stats = states_of(state, CommStats)
   out = {"collectives": 0, "payload_bytes": 0, "all_reduces": 0, "all_gathers": 0,
          "all_reduce_bytes": 0, "all_gather_bytes": 0}
   for s in jax.device_get(stats):  # one transfer for all counters

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import optax
 from flax.training.dynamic_scale import DynamicScale
 
-from mfopt.comm import CommStats
+from mfopt.comm import CommStats, states_of
 
 __all__ = [
     "Policy",
@@ -287,16 +287,14 @@ def loss_scale_of(opt_state: Any) -> DynamicScale | None:
   """The ``DynamicScale`` of the :class:`LossScaleState` in ``opt_state`` (top level or in a
   chain), or ``None`` when the optimizer has no loss scaling. Used by the train step at trace
   time, so optimizers without it compile exactly as before."""
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
-           if isinstance(s, LossScaleState)]
+  found = states_of(opt_state, LossScaleState)
   if len(found) > 1:
     raise ValueError(f"optimizer state must hold at most one LossScaleState, got {len(found)}")
   return found[0].dynamic_scale if found else None
 
 
 def _loss_scale_state(opt_state: Any) -> LossScaleState:
-  return next(s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
-              if isinstance(s, LossScaleState))
+  return states_of(opt_state, LossScaleState)[0]
 
 
 def scaled_value_and_grad(fun: Callable[..., Any], dynamic_scale: DynamicScale):
