@@ -131,6 +131,12 @@ def _advance_with(state: PeriodState, period: jax.Array) -> tuple[PeriodState, j
   return state._replace(count=state.count + 1, cnt=cnt), cnt >= period
 
 
+def _restart_round(state, k, s_k):
+  """``on_sync`` of the fixed-schedule controllers: only the step counter of the round resets."""
+  del k, s_k
+  return state._replace(cnt=jnp.zeros_like(state.cnt))
+
+
 def constant_period(p: int) -> PeriodController:
   """Average after every ``p`` local steps: steps p, 2p, 3p, ... counted from 1 (CPSGD, K-AVG).
 
@@ -155,11 +161,7 @@ def constant_period(p: int) -> PeriodController:
   def advance(state):
     return _advance_with(state, state.period)
 
-  def on_sync(state, k, s_k):
-    del k, s_k
-    return state._replace(cnt=jnp.zeros_like(state.cnt))
-
-  return PeriodController(lambda: _init_period_state(p), advance, on_sync, False,
+  return PeriodController(lambda: _init_period_state(p), advance, _restart_round, False,
                           f"constant(p={p})")
 
 
@@ -201,11 +203,7 @@ def scheduled_period(periods: tuple[int, ...], boundaries: tuple[int, ...]) -> P
     state, due = _advance_with(state, period)
     return state._replace(period=period), due
 
-  def on_sync(state, k, s_k):
-    del k, s_k
-    return state._replace(cnt=jnp.zeros_like(state.cnt))
-
-  return PeriodController(lambda: _init_period_state(periods[0]), advance, on_sync, False,
+  return PeriodController(lambda: _init_period_state(periods[0]), advance, _restart_round, False,
                           f"scheduled({periods}, {boundaries})")
 
 
@@ -618,7 +616,7 @@ def sync_trace(opt_state: Any, worker: int = 0) -> dict[str, np.ndarray]:
       continue
     t = a.shape[0]
     n = min(syncs, t)
-    start = (syncs - n) % t if t else 0
+    start = (syncs - n) % t
     out[name] = np.roll(a, -start)[:n]
   return out
 
