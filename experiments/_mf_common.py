@@ -219,3 +219,29 @@ def curves_by_mf(workdir, key: str = "train_loss") -> dict[str, tuple[list, list
     xs = sorted(steps)
     out[f"MF {mf}"] = (xs, [float(np.mean(steps[x])) for x in xs])
   return out
+
+
+def write_claims_report(workdir, lines: list[str], claims: dict[str, str], image: str,
+                        caption: str, empty: str | None = "- (needs two MF values)") -> None:
+  """Appends the paper-claims section (the SPEC.md rule) and one plot, writes ``report.md``."""
+  lines = list(lines) + ["\n## Paper claims (reproduced only with the paper's sign and "
+                         "|diff| > 2 std)\n"]
+  lines += [f"- {k}: **{v}**" for k, v in claims.items()] or ([empty] if empty else [])
+  lines.append(f"\n![{caption}]({image})\n")
+  (workdir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def plot_accuracy_vs_workers(aggs, optimizers, key: str, values, label, path, title: str) -> None:
+  """Test accuracy (mean over seeds) against workers: one panel per optimizer, one series per
+  value of ``key`` (``label(value)`` names it); cells with no run are left out."""
+  panels = {}
+  for opt in optimizers:
+    series = {}
+    for v in values:
+      pts = sorted((a["workers"], a["test_accuracy_mean"]) for a in aggs
+                   if a["optimizer"] == opt and a[key] == v)
+      if pts:
+        series[label(v)] = ([p[0] for p in pts], [p[1] for p in pts])
+    panels[OPTIMIZER_LABELS[opt]] = series
+  report.plot_curves(path, panels, xlabel="workers", ylabel="test accuracy (mean over seeds)",
+                     title=title)

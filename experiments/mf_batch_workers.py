@@ -148,18 +148,10 @@ def _claims(c, rows) -> dict[str, str]:
 
 
 def _plot(c, aggs, workdir: pathlib.Path) -> None:
-  panels = {}
-  for opt in c.optimizers:
-    series = {}
-    for batch in c.batches:
-      pts = sorted((a["workers"], a["test_accuracy_mean"]) for a in aggs
-                   if a["optimizer"] == opt and a["global_batch"] == batch)
-      if pts:
-        series[f"batch {batch}"] = ([p[0] for p in pts], [p[1] for p in pts])
-    panels[common.OPTIMIZER_LABELS[opt]] = series
-  report.plot_curves(workdir / "accuracy_vs_workers.png", panels, xlabel="workers",
-                     ylabel="test accuracy (mean over seeds)",
-                     title="seed 000 Tables 2/3 at small scale (CNN + per-worker BN, MNIST-1D)")
+  common.plot_accuracy_vs_workers(
+      aggs, c.optimizers, "global_batch", c.batches, lambda b: f"batch {b}",
+      workdir / "accuracy_vs_workers.png",
+      "seed 000 Tables 2/3 at small scale (CNN + per-worker BN, MNIST-1D)")
 
 
 def _write_report(c, workdir, dataset, aggs, rule, skipped, meshes, claims, samples, wall) -> None:
@@ -194,7 +186,5 @@ def _write_report(c, workdir, dataset, aggs, rule, skipped, meshes, claims, samp
               common.grid_table([a for a in aggs if a["optimizer"] == opt], "global_batch",
                                 "workers", "test_accuracy", c.batches, c.workers, "batch",
                                 lambda w: f"{w} worker(s)", extra=lrs)]
-  lines.append("\n## Paper claims (reproduced only with the paper's sign and |diff| > 2 std)\n")
-  lines += [f"- {k}: **{v}**" for k, v in claims.items()]
-  lines.append("\n![accuracy vs workers](accuracy_vs_workers.png)\n")
-  (workdir / "report.md").write_text("\n".join(lines) + "\n")
+  common.write_claims_report(workdir, lines, claims, "accuracy_vs_workers.png",
+                             "accuracy vs workers", empty=None)

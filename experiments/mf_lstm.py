@@ -117,11 +117,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       f"- Wall time: {wall:.1f} s measured on this machine (compile included)\n",
       report.markdown_table(table, ["mf", "train", "val"],
                             ["MF value", "train perplexity", "validation perplexity"]),
-      "\n## Paper claims (reproduced only with the paper's sign and |diff| > 2 std)\n",
   ]
-  lines += [f"- {k}: **{v}**" for k, v in claims.items()] or ["- (needs two MF values)"]
-  lines.append("\n![train loss](train_loss.png)\n")
-  (workdir / "report.md").write_text("\n".join(lines) + "\n")
+  common.write_claims_report(workdir, lines, claims, "train_loss.png", "train loss")
   return {"cells": aggs, "claims": claims, "steps": steps}
 
 

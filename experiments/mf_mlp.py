@@ -104,11 +104,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       report.markdown_table(table, ["mf", "acc", "loss", "train", "eff"],
                             ["MF", "test accuracy", "test loss", "final train loss",
                              "effective lr/(1-MF)"]),
-      "\n## Paper claims (reproduced only with the paper's sign and |diff| > 2 std)\n",
   ]
-  lines += [f"- {k}: **{v}**" for k, v in claims.items()] or ["- (needs two MF values)"]
-  lines.append("\n![train loss](train_loss.png)\n")
-  (workdir / "report.md").write_text("\n".join(lines) + "\n")
+  common.write_claims_report(workdir, lines, claims, "train_loss.png", "train loss")
   return {"cells": aggs, "claims": claims, "steps": steps}
 
 

@@ -141,17 +141,9 @@ def _claims(c, rows) -> dict[str, str]:
 
 
 def _plot(c, aggs, workdir: pathlib.Path) -> None:
-  panels = {}
-  for opt in c.optimizers:
-    series = {}
-    for mf in c.mfs:
-      pts = sorted((a["workers"], a["test_accuracy_mean"]) for a in aggs
-                   if a["optimizer"] == opt and a["mf"] == mf)
-      series[f"MF {mf}"] = ([p[0] for p in pts], [p[1] for p in pts])
-    panels[common.OPTIMIZER_LABELS[opt]] = series
-  report.plot_curves(workdir / "accuracy_vs_workers.png", panels, xlabel="workers",
-                     ylabel="test accuracy (mean over seeds)",
-                     title=f"seed 000 Figs. 5-7 at small scale, global batch {c.global_batch}")
+  common.plot_accuracy_vs_workers(
+      aggs, c.optimizers, "mf", c.mfs, lambda mf: f"MF {mf}", workdir / "accuracy_vs_workers.png",
+      f"seed 000 Figs. 5-7 at small scale, global batch {c.global_batch}")
 
 
 def _write_report(c, workdir, dataset, aggs, lrs, meshes, claims, samples, steps, wall) -> None:
@@ -177,7 +169,5 @@ def _write_report(c, workdir, dataset, aggs, lrs, meshes, claims, samples, steps
               common.grid_table([a for a in aggs if a["optimizer"] == opt], "mf", "workers",
                                 "test_accuracy", c.mfs, c.workers, "MF",
                                 lambda w: f"{w} worker(s)")]
-  lines.append("\n## Paper claims (reproduced only with the paper's sign and |diff| > 2 std)\n")
-  lines += [f"- {k}: **{v}**" for k, v in claims.items()] or ["- (needs two MF values)"]
-  lines.append("\n![accuracy vs workers](accuracy_vs_workers.png)\n")
-  (workdir / "report.md").write_text("\n".join(lines) + "\n")
+  common.write_claims_report(workdir, lines, claims, "accuracy_vs_workers.png",
+                             "accuracy vs workers")
