@@ -109,7 +109,8 @@ ALGORITHMS: dict[str, Algorithm] = {
                 warmup_epochs=max(1, round(ctx.num_steps / ctx.steps_per_epoch / 9)),
                 axis_name=ctx.axis_name)),
         0.8, "linear-scaling AdaBound for the first 1/9 of the epochs (seed: T=10 of 90), then "
-             "LARS SGD at lr 0.1 x 8 workers decaying 0.9 per epoch; its own schedule, not the "
+             "LARS SGD at the peak lr (per-worker lr x workers) decaying 0.9 per epoch; its own "
+             "schedule, not the "
              "cosine one"),
 }
 
