@@ -521,14 +521,19 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       or checkpoint_every <= 0 or checkpoint_every % log_every):
     raise ValueError(f"checkpoint_every must be a positive multiple of log_every={log_every}, "
                      f"got {checkpoint_every!r}")
+  if lowering is None:
+    lowering = os.environ.get("MFOPT_LOWERING", "vmap")
+    try:
+      _parse_lowering(lowering)
+    except ValueError as e:
+      raise ValueError(f"environment variable MFOPT_LOWERING: {e}") from None
   mesh = parallel.make_mesh() if mesh is None else mesh
-  parallel.local_workers(num_workers, mesh)
   batcher = data_lib.WorkerBatcher(dataset.train, num_workers=num_workers,
                                    per_worker_batch=per_worker_batch, seed=seed)
   rows = parallel.process_worker_slice(num_workers, mesh)
 
-  def device_batch(step):
-    b = batcher.batch(step)
+  def device_batch(step, host=None):  # host: the step's global batch if already built
+    b = batcher.batch(step) if host is None else host
     return parallel.shard_workers({k: v[rows] for k, v in b.items()}, mesh)
 
   first = batcher.batch(0)
@@ -555,18 +560,12 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         ckpt.close()
         return FitResult(history=history, summary=restored.meta["summary"], state=state)
 
-  if lowering is None:
-    lowering = os.environ.get("MFOPT_LOWERING", "vmap")
-    try:
-      _parse_lowering(lowering)
-    except ValueError as e:
-      raise ValueError(f"environment variable MFOPT_LOWERING: {e}") from None
   train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn,
                                lowering=lowering)
   eval_fn = make_eval_fn(model)
 
   t0 = time.perf_counter()
-  batch = device_batch(start)
+  batch = device_batch(start, first if start == 0 else None)
   if isinstance(train_step, AutoLoweredStep):  # times both lowerings on copies of the state
     lowering = train_step.choose(state, batch)
   compiled = train_step.lower(state, batch).compile()
