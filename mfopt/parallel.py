@@ -84,8 +84,20 @@ def process_worker_slice(num_workers: int, mesh: Mesh) -> slice:
 
 
 def stack_workers(tree: Any, num_workers: int) -> Any:
-  """Replicates a single-worker tree into a worker-stacked one (identical replicas)."""
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers,) + jnp.shape(x)), tree)
+  """Replicates a single-worker tree into a worker-stacked one (identical replicas).
+
+  Host (NumPy) leaves stay on the host as zero-copy broadcast views, so that
+  :func:`shard_workers` sends each device only its own replicas (``jnp.broadcast_to`` would
+  first materialise all ``num_workers`` replicas on one device); other leaves (device arrays,
+  typed PRNG keys) are broadcast with ``jnp``.
+  """
+  def one(x):
+    shape = (num_workers,) + np.shape(x)
+    if isinstance(x, (np.ndarray, np.generic)):
+      return np.broadcast_to(x, shape)
+    return jnp.broadcast_to(x, shape)
+
+  return jax.tree.map(one, tree)
 
 
 def per_worker(fn: Callable[..., Any], mesh: Mesh, num_workers: int) -> Callable[..., Any]:
