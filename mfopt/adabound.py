@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from mfopt import _checks
 from mfopt.comm import AxisName, unbatched
 
 __all__ = [
@@ -51,30 +52,10 @@ __all__ = [
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_unit(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-    raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-
-
-def _check_nonneg(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
-    raise ValueError(f"{name} must be a non-negative number, got {value!r}")
-
-
-def _check_pos(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0:
-    raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-def _check_pos_int(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _check_lr(name: str, value: Any) -> None:
   if callable(value):
     return
-  _check_nonneg(name, value)
+  _checks.nonnegative_number(name, value)
 
 
 # ----------------------------------------------------------------------------- AdaBound
@@ -159,11 +140,11 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
   Seed: 004 §2.1.1; reference: ``adabound`` 0.0.5 ``AdaBound.step``.
   """
   _check_lr("learning_rate", learning_rate)
-  _check_nonneg("final_lr", final_lr)
-  _check_unit("gamma", gamma)
-  _check_unit("b1", b1)
-  _check_unit("b2", b2)
-  _check_nonneg("eps", eps)
+  _checks.nonnegative_number("final_lr", final_lr)
+  _checks.unit_interval("gamma", gamma)
+  _checks.unit_interval("b1", b1)
+  _checks.unit_interval("b2", b2)
+  _checks.nonnegative_number("eps", eps)
 
   def init_fn(params):
     zeros = optax.tree.zeros_like(params)
@@ -223,7 +204,7 @@ def adabound(learning_rate: optax.ScalarOrSchedule = 1e-3, final_lr: float = 0.1
 
   Seed: 004 §2.1.1 (SPEC.md: reference-implementation semantics).
   """
-  _check_nonneg("weight_decay", weight_decay)
+  _checks.nonnegative_number("weight_decay", weight_decay)
   parts = []
   if weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
@@ -269,14 +250,14 @@ class LinearScalingAdaBoundState(NamedTuple):
 def _linear_scaling_hyper(*, base_lr, num_workers, steps_per_epoch, alpha, warmup_epochs, b1,
                           b2, eps) -> dict[str, Any]:
   """Validated hyperparameters of linear-scaling AdaBound (for :func:`_linear_scaling_step`)."""
-  _check_pos("base_lr", base_lr)
-  _check_pos_int("num_workers", num_workers)
-  _check_pos_int("steps_per_epoch", steps_per_epoch)
-  _check_pos("alpha", alpha)
-  _check_pos("warmup_epochs", warmup_epochs)
-  _check_unit("b1", b1)
-  _check_unit("b2", b2)
-  _check_nonneg("eps", eps)
+  _checks.positive_number("base_lr", base_lr)
+  _checks.positive_int("num_workers", num_workers)
+  _checks.positive_int("steps_per_epoch", steps_per_epoch)
+  _checks.positive_number("alpha", alpha)
+  _checks.positive_number("warmup_epochs", warmup_epochs)
+  _checks.unit_interval("b1", b1)
+  _checks.unit_interval("b2", b2)
+  _checks.nonnegative_number("eps", eps)
   return dict(base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch,
               alpha=alpha, warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
 
@@ -475,10 +456,10 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
 
   Seed: 004 §2.2.1 (both loops), §3.1 (defaults T=10, lr=0.1, kappa=0.9, wd=1e-4).
   """
-  _check_unit("momentum", momentum)
-  _check_nonneg("weight_decay", weight_decay)
-  _check_pos("trust_coefficient", trust_coefficient)
-  if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+  _checks.unit_interval("momentum", momentum)
+  _checks.nonnegative_number("weight_decay", weight_decay)
+  _checks.positive_number("trust_coefficient", trust_coefficient)
+  if not _checks.is_real(decay) or not 0.0 < decay <= 1.0:
     raise ValueError(f"decay must be in (0, 1], got {decay!r}")
   hyper = _linear_scaling_hyper(base_lr=base_lr, num_workers=num_workers,
                                 steps_per_epoch=steps_per_epoch, alpha=alpha,

@@ -56,6 +56,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from mfopt import _checks
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, init_comm_stats, pmean_tree,
                         states_of, tree_payload_bytes)
 from mfopt.comm import unbatched as _unbatched
@@ -112,12 +113,6 @@ class PeriodController(NamedTuple):
   learning_rate: Callable[[Any], Any] | None = None
 
 
-def _check_period(name: str, p: Any) -> int:
-  if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
-    raise ValueError(f"{name} must be a positive integer, got {p!r}")
-  return int(p)
-
-
 def _init_period_state(p: int) -> PeriodState:
   return PeriodState(count=jnp.zeros([], jnp.int32), cnt=jnp.zeros([], jnp.int32),
                      period=jnp.asarray(p, jnp.int32), c2_sum=jnp.zeros([], jnp.float32),
@@ -156,7 +151,7 @@ def constant_period(p: int) -> PeriodController:
     >>> int(ctl.init().period)
     4
   """
-  p = _check_period("p", p)
+  p = _checks.positive_int("p", p)
 
   def advance(state):
     return _advance_with(state, state.period)
@@ -185,7 +180,7 @@ def scheduled_period(periods: tuple[int, ...], boundaries: tuple[int, ...]) -> P
     >>> int(ctl.init().period)
     20
   """
-  periods = tuple(_check_period("periods[i]", p) for p in periods)
+  periods = tuple(_checks.positive_int("periods[i]", p) for p in periods)
   boundaries = tuple(int(b) for b in boundaries)
   if len(periods) != len(boundaries) + 1:
     raise ValueError(f"periods needs one more entry than boundaries ({len(boundaries)}), "
@@ -244,12 +239,10 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
     >>> int(ctl.init().period)
     4
   """
-  p_init = _check_period("p_init", p_init)
-  if isinstance(sampling_steps, bool) or not isinstance(sampling_steps, (int, np.integer)):
+  p_init = _checks.positive_int("p_init", p_init)
+  if not _checks.is_int(sampling_steps):
     raise ValueError(f"sampling_steps must be an integer, got {sampling_steps!r}")
-  if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) \
-      or warmup_steps < 0:
-    raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+  _checks.nonnegative_int("warmup_steps", warmup_steps)
   if sampling_steps < warmup_steps + p_init:
     raise ValueError(
         f"sampling_steps must be >= warmup_steps + p_init = {warmup_steps + p_init} (at least "
@@ -406,17 +399,15 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
   Seeds: 001 Alg. 1 (CPSGD), Alg. 2 (ADPSGD), eqs. 7, 11, 16; 003 Alg. 1 (M-AVG).
   """
-  if isinstance(period, (int, np.integer)) and not isinstance(period, bool):
-    period = constant_period(_check_period("period", int(period)))
+  if _checks.is_int(period):
+    period = constant_period(_checks.positive_int("period", period))
   if not isinstance(period, PeriodController):
     raise ValueError(f"period must be a PeriodController or a positive int, got {period!r}")
   if comm_dtype is not None:
     comm_dtype = jnp.dtype(comm_dtype)
     if not jnp.issubdtype(comm_dtype, jnp.floating):
       raise ValueError(f"comm_dtype must be a floating dtype, got {comm_dtype!r}")
-  if isinstance(trace_length, bool) or not isinstance(trace_length, (int, np.integer)) \
-      or trace_length < 0:
-    raise ValueError(f"trace_length must be a non-negative integer, got {trace_length!r}")
+  _checks.nonnegative_int("trace_length", trace_length)
   controller = period
   compute_s = controller.uses_variance if sync_variance is None else bool(sync_variance)
   if controller.uses_variance and not compute_s:

@@ -62,6 +62,8 @@ from typing import Any
 
 import numpy as np
 
+from mfopt import _checks
+
 __all__ = [
     "printed_e1", "printed_e2", "correct_batch_variance", "correct_total_ss",
     "correct_within_ss", "correct_between_ss", "total_ss_std", "split_statistics",
@@ -71,9 +73,7 @@ __all__ = [
 
 
 def _check(M: int, P: int = 1) -> tuple[int, int]:
-  for name, v in (("M", M), ("P", P)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-      raise ValueError(f"{name} must be a positive integer, got {v!r}")
+  M, P = _checks.positive_int("M", M), _checks.positive_int("P", P)
   if M % P:
     raise ValueError(f"M must be divisible by P={P} (K = M/P samples per worker), got {M}")
   return int(M), int(P)

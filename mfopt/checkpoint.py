@@ -62,6 +62,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mfopt import _checks
+
 FORMAT_VERSION = 1
 
 
@@ -216,10 +218,8 @@ class RunCheckpointer:
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
                fingerprint: Mapping[str, Any] | None = None, allow_mismatch: bool = False):
-    if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
-      raise ValueError(f"keep must be a positive integer, got {keep!r}")
+    self.keep = _checks.positive_int("keep", keep)
     self.directory = pathlib.Path(directory).absolute()
-    self.keep = int(keep)
     self.fingerprint = _jsonable(dict(fingerprint or {}))
     self.allow_mismatch = allow_mismatch
     self.last_good: tuple[int, pathlib.Path] | None = None
@@ -447,8 +447,7 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
   Returns:
     ``engine``, in its final state (``engine.result()`` for the simulator).
   """
-  if isinstance(chunk_events, bool) or not isinstance(chunk_events, int) or chunk_events <= 0:
-    raise ValueError(f"chunk_events must be a positive integer, got {chunk_events!r}")
+  _checks.positive_int("chunk_events", chunk_events)
   ckpt = RunCheckpointer(directory, keep=keep, allow_mismatch=allow_mismatch,
                          fingerprint={"run_kwargs": run_kwargs, "chunk_events": chunk_events,
                                       **dict(fingerprint or {})})
@@ -538,10 +537,9 @@ def auto_checkpoint(root: str | os.PathLike, *, every: int | None = None, keep: 
   it if it holds a checkpoint, and returns a finished run's saved result
   without training again.
   """
-  if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
+  if every is not None and (not _checks.is_int(every) or every <= 0):
     raise ValueError(f"every must be a positive integer or None, got {every!r}")
-  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-    raise ValueError(f"keep must be a positive integer, got {keep!r}")
+  _checks.positive_int("keep", keep)
   if min_interval_s is not None and not min_interval_s >= 0:
     raise ValueError(f"min_interval_s must be >= 0 or None, got {min_interval_s!r}")
   policy = CheckpointPolicy(pathlib.Path(root), every=every, keep=keep,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from mfopt import _checks
 from mfopt.comm import CollectiveKind
 
 
@@ -70,8 +71,7 @@ def link(name_or_link: str | Link) -> Link:
 
 
 def _check_workers(n: int) -> None:
-  if not isinstance(n, int) or n <= 0:
-    raise ValueError(f"num_workers must be a positive integer, got {n!r}")
+  _checks.positive_int("num_workers", n)
 
 
 def wire_bytes(payload_bytes: float, num_workers: int, kind: CollectiveKind) -> float:

@@ -51,23 +51,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from mfopt import _checks
+
 Batch = dict[str, np.ndarray]
 Augment = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 Preprocess = Callable[[Mapping[str, Any], "np.random.Generator | None"], Batch]
 
 TASKS = ("classification", "language_model")
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-  return int(value)
-
-
-def _check_nonnegative_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-    raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-  return int(value)
 
 
 # ------------------------------------------------------------------------------
@@ -402,9 +392,9 @@ def load_mnist1d(num_train: int = 4000, num_test: int = 1000, seed: int = 42,
     seed: generator seed (the paper's is 42).
     cache: read and write the ``.npz`` cache.
   """
-  num_train = _check_positive_int("num_train", num_train)
-  num_test = _check_positive_int("num_test", num_test)
-  seed = _check_nonnegative_int("seed", seed)
+  num_train = _checks.positive_int("num_train", num_train)
+  num_test = _checks.positive_int("num_test", num_test)
+  seed = _checks.nonnegative_int("seed", seed)
   total = num_train + num_test
   num_samples = 10 * math.ceil(total / 10)
   # `train_split` only moves the split point inside make_dataset; we split the
@@ -461,17 +451,17 @@ def load_synthetic(num_train: int = 1024, num_test: int = 256,
   ``x = tokens[:-1]``, ``y = tokens[1:]``. Train and test use the generators
   ``default_rng([seed, 0])`` and ``default_rng([seed, 1])``.
   """
-  num_train = _check_positive_int("num_train", num_train)
-  num_test = _check_positive_int("num_test", num_test)
-  num_classes = _check_positive_int("num_classes", num_classes)
-  seed = _check_nonnegative_int("seed", seed)
+  num_train = _checks.positive_int("num_train", num_train)
+  num_test = _checks.positive_int("num_test", num_test)
+  num_classes = _checks.positive_int("num_classes", num_classes)
+  seed = _checks.nonnegative_int("seed", seed)
   if task not in TASKS:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
   lm = task == "language_model"
   if input_shape is None:
     input_shape = (64,) if lm else (32, 32, 3)
   try:
-    input_shape = tuple(_check_positive_int("input_shape entries", d) for d in input_shape)
+    input_shape = tuple(_checks.positive_int("input_shape entries", d) for d in input_shape)
   except (TypeError, ValueError):
     raise ValueError(
         f"input_shape must be a sequence of positive integers, got {input_shape!r}") from None
@@ -524,7 +514,7 @@ def char_sequences(tokens: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.nda
   ``y`` its last ``seq_len``, so ``y[i, t] = x[i, t + 1]`` and every token after
   the first is a target exactly once. The incomplete tail is dropped.
   """
-  seq_len = _check_positive_int("seq_len", seq_len)
+  seq_len = _checks.positive_int("seq_len", seq_len)
   n = (len(tokens) - 1) // seq_len
   if n < 1:
     raise ValueError(f"seq_len={seq_len} leaves no complete sequence in {len(tokens)} tokens")
@@ -626,7 +616,7 @@ def load_textcorpus(seq_len: int = 64) -> Dataset:
   Args:
     seq_len: characters per input sequence.
   """
-  seq_len = _check_positive_int("seq_len", seq_len)
+  seq_len = _checks.positive_int("seq_len", seq_len)
   text = textcorpus_text()
   cut = int(0.9 * len(text))
   return _char_lm_dataset(
@@ -854,7 +844,7 @@ def load_tiny_shakespeare(data_dir: str | None = None, seq_len: int = 64,
   (``meta["vocab"]``); sequences are cut like ``textcorpus``
   (:func:`char_sequences`).
   """
-  seq_len = _check_positive_int("seq_len", seq_len)
+  seq_len = _checks.positive_int("seq_len", seq_len)
   train_text = _tfds_text("tiny_shakespeare", "train", data_dir)
   test_text = _tfds_text("tiny_shakespeare", test_split, data_dir)
   return _char_lm_dataset(
@@ -902,9 +892,9 @@ class WorkerBatcher:
   def __init__(self, source: Source, *, num_workers: int, per_worker_batch: int, seed: int,
                train: bool = True, shuffle: bool = True):
     self.source = source
-    self.num_workers = _check_positive_int("num_workers", num_workers)
-    self.per_worker_batch = _check_positive_int("per_worker_batch", per_worker_batch)
-    self.seed = _check_nonnegative_int("seed", seed)
+    self.num_workers = _checks.positive_int("num_workers", num_workers)
+    self.per_worker_batch = _checks.positive_int("per_worker_batch", per_worker_batch)
+    self.seed = _checks.nonnegative_int("seed", seed)
     self.train, self.shuffle = bool(train), bool(shuffle)
     self.num_examples = len(source)
     if self.num_examples <= 0:
@@ -929,11 +919,11 @@ class WorkerBatcher:
 
   def epoch_of(self, step: int) -> int:
     """The epoch ``step`` belongs to."""
-    return _check_nonnegative_int("step", step) // self.steps_per_epoch
+    return _checks.nonnegative_int("step", step) // self.steps_per_epoch
 
   def epoch_order(self, epoch: int) -> np.ndarray:
     """The example order of ``epoch``, a permutation of ``range(len(source))``."""
-    epoch = _check_nonnegative_int("epoch", epoch)
+    epoch = _checks.nonnegative_int("epoch", epoch)
     if epoch != self._cached_epoch:
       if self.shuffle:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
@@ -944,7 +934,7 @@ class WorkerBatcher:
 
   def indices(self, step: int) -> np.ndarray:
     """Example indices of ``step``, int array ``(num_workers, per_worker_batch)``."""
-    step = _check_nonnegative_int("step", step)
+    step = _checks.nonnegative_int("step", step)
     epoch, position = divmod(step, self.steps_per_epoch)
     start = position * self.global_batch
     order = self.epoch_order(epoch)
@@ -973,7 +963,7 @@ def eval_batches(source: Source, batch_size: int) -> Iterator[Batch]:
   ``(batch_size,)``) is ``True`` exactly on real examples, so weight
   per-example sums by it (``sum(mask)`` over all batches is ``len(source)``).
   """
-  batch_size = _check_positive_int("batch_size", batch_size)
+  batch_size = _checks.positive_int("batch_size", batch_size)
   n = len(source)
   for start in range(0, n, batch_size):
     stop = min(start + batch_size, n)

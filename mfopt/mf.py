@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mfopt import _checks
+
 ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
 
 __all__ = [
@@ -72,10 +74,8 @@ def _values(value: ScalarOrSchedule, validate_steps: int | None) -> list[float]:
   if callable(value):
     if validate_steps is None:
       return []
-    if isinstance(validate_steps, bool) or not isinstance(validate_steps, (int, np.integer)) \
-        or validate_steps <= 0:
-      raise ValueError(f"validate_steps must be a positive integer, got {validate_steps!r}")
-    out = [_concrete(value(jnp.asarray(t, jnp.int32))) for t in range(int(validate_steps))]
+    n = _checks.positive_int("validate_steps", validate_steps)
+    out = [_concrete(value(jnp.asarray(t, jnp.int32))) for t in range(n)]
     return [v for v in out if v is not None]
   v = _concrete(value)
   return [] if v is None else [v]
@@ -442,15 +442,11 @@ def linear_scaling_rule(base_lr: float = 0.05, base_batch: int = 128) -> Callabl
   """
   if not (isinstance(base_lr, (int, float)) and base_lr > 0 and math.isfinite(base_lr)):
     raise ValueError(f"base_lr must be a finite number > 0, got {base_lr!r}")
-  if isinstance(base_batch, bool) or not isinstance(base_batch, (int, np.integer)) or base_batch <= 0:
-    raise ValueError(f"base_batch must be a positive integer, got {base_batch!r}")
+  _checks.positive_int("base_batch", base_batch)
   exact = fractions.Fraction(repr(float(base_lr)))
 
   def rule(batch_size: int) -> float:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-        or batch_size <= 0:
-      raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return float(exact * int(batch_size) / int(base_batch))
+    return float(exact * _checks.positive_int("batch_size", batch_size) / int(base_batch))
 
   return rule
 
@@ -478,9 +474,8 @@ def noise_scale(lr: float, dataset_size: int, batch_size: int, momentum: float =
   """
   if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
     raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-  for name, v in (("dataset_size", dataset_size), ("batch_size", batch_size)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-      raise ValueError(f"{name} must be a positive integer, got {v!r}")
+  _checks.positive_int("dataset_size", dataset_size)
+  _checks.positive_int("batch_size", batch_size)
   if batch_size > dataset_size:
     raise ValueError(f"batch_size must be <= dataset_size={dataset_size}, got {batch_size!r}")
   if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
@@ -567,9 +562,7 @@ def check_mf_conditions(mf: Any, lr: Any, num_steps: int,
       [ok] (2a) sum rule: (1 - MF^T) / (1 - MF) < T / lr -- 9.99973 < 2000 (MF=0.9, lr=0.05)
       [ok] (2a) MF < 1: MF < 1 -- max MF = 0.9
   """
-  if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps <= 0:
-    raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
-  T = int(num_steps)
+  T = _checks.positive_int("num_steps", num_steps)
   mfs = _schedule_values("mf", mf, T)
   lrs = _schedule_values("lr", lr, T)
   if np.any(mfs < 0):

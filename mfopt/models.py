@@ -71,6 +71,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mfopt import _checks
+
 __all__ = [
     "BN_EPSILON",
     "BN_MOMENTUM",
@@ -103,19 +105,14 @@ AxisName = str | tuple[str, ...] | None
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_positive_int(owner: str, field: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(f"{owner}: {field} must be a positive int, got {value!r}")
-
-
 def _check_positive_ints(owner: str, field: str, values: Any, allow_empty: bool) -> None:
   if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-    raise ValueError(f"{owner}: {field} must be a sequence of positive ints, got {values!r}")
+    raise ValueError(f"{owner}: {field} must be a sequence of positive integers, got {values!r}")
   if not allow_empty and len(values) == 0:
     raise ValueError(f"{owner}: {field} must not be empty, got {values!r}")
   for v in values:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-      raise ValueError(f"{owner}: {field} must contain positive ints, got {values!r}")
+    if not _checks.is_int(v) or v <= 0:
+      raise ValueError(f"{owner}: {field} must contain positive integers, got {values!r}")
 
 
 def _check_float_dtype(owner: str, dtype: Any) -> None:
@@ -183,7 +180,7 @@ class MLP(nn.Module):
 
   def __post_init__(self):
     _check_positive_ints("MLP", "hidden", self.hidden, allow_empty=True)
-    _check_positive_int("MLP", "num_classes", self.num_classes)
+    _checks.positive_int("num_classes", self.num_classes, owner="MLP")
     _check_float_dtype("MLP", self.dtype)
     super().__post_init__()
 
@@ -225,7 +222,7 @@ class CNN(nn.Module):
 
   def __post_init__(self):
     _check_positive_ints("CNN", "features", self.features, allow_empty=False)
-    _check_positive_int("CNN", "num_classes", self.num_classes)
+    _checks.positive_int("num_classes", self.num_classes, owner="CNN")
     _check_float_dtype("CNN", self.dtype)
     _check_bn("CNN", self.bn_momentum, self.bn_axis_name)
     super().__post_init__()
@@ -346,8 +343,8 @@ class ResNet(nn.Module):
                        f"{self.block_cls!r}")
     if self.stem not in ("cifar", "imagenet"):
       raise ValueError(f"{owner}: stem must be 'cifar' or 'imagenet', got {self.stem!r}")
-    _check_positive_int(owner, "num_classes", self.num_classes)
-    _check_positive_int(owner, "width", self.width)
+    _checks.positive_int("num_classes", self.num_classes, owner=owner)
+    _checks.positive_int("width", self.width, owner=owner)
     _check_float_dtype(owner, self.dtype)
     _check_bn(owner, self.bn_momentum, self.bn_axis_name)
     super().__post_init__()
@@ -424,7 +421,7 @@ class LSTMLM(nn.Module):
 
   def __post_init__(self):
     for field in ("vocab_size", "embed_dim", "hidden", "num_layers"):
-      _check_positive_int("LSTMLM", field, getattr(self, field))
+      _checks.positive_int(field, getattr(self, field), owner="LSTMLM")
     _check_float_dtype("LSTMLM", self.dtype)
     super().__post_init__()
 

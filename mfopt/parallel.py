@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mfopt import _checks
+
 DATA_AXIS = "data"
 LOCAL_AXIS = "local"
 WORKER_AXES = (DATA_AXIS, LOCAL_AXIS)
@@ -45,8 +47,7 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
 def local_workers(num_workers: int, mesh: Mesh) -> int:
   """Virtual workers per device; raises unless ``num_workers`` is a positive multiple of the device count."""
   num_devices = mesh.shape[DATA_AXIS]
-  if not isinstance(num_workers, (int, np.integer)) or num_workers <= 0:
-    raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+  _checks.positive_int("num_workers", num_workers)
   if num_workers % num_devices:
     raise ValueError(
         f"num_workers must be a multiple of the device count {num_devices} "

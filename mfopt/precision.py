@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import optax
 from flax.training.dynamic_scale import DynamicScale
 
+from mfopt import _checks
 from mfopt.comm import CommStats, states_of
 
 __all__ = [
@@ -239,8 +240,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
       raise ValueError(f"{name} must be positive, got {value!r}")
   if not 0 < backoff_factor < 1:
     raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-  if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval <= 0:
-    raise ValueError(f"growth_interval must be a positive integer, got {growth_interval!r}")
+  _checks.positive_int("growth_interval", growth_interval)
 
   def init_fn(params):
     ds = DynamicScale(growth_factor=growth_factor, backoff_factor=backoff_factor,

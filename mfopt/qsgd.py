@@ -29,7 +29,7 @@ random lives in the state.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
+from mfopt import _checks
 from mfopt.comm import AxisName, CollectiveKind, CommStats, _axis_tuple, init_comm_stats
 
 __all__ = ["QSGDState", "qsgd", "quantize", "dequantize", "qsgd_payload_bytes"]
@@ -132,11 +133,9 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
 
   Seed: 001 §IV (QSGD-8bit baseline, ref. [14]).
   """
-  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 2 <= bits <= 8:
+  if not _checks.is_int(bits) or not 2 <= bits <= 8:
     raise ValueError(f"bits must be an integer in [2, 8], got {bits!r}")
-  if isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer)) \
-      or bucket_size < 1:
-    raise ValueError(f"bucket_size must be a positive integer, got {bucket_size!r}")
+  _checks.positive_int("bucket_size", bucket_size)
 
   def init_fn(params):
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from mfopt import _checks
 from mfopt import checkpoint as ckpt_lib
 from mfopt import comm as comm_lib
 from mfopt import data as data_lib
@@ -54,9 +55,8 @@ def classification_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array
 
 def split_batch(global_batch: int, num_workers: int) -> int:
   """Per-worker batch for a global batch; raises unless it divides evenly."""
-  for name, value in (("global_batch", global_batch), ("num_workers", num_workers)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  _checks.positive_int("global_batch", global_batch)
+  _checks.positive_int("num_workers", num_workers)
   if global_batch % num_workers:
     raise ValueError(f"global_batch must be divisible by num_workers={num_workers} "
                      f"(the per-worker batch is fixed), got {global_batch}")
@@ -506,8 +506,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   """
   for name, value in (("num_workers", num_workers), ("per_worker_batch", per_worker_batch),
                       ("num_steps", num_steps), ("log_every", log_every)):
-    if not isinstance(value, (int, np.integer)) or value <= 0:
-      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    _checks.positive_int(name, value)
   policy = ckpt_lib.active_policy() if checkpoint_dir is None else None
   if policy is not None:
     checkpoint_dir = policy.next_run_dir(desc)
@@ -517,8 +516,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       checkpoint_interval_s = policy.min_interval_s
   if checkpoint_every is None:
     checkpoint_every = log_every
-  if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, np.integer))
-      or checkpoint_every <= 0 or checkpoint_every % log_every):
+  if not _checks.is_int(checkpoint_every) or checkpoint_every <= 0 or checkpoint_every % log_every:
     raise ValueError(f"checkpoint_every must be a positive multiple of log_every={log_every}, "
                      f"got {checkpoint_every!r}")
   if lowering is None:

@@ -43,6 +43,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mfopt import _checks
+
 NU_MODES = ("cheap", "exact")
 
 
@@ -85,7 +87,7 @@ class BBConfig:
       raise ValueError(f"armijo_c must be in (0, 1), got {self.armijo_c!r}")
     if not 0 < self.backtrack < 1:
       raise ValueError(f"backtrack must be in (0, 1), got {self.backtrack!r}")
-    if not isinstance(self.max_bt, int) or self.max_bt < 0:
+    if not _checks.is_int(self.max_bt) or self.max_bt < 0:
       raise ValueError(f"max_bt must be a non-negative integer, got {self.max_bt!r}")
     if not 0 <= self.alpha_min:
       raise ValueError(f"alpha_min must be >= 0, got {self.alpha_min!r}")

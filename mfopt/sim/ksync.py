@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from mfopt import _checks
+
 CI_MODES = ("upper_signed", "upper_abs", "lower_abs", "off")
 
 
@@ -112,9 +114,8 @@ class KTestConfig:
       raise ValueError(f"confidence must be in (0, 1), got {self.confidence!r}")
     if self.ci_mode not in CI_MODES:
       raise ValueError(f"ci_mode must be one of {CI_MODES}, got {self.ci_mode!r}")
-    if not isinstance(self.k_min, int) or self.k_min < 1:
-      raise ValueError(f"k_min must be a positive integer, got {self.k_min!r}")
-    if self.k_max is not None and (not isinstance(self.k_max, int) or self.k_max < self.k_min):
+    _checks.positive_int("k_min", self.k_min)
+    if self.k_max is not None and (not _checks.is_int(self.k_max) or self.k_max < self.k_min):
       raise ValueError(f"k_max must be an integer >= k_min={self.k_min}, got {self.k_max!r}")
 
   def resolved_k_max(self, num_workers: int) -> int:

@@ -48,10 +48,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.flatten_util import ravel_pytree
 from tqdm.auto import tqdm
 
+from mfopt import _checks
 from mfopt import costmodel
 from mfopt import data as data_lib
 from mfopt import models as models_lib
@@ -171,9 +171,8 @@ class Simulator:
                network: str | costmodel.Link | None = "10gbit", duplex: bool = True,
                payload_bytes: float | None = None, eval_every_samples: int | None = None,
                init_params: np.ndarray | None = None, loss_fn=train_lib.classification_loss):
-    for name, value in (("num_workers", num_workers), ("per_worker_batch", per_worker_batch)):
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    _checks.positive_int("num_workers", num_workers)
+    _checks.positive_int("per_worker_batch", per_worker_batch)
     if payload_bytes is not None and not payload_bytes >= 0:
       raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes!r}")
     if eval_every_samples is not None and not eval_every_samples > 0:
@@ -377,10 +376,7 @@ class Simulator:
       theta_prev = np.stack([self.versions[int(self.w_prev_version[w])]
                              if self.has_prev[w] and self.w_prev_version[w] >= 0 else zeros
                              for w in rows])
-      damp = 1.0
-      cfg = getattr(self.strategy, "config", None)
-      if cfg is not None and getattr(cfg, "dampening", False):
-        damp = 1.0 - cfg.gamma
+      damp = self.strategy.momentum_damping
       k = self.w_bcast[rows, 0]
       inputs = bb_lib.BBInputs(
           theta=theta, theta_prev=theta_prev, g_prev=self.g_prev[rows],

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mfopt import _checks
 from mfopt.sim import bb as bb_lib
 from mfopt.sim import ksync as ksync_lib
 
@@ -122,6 +123,9 @@ class Strategy:
   uses_server: bool = True
   #: True if pushes carry gradients of a server version (their staleness is logged)
   logs_staleness: bool = True
+  #: factor on fresh gradients entering the server momentum (``1 - γ`` when dampened);
+  #: workers scale the BB carry-over ``c_a`` by it too
+  momentum_damping: float = 1.0
 
   def reset(self, sim) -> None:
     """Called once at construction, after the simulator's own state exists."""
@@ -201,9 +205,7 @@ class SSP(_OptStrategy):
 
   def __init__(self, staleness: int = 3, base: BaseSGD | None = None):
     super().__init__(base)
-    if not isinstance(staleness, int) or staleness < 1:
-      raise ValueError(f"staleness must be a positive integer, got {staleness!r}")
-    self.staleness = staleness
+    self.staleness = _checks.positive_int("staleness", staleness)
 
   def reset(self, sim) -> None:
     super().reset(sim)
@@ -395,7 +397,7 @@ class KSyncConfig:
   def __post_init__(self):
     if not 0 <= self.gamma < 1:
       raise ValueError(f"gamma must be in [0, 1), got {self.gamma!r}")
-    if not (self.k_rule == "adaptive" or (isinstance(self.k_rule, int) and self.k_rule >= 1)):
+    if not (self.k_rule == "adaptive" or (_checks.is_int(self.k_rule) and self.k_rule >= 1)):
       raise ValueError(f"k_rule must be 'adaptive' or a positive integer, got {self.k_rule!r}")
     if self.stale_merge not in ("additive", "reaverage", "drop"):
       raise ValueError(f"stale_merge must be 'additive', 'reaverage' or 'drop', got {self.stale_merge!r}")
@@ -425,6 +427,7 @@ class KSync(_Collect):
     self.config = config or KSyncConfig()
     self.bb = self.config.bb
     self.label = label
+    self.momentum_damping = 1.0 - self.config.gamma if self.config.dampening else 1.0
 
   def reset(self, sim):
     super().reset(sim)
@@ -468,9 +471,7 @@ class KSync(_Collect):
 
   def _update(self, sim, n):
     c = self.config
-    g = (self.sum / n).astype(np.float32)
-    if c.dampening:
-      g = np.float32(1 - c.gamma) * g
+    g = np.float32(self.momentum_damping) * (self.sum / n).astype(np.float32)  # x 1.0 is exact
     self.u = np.float32(c.gamma) * self.u + g
     sim.apply(sim.theta - self.u, lr=float(np.mean([sim.msg[w].alpha for w in self.waiting]))
               if self.bb is not None else c.lr_fallback.lr(sim.epoch))
@@ -506,7 +507,7 @@ class KSync(_Collect):
         c.stale_merge == "reaverage" and v not in self.slots):
       sim.dropped += 1
       return
-    damp = (1 - c.gamma) if c.dampening else 1.0
+    damp = self.momentum_damping
     if c.stale_merge == "reaverage":
       n = self.kbuf[v]
       delta = (np.float32(self._alpha(sim, msg)) * msg.grad - self.slots[v]) / np.float32(n + 1)
@@ -584,8 +585,7 @@ class EASGD(Strategy):
   logs_staleness = False  # workers push their local parameters, not gradients of a version
 
   def __init__(self, interval: int = 20, base: BaseSGD | None = None, moving_rate: float | None = None):
-    if not isinstance(interval, int) or interval < 1:
-      raise ValueError(f"interval must be a positive integer, got {interval!r}")
+    _checks.positive_int("interval", interval)
     if moving_rate is not None and not 0 < moving_rate <= 1:
       raise ValueError(f"moving_rate must be in (0, 1], got {moving_rate!r}")
     self.interval = interval

@@ -1,0 +1,73 @@
+"""mfopt._checks: one meaning of "integer" everywhere (int or NumPy integer, never bool).
+
+Before the shared module, entry points disagreed: some accepted ``True`` as one worker
+(``isinstance(True, int)`` holds), some rejected ``np.int64(8)`` from a config or an
+``np.arange`` loop. These tests pin the agreed meaning at the entry points that differed.
+"""
+
+import numpy as np
+import pytest
+
+import mfopt
+from mfopt import _checks, costmodel, parallel
+from mfopt.sim import ksync, server
+
+
+@pytest.mark.parametrize("value", [1, 7, np.int64(3), np.int32(1), np.uint8(2)])
+def test_positive_int_accepts_python_and_numpy_integers(value):
+  out = _checks.positive_int("n", value)
+  assert out == int(value) and type(out) is int
+
+
+@pytest.mark.parametrize("value", [0, -3, True, False, np.bool_(True), 2.0, 2.5, "3", None,
+                                   np.float32(4.0)])
+def test_positive_int_rejects_with_name_and_value(value):
+  with pytest.raises(ValueError, match=r"^n must be a positive integer, got ") as e:
+    _checks.positive_int("n", value)
+  assert repr(value) in str(e.value)
+
+
+def test_owner_prefixes_the_message():
+  with pytest.raises(ValueError, match=r"^MLP: num_classes must be a positive integer, got 0$"):
+    _checks.positive_int("num_classes", 0, owner="MLP")
+
+
+@pytest.mark.parametrize("fn,good,bad", [
+    (_checks.nonnegative_int, [0, np.int64(5)], [-1, True, 0.0]),
+    (_checks.positive_number, [1e-9, 3, np.float32(0.5)], [0.0, -1.0, float("nan"), True, "1"]),
+    (_checks.nonnegative_number, [0.0, 2, np.float64(1.5)], [-1e-9, float("nan"), False]),
+    (_checks.unit_interval, [0.0, 0.999, np.float32(0.5)], [1.0, -0.1, float("nan"), True]),
+])
+def test_domains(fn, good, bad):
+  for v in good:
+    assert fn("x", v) == v
+  for v in bad:
+    with pytest.raises(ValueError, match=r"^x must be "):
+      fn("x", v)
+
+
+# Entry points that used to accept True (bool is an int to Python) now reject it ...
+@pytest.mark.parametrize("call,name", [
+    (lambda v: costmodel.all_reduce_time(1e6, v, "10gbit"), "num_workers"),
+    (lambda v: parallel.local_workers(v, parallel.make_mesh()), "num_workers"),
+    (lambda v: server.SSP(staleness=v), "staleness"),
+    (lambda v: server.EASGD(interval=v), "interval"),
+    (lambda v: ksync.KTestConfig(k_min=v), "k_min"),
+    (lambda v: server.KSyncConfig(k_rule=v), "k_rule"),
+])
+def test_bool_is_not_a_count(call, name):
+  with pytest.raises(ValueError, match=rf"{name} must be .*got True"):
+    call(True)
+
+
+# ... and entry points that used to reject NumPy integers now accept them.
+def test_numpy_integers_are_accepted_where_they_were_not():
+  n = np.int64(8)
+  a = mfopt.linear_scaling_adabound(base_lr=0.1, num_workers=n, steps_per_epoch=np.int32(10))
+  b = mfopt.linear_scaling_adabound(base_lr=0.1, num_workers=8, steps_per_epoch=10)
+  params = {"w": np.ones(3, np.float32)}
+  ua, _ = a.update(params, a.init(params), params)
+  ub, _ = b.update(params, b.init(params), params)
+  np.testing.assert_array_equal(ua["w"], ub["w"])
+  assert server.SSP(staleness=np.int64(2)).staleness == 2
+  assert ksync.KTestConfig(k_min=np.int64(2), k_max=np.int64(4)).k_max == 4
