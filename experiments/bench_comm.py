@@ -209,10 +209,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "--platform", choices=("cpu", "gpu"), default="cpu"))
   _setup_devices(args.platform)
   import jax
-  import jax.numpy as jnp
   import optax
 
-  import mfopt
   from mfopt import comm as comm_lib
   from mfopt import fastpath, models, parallel
   from mfopt import train as train_lib

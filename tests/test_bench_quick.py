@@ -8,7 +8,6 @@ the benchmark's MLP computed here by hand.
 
 import math
 
-import pytest
 
 from experiments import bench_comm, bench_train_step, bench_update, bench_virtual_workers
 

@@ -6,10 +6,8 @@ use the ``rbg`` PRNG implementation: its initialisers compile several times fast
 threefry's and draw from the same distributions.
 """
 
-import collections
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
