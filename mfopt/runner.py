@@ -243,6 +243,16 @@ def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike
   ``workdir/process-<i>/``.
   """
   module, config = prepare(name, quick=quick, overrides=overrides)
+  return _run_prepared(name, module, config, quick=quick, workdir=workdir,
+                       checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                       allow_config_change=allow_config_change, restart=restart)
+
+
+def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDict, *, quick: bool,
+                  workdir: str | os.PathLike | None, checkpoint_every: int | None,
+                  keep_checkpoints: int, allow_config_change: bool,
+                  restart: bool) -> dict[str, Any]:
+  """:func:`run_experiment` after :func:`prepare` (``main`` validates before joining a job)."""
   workdir = pathlib.Path(workdir or pathlib.Path("runs") / (name + ("-quick" if quick else "")))
   log_every = config.get("log_every")
   if checkpoint_every is not None and isinstance(log_every, int) and checkpoint_every % log_every:
@@ -308,11 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(list_experiments()))
     return 0 if args.list else 2
   try:
+    module, config = prepare(args.name, quick=args.quick, overrides=args.overrides)  # fail before joining a job
     if args.show_config:
-      _, config = prepare(args.name, quick=args.quick, overrides=args.overrides)
       print(config)
       return 0
-    prepare(args.name, quick=args.quick, overrides=args.overrides)  # fail before joining a job
     for flag, value in (("--checkpoint-every", args.checkpoint_every),
                         ("--keep-checkpoints", args.keep_checkpoints)):
       if value is not None and value < 1:
@@ -323,10 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except ValueError as e:
       raise ConfigError(str(e)) from e
-    summary = run_experiment(args.name, quick=args.quick, workdir=args.workdir,
-                             overrides=args.overrides, checkpoint_every=args.checkpoint_every,
-                             keep_checkpoints=args.keep_checkpoints,
-                             allow_config_change=args.allow_config_change, restart=args.restart)
+    summary = _run_prepared(args.name, module, config, quick=args.quick, workdir=args.workdir,
+                            checkpoint_every=args.checkpoint_every,
+                            keep_checkpoints=args.keep_checkpoints,
+                            allow_config_change=args.allow_config_change, restart=args.restart)
   except (ConfigError, checkpoint.ConfigMismatchError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
