@@ -239,6 +239,33 @@ def test_auto_lowering_times_both_and_leaves_the_callers_state_alone():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_auto_lowering_interleaves_candidates_and_picks_the_smallest_median():
+  """The choice logic alone, with a fake clock: each candidate's step 'costs' a fixed time,
+  and one timed step is hit by a load spike (whichever candidate runs then)."""
+  cost = {"vmap": 10.0, "map": 12.0, "map:2": 11.0}
+  now, calls = [0.0], []
+
+  def fake(name):
+    def step(state, batch):
+      calls.append(name)
+      spike = 100.0 if len(calls) == 3 * train.AutoLoweredStep.warmup + 4 else 0.0
+      now[0] += cost[name] + spike
+      return jax.tree.map(lambda x: x + 1, state), {"loss": jnp.zeros(())}
+    return step
+
+  step = train.AutoLoweredStep({n: fake(n) for n in cost})
+  step.clock = lambda: now[0]
+  state = {"w": jnp.zeros(3)}
+  assert step.choose(state, None) == "vmap"
+  timed = calls[3 * step.warmup:]
+  # 5 rounds, every candidate once per round, the starting candidate rotating
+  assert timed[:6] == ["vmap", "map", "map:2", "map", "map:2", "vmap"]
+  assert sorted(timed) == sorted(list(cost) * step.reps)
+  # the spike (on round 2's first step, 'map') is one of 5 samples: the median drops it
+  assert step.timings == pytest.approx(cost)
+  np.testing.assert_array_equal(state["w"], 0)  # the caller's state was copied, not advanced
+
+
 def test_lowering_errors_name_the_argument():
   mesh = parallel.make_mesh(jax.devices()[:1])
   for bad in ("grouped", "map:0", "map:x", 3):
