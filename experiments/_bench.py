@@ -87,6 +87,24 @@ def minor_faults() -> int | None:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def compiled_cost(fn: Any, *args: Any) -> dict[str, float] | None:
+  """XLA's own cost estimate of ``fn`` (a ``jax.jit`` function) compiled for ``args``.
+
+  ``{"flops": ..., "bytes accessed": ...}`` from ``Compiled.cost_analysis()`` (per
+  execution; a ``while`` body counted once, so compare programs without loops), or ``None``
+  where the backend gives none. Deterministic: a structural figure beside noisy timings.
+  """
+  try:
+    cost = fn.lower(*args).compile().cost_analysis()
+  except Exception:  # noqa: BLE001  (a backend without cost analysis: report nothing)
+    return None
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per partition
+    cost = cost[0] if cost else None
+  if not cost or "flops" not in cost or "bytes accessed" not in cost:
+    return None
+  return {"flops": float(cost["flops"]), "bytes accessed": float(cost["bytes accessed"])}
+
+
 class Timing:
   """Seconds per call over repetitions: median, min, max, IQR; page faults per call.
 

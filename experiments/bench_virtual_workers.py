@@ -137,6 +137,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"{ref / t.median:.3f}x one replica; {t.spread()}", num_workers=num_workers,
                     per_worker_batch=batch, variant=name.split(" (")[0], timing=t.as_dict())
     fast = ref / timings[1].median
+    costs = [_bench.compiled_cost(r.fn, r.state, *r.args) for r in runners[:2]]
+    if None not in costs:  # the fast path's extra work over one replica: per-group BN only
+      report.figure(f"W={num_workers} B={batch} | fast path / one replica, XLA cost estimate",
+                    costs[1]["bytes accessed"] / costs[0]["bytes accessed"], "x bytes",
+                    f"{costs[1]['flops'] / costs[0]['flops']:.4f}x flops; "
+                    f"{costs[1]['bytes accessed'] / 1e6:.1f} vs "
+                    f"{costs[0]['bytes accessed'] / 1e6:.1f} MB accessed per step",
+                    num_workers=num_workers, per_worker_batch=batch,
+                    variant="fast path cost", cost=costs)
     local_idx = {"vmap": 3, "lax.map": 4, **({mixed: 6} if mixed else {})}
     best_name = min(local_idx, key=lambda n: timings[local_idx[n]].median)
     best_t = timings[local_idx[best_name]].median

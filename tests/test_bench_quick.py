@@ -96,7 +96,12 @@ def test_bench_virtual_workers_quick_runs():
   result = bench_virtual_workers.main(["--quick"])
   variants = {f["variant"] for f in _figures(result) if "variant" in f}
   assert variants == {"one replica @ W*B", "fast path", "vmap sync", "vmap local",
-                      "lax.map local", "auto local"}
+                      "lax.map local", "auto local", "fast path cost"}
+  # XLA's cost estimate: the fast path does one replica's work plus per-group BN statistics
+  # (a few % of this tiny CNN), not W replicas' worth
+  (cost,) = [f for f in _figures(result) if f.get("variant") == "fast path cost"]
+  plain, fast = cost["cost"]
+  assert 1.0 <= fast["flops"] / plain["flops"] < 1.1
   # the automatic lowering made its choice by timing both candidates
   auto = [f for f in _figures(result) if f["name"].startswith("W=2 B=2 | auto local (chose ")]
   assert len(auto) == 1 and ("chose vmap" in auto[0]["name"] or "chose map" in auto[0]["name"])

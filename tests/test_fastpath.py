@@ -136,6 +136,24 @@ def test_counters_report_the_collectives_executed(run):
   assert "feature_group_count" not in r["hlo"]
 
 
+def test_updated_state_is_written_in_place_not_copied(run):
+  """The donated parameters and momentum are updated in place: the compiled step copies no
+  computed value of a parameter's shape into its output. (Updating ``a[0]`` and returning
+  ``a[None]`` made XLA copy every one of them; tests the fix in ``fastpath.make_train_step``.)"""
+  _, r = run
+  entry = r["hlo"][r["hlo"].index("ENTRY"):]
+  shapes = {"[" + ",".join(map(str, a.shape)) + "]" for a in jax.tree.leaves(r["fast"].params)}
+  copied = [line.strip() for line in entry.splitlines()
+            if (m := re.search(r"= f32(\[[0-9,]*\])\{[0-9,]*\} copy\((%[\w.\-]+)\)", line))
+            and m.group(1) in shapes and "parameter" not in _defining_op(entry, m.group(2))]
+  assert len(shapes) >= 4 and not copied, copied[:3]
+
+
+def _defining_op(entry: str, name: str) -> str:
+  m = re.search(rf"^\s*{re.escape(name)} = \S+ (\w[\w\-]*)\(", entry, re.M)
+  return m.group(1) if m else ""
+
+
 def test_to_train_state_matches_worker_stacked_layout(run):
   (_, num_workers), r = run
   state = fastpath.to_train_state(r["fast_state"], num_workers=num_workers, mesh=r["mesh"])
