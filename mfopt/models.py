@@ -64,12 +64,15 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from mfopt import _checks
 
@@ -89,6 +92,8 @@ __all__ = [
     "init_model",
     "apply_model",
     "conv_kernel_init",
+    "CONV_IMPLS",
+    "gemm_conv_general_dilated",
 ]
 
 BN_MOMENTUM = 0.9
@@ -96,6 +101,82 @@ BN_EPSILON = 1e-5
 
 #: Kaiming-normal with fan_in, N(0, 2 / (prod(kernel_size) * in_channels)) (seed 004 §2.2.3).
 conv_kernel_init = nn.initializers.variance_scaling(2.0, "fan_in", "normal")
+
+#: How CNN / ResNet convolutions are computed: ``"xla"`` (``lax.conv_general_dilated``) or
+#: ``"gemm"`` (:func:`gemm_conv_general_dilated`). Same parameters, same function.
+CONV_IMPLS = ("xla", "gemm")
+
+
+def gemm_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
+                              rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
+                              precision=None, preferred_element_type=None):
+  """``lax.conv_general_dilated`` computed as patches times a matrix (im2col + one matmul).
+
+  Why: under ``jax.vmap`` over *per-worker weights* (the virtual workers of a local
+  algorithm), XLA lowers a convolution to a grouped convolution, which GPU libraries run far
+  below their dense speed at many groups (issue 8, target 4). Here the weights only enter a
+  ``dot_general``, whose ``vmap`` is a *batched GEMM*, while the patch extraction
+  (``lax.conv_general_dilated_patches``) involves no weights and folds the worker axis into its
+  batch. The cost is memory: the patches are ``prod(kernel)`` times the input (kept for the
+  backward pass). 1x1 kernels skip the patches (a strided slice is enough).
+
+  Accepts flax ``nn.Conv``'s call (channels-last input, kernel ``(*spatial, in, out)``) and
+  falls back to ``lax.conv_general_dilated`` for anything else (feature groups, input
+  dilation, other layouts). Equal to it up to float rounding (``tests/test_models.py``).
+  """
+  nd = rhs.ndim - 2
+  lhs_dilated = lhs_dilation is not None and any(d != 1 for d in lhs_dilation)
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  flax_layout = (dn.lhs_spec == (0, nd + 1, *range(1, nd + 1)) and dn.out_spec == dn.lhs_spec
+                 and dn.rhs_spec == (nd + 1, nd, *range(nd)))
+  if feature_group_count != 1 or lhs_dilated or not flax_layout:
+    return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation,
+                                    rhs_dilation, dimension_numbers, feature_group_count,
+                                    precision=precision,
+                                    preferred_element_type=preferred_element_type)
+  kernel = rhs.shape[:nd]
+  in_features, out_features = rhs.shape[nd], rhs.shape[nd + 1]
+  unpadded = padding == "VALID" or (not isinstance(padding, str)
+                                    and all(tuple(p) == (0, 0) for p in padding))
+  if all(k == 1 for k in kernel) and (unpadded or padding == "SAME"):
+    index = (slice(None),) + tuple(slice(None, None, s) for s in window_strides) + (slice(None),)
+    patches = lhs[index]  # a 1x1 kernel sees one pixel; "SAME" pads nothing for it
+  else:
+    patches = _patches(lhs, kernel, window_strides, padding,
+                       rhs_dilation if rhs_dilation is not None else (1,) * nd)
+  # patch features are ordered (in_features, *kernel): the kernel matrix matches that order
+  matrix = jnp.moveaxis(rhs, nd, 0).reshape(in_features * math.prod(kernel), out_features)
+  return lax.dot_general(patches, matrix.astype(patches.dtype),
+                         (((patches.ndim - 1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=preferred_element_type)
+
+
+def _patches(x, kernel, strides, padding, dilation):
+  """im2col by ``prod(kernel)`` strided slices of the padded input, features ordered
+  ``(in_features, *kernel)`` as ``lax.conv_general_dilated_patches`` orders them.
+
+  ``conv_general_dilated_patches`` computes the same with a convolution by one-hot filters
+  (``in_features`` groups), which is itself a grouped convolution; slices are plain copies and
+  their gradient a padded sum."""
+  nd = len(kernel)
+  dilated = [(k - 1) * d + 1 for k, d in zip(kernel, dilation)]
+  pads = (lax.padtype_to_pads(x.shape[1:nd + 1], dilated, strides, padding)
+          if isinstance(padding, str) else [tuple(p) for p in padding])
+  x = jnp.pad(x, [(0, 0)] + list(pads) + [(0, 0)])
+  out = [(x.shape[1 + i] - dilated[i]) // strides[i] + 1 for i in range(nd)]
+  cols = []
+  for offset in itertools.product(*(range(k) for k in kernel)):
+    start = [o * d for o, d in zip(offset, dilation)]
+    limit = [s + (n - 1) * st + 1 for s, n, st in zip(start, out, strides)]
+    cols.append(lax.slice(x, (0, *start, 0), (x.shape[0], *limit, x.shape[-1]),
+                          (1, *strides, 1)))
+  return jnp.stack(cols, axis=-1).reshape(x.shape[0], *out, x.shape[-1] * len(cols))
+
+
+def _conv_fn(owner: str, impl: str):
+  if impl not in CONV_IMPLS:
+    raise ValueError(f"{owner}: conv_impl must be one of {CONV_IMPLS}, got {impl!r}")
+  return gemm_conv_general_dilated if impl == "gemm" else None
 
 Dtype = Any
 ModuleDef = Any
@@ -211,6 +292,7 @@ class CNN(nn.Module):
     dtype: computation dtype.
     bn_axis_name: ``None`` for per-worker BN statistics, an axis name for synchronised BN.
     bn_momentum: BN running-average momentum.
+    conv_impl: ``"xla"`` or ``"gemm"`` (:data:`CONV_IMPLS`; same parameters and function).
   """
 
   features: Sequence[int] = (32, 64)
@@ -219,12 +301,14 @@ class CNN(nn.Module):
   dtype: Dtype = jnp.float32
   bn_axis_name: AxisName = None
   bn_momentum: float = BN_MOMENTUM
+  conv_impl: str = "xla"
 
   def __post_init__(self):
     _check_positive_ints("CNN", "features", self.features, allow_empty=False)
     _checks.positive_int("num_classes", self.num_classes, owner="CNN")
     _check_float_dtype("CNN", self.dtype)
     _check_bn("CNN", self.bn_momentum, self.bn_axis_name)
+    _conv_fn("CNN", self.conv_impl)
     super().__post_init__()
 
   @nn.compact
@@ -234,7 +318,7 @@ class CNN(nn.Module):
     for i, f in enumerate(self.features):
       x = nn.Conv(f, (3,) * nd, padding="SAME", use_bias=not self.use_bn,
                   kernel_init=conv_kernel_init, dtype=self.dtype, param_dtype=jnp.float32,
-                  name=f"conv{i}")(x)
+                  conv_general_dilated=_conv_fn("CNN", self.conv_impl), name=f"conv{i}")(x)
       if self.use_bn:
         x = norm(name=f"bn{i}")(x)
       x = nn.relu(x)
@@ -324,6 +408,7 @@ class ResNet(nn.Module):
     dtype: computation dtype.
     bn_axis_name: ``None`` for per-worker BN statistics, an axis name for synchronised BN.
     bn_momentum: BN running-average momentum.
+    conv_impl: ``"xla"`` or ``"gemm"`` (:data:`CONV_IMPLS`; same parameters and function).
   """
 
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
@@ -334,6 +419,7 @@ class ResNet(nn.Module):
   dtype: Dtype = jnp.float32
   bn_axis_name: AxisName = None
   bn_momentum: float = BN_MOMENTUM
+  conv_impl: str = "xla"
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -347,13 +433,15 @@ class ResNet(nn.Module):
     _checks.positive_int("width", self.width, owner=owner)
     _check_float_dtype(owner, self.dtype)
     _check_bn(owner, self.bn_momentum, self.bn_axis_name)
+    _conv_fn(owner, self.conv_impl)
     super().__post_init__()
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     nd = _num_spatial_dims(type(self).__name__, x)
     conv = functools.partial(nn.Conv, use_bias=False, kernel_init=conv_kernel_init,
-                             dtype=self.dtype, param_dtype=jnp.float32)
+                             dtype=self.dtype, param_dtype=jnp.float32,
+                             conv_general_dilated=_conv_fn(type(self).__name__, self.conv_impl))
     norm = _batch_norm(train, self.bn_momentum, self.bn_axis_name, self.dtype)
 
     if self.stem == "imagenet":

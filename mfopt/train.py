@@ -89,13 +89,13 @@ def init_train_state(model, tx: optax.GradientTransformation, example_x: np.ndar
   return TrainState(params, model_state, opt_init(params))
 
 
-LOWERINGS = ("vmap", "map", "map:K", "auto")
+LOWERINGS = ("vmap", "map", "map:K", "gemm", "auto")
 
 
 def _parse_lowering(lowering: Any) -> tuple[str, int | None]:
-  """``"vmap"`` / ``"map"`` / ``"map:K"`` / ``"auto"`` -> (kind, lax.map batch size)."""
+  """``"vmap"`` / ``"map"`` / ``"map:K"`` / ``"gemm"`` / ``"auto"`` -> (kind, lax.map batch size)."""
   if isinstance(lowering, str):
-    if lowering in ("vmap", "map", "auto"):
+    if lowering in ("vmap", "map", "gemm", "auto"):
       return lowering, None
     head, _, k = lowering.partition(":")
     if head == "map" and k.isdigit() and int(k) >= 1:
@@ -103,14 +103,19 @@ def _parse_lowering(lowering: Any) -> tuple[str, int | None]:
   raise ValueError(f"lowering must be one of {LOWERINGS} (K a positive int), got {lowering!r}")
 
 
-def _auto_candidates(local: int) -> list[str]:
+def _auto_candidates(local: int, gemm: bool = False) -> list[str]:
   """What ``lowering="auto"`` times: ``vmap``, ``map`` and one mixed ``map:K`` (K workers
   ``vmap``-ed at a time, ``local / K`` such groups one after another), K the largest power of
-  two <= sqrt(local), when that is > 1 (4 -> 2, 8 -> 2, 16 -> 4, 32 -> 4)."""
+  two <= sqrt(local), when that is > 1 (4 -> 2, 8 -> 2, 16 -> 4, 32 -> 4); and ``gemm`` if
+  ``gemm`` (a model with a ``conv_impl`` field)."""
   k = 1
   while (2 * k) ** 2 <= local:
     k *= 2
-  return ["vmap", "map"] + ([f"map:{k}"] if k > 1 else [])
+  return ["vmap", "map"] + ([f"map:{k}"] if k > 1 else []) + (["gemm"] if gemm else [])
+
+
+def _has_conv_impl(model) -> bool:
+  return "conv_impl" in getattr(model, "__dataclass_fields__", {})
 
 
 def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn):
@@ -171,7 +176,12 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
     for a model whose BatchNorm communicates (``bn_axis_name`` set): raises.
   * ``"map:K"``: mixed; ``K`` workers ``vmap``-ed at a time, the groups one after another
     (``lax.map(..., batch_size=K)``).
-  * ``"auto"``: ``vmap``, ``map`` and one ``map:K`` (:func:`_auto_candidates`) are compiled on
+  * ``"gemm"``: ``vmap`` of a copy of the model whose convolutions are patches times a matrix
+    (``conv_impl="gemm"``, :func:`mfopt.models.gemm_conv_general_dilated`): per-worker weights
+    then meet the activations in a batched GEMM instead of a grouped convolution, at the
+    memory cost of the patches. For models with a ``conv_impl`` field (CNN, ResNets).
+  * ``"auto"``: ``vmap``, ``map``, one ``map:K`` and (models with ``conv_impl``) ``gemm``
+    (:func:`_auto_candidates`) are compiled on
     the first call and timed on a copy of the state (2 warm-up steps each, then 5 interleaved
     timed rounds); the
     fastest runs from then on (issue 8, target 4b: never below the better lowering). The
@@ -189,6 +199,11 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   """
   kind, map_batch = _parse_lowering(lowering)
   local = parallel.local_workers(num_workers, mesh)
+  if kind == "gemm":
+    if not _has_conv_impl(model):
+      raise ValueError(f"lowering='gemm' needs a model with a conv_impl field (CNN, ResNet), "
+                       f"got {type(model).__name__}")
+    model, kind = model.clone(conv_impl="gemm"), "vmap"
   if kind == "map" and _communicating_model(model):
     raise ValueError(
         f"lowering={lowering!r} runs a device's workers one after another, so the model's "
@@ -201,7 +216,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
       return AutoLoweredStep({name: make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
                                                     loss_fn=loss_fn, donate=donate,
                                                     lowering=name)
-                              for name in _auto_candidates(local)})
+                              for name in _auto_candidates(local, _has_conv_impl(model))})
   grad_phase, update_phase = _worker_phases(model, tx, loss_fn)
 
   def worker_step(params, model_state, opt_state, batch):
@@ -251,11 +266,14 @@ class AutoLoweredStep:
   matters on a shared machine: timed back to back, a load change between two candidates'
   blocks decided the choice (measured on the 2-core CI VM: at 32 workers x batch 1, blocks
   of 3 steps picked ``map`` at 84.6 ms vs ``vmap`` 101.9 ms while 15 interleaved steps
-  afterwards put ``vmap`` ahead). Later calls go straight to the chosen jitted step.
+  afterwards put ``vmap`` ahead). A candidate that runs out of device memory
+  (``RESOURCE_EXHAUSTED``, e.g. ``gemm``'s patches at a large batch) is dropped and named in
+  ``skipped``. Later calls go straight to the chosen jitted step.
 
   Attributes:
     choice: the chosen lowering's name (``None`` before the first call).
     timings: median seconds per step of each candidate (empty before the first call).
+    skipped: candidates dropped for lack of memory, with the error's first line.
     steps: the candidate jitted steps by name.
   """
 
@@ -267,16 +285,26 @@ class AutoLoweredStep:
     self.steps = dict(steps)
     self.choice: str | None = None
     self.timings: dict[str, float] = {}
+    self.skipped: dict[str, str] = {}
 
   def choose(self, state: TrainState, batch) -> str:
     """Times every candidate on ``(state, batch)`` (a copy) and records the choice."""
     if self.choice is None:
-      state = jax.tree.map(jnp.copy, state)
-      names = list(self.steps)
-      for name in names:
-        for _ in range(self.warmup):
-          state, _ = self.steps[name](state, batch)
-      jax.block_until_ready(state)
+      original, state = state, jax.tree.map(jnp.copy, state)
+      names = []
+      for name in self.steps:
+        try:
+          for _ in range(self.warmup):
+            state, _ = self.steps[name](state, batch)
+          jax.block_until_ready(state)
+          names.append(name)
+        except jax.errors.JaxRuntimeError as e:
+          if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+          self.skipped[name] = str(e).splitlines()[0]
+          state = jax.tree.map(jnp.copy, original)  # the failed call may have taken the copy
+      if not names:
+        raise RuntimeError(f"lowering='auto': every candidate ran out of memory: {self.skipped}")
       times: dict[str, list[float]] = {name: [] for name in names}
       for r in range(self.reps):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -571,7 +599,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
 
   t0 = time.perf_counter()
   batch = device_batch(start, first if start == 0 else None)
-  if isinstance(train_step, AutoLoweredStep):  # times both lowerings on copies of the state
+  if isinstance(train_step, AutoLoweredStep):  # times the candidate lowerings on a state copy
     lowering = train_step.choose(state, batch)
   compiled = train_step.lower(state, batch).compile()
   if start == 0:

@@ -96,7 +96,7 @@ def test_bench_virtual_workers_quick_runs():
   result = bench_virtual_workers.main(["--quick"])
   variants = {f["variant"] for f in _figures(result) if "variant" in f}
   assert variants == {"one replica @ W*B", "fast path", "vmap sync", "vmap local",
-                      "lax.map local", "auto local", "fast path cost"}
+                      "lax.map local", "auto local", "gemm local", "fast path cost"}
   # XLA's cost estimate: the fast path does one replica's work plus per-group BN statistics
   # (a few % of this tiny CNN), not W replicas' worth
   (cost,) = [f for f in _figures(result) if f.get("variant") == "fast path cost"]

@@ -200,7 +200,7 @@ def test_map_lowering_has_no_grouped_convolution():
   b = _image_batch(np.random.default_rng(0), 4, 2)
   state = train.init_train_state(model, tx, b["x"][0], num_workers=4, mesh=mesh)
   texts, params = {}, {}
-  for lowering in ("vmap", "map", "map:2"):
+  for lowering in ("vmap", "map", "map:2", "gemm"):
     step = train.make_train_step(model, tx, mesh=mesh, num_workers=4, lowering=lowering,
                                  donate=False)
     batch = parallel.shard_workers(b, mesh)
@@ -210,7 +210,9 @@ def test_map_lowering_has_no_grouped_convolution():
   assert max(groups(texts["vmap"])) == 4  # vmap of per-worker weights: a 4-group convolution
   assert max(groups(texts["map"]), default=1) == 1
   assert max(groups(texts["map:2"])) == 2  # mixed: 2 workers vmap-ed at a time, twice
-  for name in ("map", "map:2"):
+  # gemm: the convolution's weights meet the patches in a batched dot, no grouped convolution
+  assert max(groups(texts["gemm"]), default=1) == 1 and "batching_dims = [0]" in texts["gemm"]
+  for name in ("map", "map:2", "gemm"):
     for x, y in zip(jax.tree.leaves(params["vmap"]), jax.tree.leaves(params[name])):
       np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6, err_msg=name)
 
@@ -226,8 +228,8 @@ def test_auto_lowering_times_both_and_leaves_the_callers_state_alone():
   assert isinstance(step, train.AutoLoweredStep) and step.choice is None
   chosen = step.choose(state, b)
   assert chosen == min(step.timings, key=step.timings.get)
-  # 4 workers on the device: vmap, map and the mixed map:2 are the candidates
-  assert set(step.timings) == {"vmap", "map", "map:2"}
+  # 4 workers on the device, a model with conv_impl: vmap, map, the mixed map:2 and gemm
+  assert set(step.timings) == {"vmap", "map", "map:2", "gemm"}
   assert all(t > 0 for t in step.timings.values())
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state))):
     np.testing.assert_array_equal(x, y)  # timing ran on copies
@@ -266,6 +268,26 @@ def test_auto_lowering_interleaves_candidates_and_picks_the_smallest_median():
   np.testing.assert_array_equal(state["w"], 0)  # the caller's state was copied, not advanced
 
 
+def test_auto_lowering_drops_a_candidate_that_runs_out_of_memory():
+  def ok(state, batch):
+    return jax.tree.map(lambda x: x + 1, state), {"loss": jnp.zeros(())}
+
+  def oom(state, batch):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes.\nmore")
+
+  def broken(state, batch):
+    raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+  step = train.AutoLoweredStep({"gemm": oom, "vmap": ok})
+  assert step.choose({"w": jnp.zeros(3)}, None) == "vmap"
+  assert step.skipped == {"gemm": "RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes."}
+  assert set(step.timings) == {"vmap"}
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # other errors propagate
+    train.AutoLoweredStep({"vmap": ok, "map": broken}).choose({"w": jnp.zeros(3)}, None)
+  with pytest.raises(RuntimeError, match="every candidate ran out of memory"):
+    train.AutoLoweredStep({"gemm": oom}).choose({"w": jnp.zeros(3)}, None)
+
+
 def test_lowering_errors_name_the_argument():
   mesh = parallel.make_mesh(jax.devices()[:1])
   for bad in ("grouped", "map:0", "map:x", 3):
@@ -274,6 +296,9 @@ def test_lowering_errors_name_the_argument():
   assert train._auto_candidates(2) == ["vmap", "map"]
   assert train._auto_candidates(16) == ["vmap", "map", "map:4"]
   assert train._auto_candidates(8) == ["vmap", "map", "map:2"]
+  assert train._auto_candidates(8, gemm=True) == ["vmap", "map", "map:2", "gemm"]
+  with pytest.raises(ValueError, match="lowering='gemm' needs a model with a conv_impl field"):
+    train.make_train_step(_model(), optax.sgd(0.1), mesh=mesh, num_workers=2, lowering="gemm")
   sync_bn = models.get_model("cnn", features=(4,), num_classes=5, use_bn=True,
                              bn_axis_name=mfopt.WORKER_AXES)
   with pytest.raises(ValueError, match="bn_axis_name=.*lowering='vmap'"):
