@@ -52,13 +52,15 @@ from experiments import _bench
 from experiments.bench_train_step import mfopt_runner, plain_runner, synthetic
 
 
-def fast_runner(model, inner, x: np.ndarray, y: np.ndarray, seed: int = 0) -> _bench.Runner:
+def fast_runner(model, inner, x: np.ndarray, y: np.ndarray, seed: int = 0,
+                update_in_place: bool = True) -> _bench.Runner:
   from mfopt import fastpath, parallel
   mesh = parallel.make_mesh(jax.devices()[:1])
   num_workers = x.shape[0]
   state = fastpath.init_train_state(model, inner, x[0, :1], num_workers=num_workers, mesh=mesh,
                                     seed=seed)
-  step = fastpath.make_train_step(model, inner, mesh=mesh, num_workers=num_workers)
+  step = fastpath.make_train_step(model, inner, mesh=mesh, num_workers=num_workers,
+                                  update_in_place=update_in_place)
   batch = parallel.shard_workers({"x": x, "y": y}, mesh)
   return _bench.Runner(step, state, (batch,), out_state=lambda out: out[0])
 
@@ -88,6 +90,9 @@ def _extra_args(parser) -> None:
   parser.add_argument("--shapes", default=None, type=parse_shapes,
                       help="comma list of WxB to run instead of the defaults, e.g. 16x64,16x256 "
                            "(to fit one device call's time limit)")
+  parser.add_argument("--fastpath-variants", action="store_true",
+                      help="also time the fast path with update_in_place=False (XLA copies the "
+                           "updated state) and print in-place / copying")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -133,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                mfopt_runner(model, sgd, xw, yw, num_workers=num_workers, lowering="gemm")]
     if mixed:
       runners.append(mfopt_runner(model, sgd, xw, yw, num_workers=num_workers, lowering=mixed))
+    if args.fastpath_variants:
+      names.append(f"{fastpath.LABEL} (copying update)")
+      runners.append(fast_runner(model, sgd, xw, yw, update_in_place=False))
     timings = _bench.time_interleaved(runners, warmup=warmup, reps=reps, iters=iters)
     images = num_workers * batch
     ref = timings[0].median
@@ -141,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"{ref / t.median:.3f}x one replica; {t.spread()}", num_workers=num_workers,
                     per_worker_batch=batch, variant=name.split(" (")[0], timing=t.as_dict())
     fast = ref / timings[1].median
+    if args.fastpath_variants:
+      report.figure(f"W={num_workers} B={batch} | fast path in place / copying update",
+                    timings[-1].median / timings[1].median, "x",
+                    "> 1: the in-place update (the default) is faster")
     costs = [_bench.compiled_cost(r.fn, r.state, *r.args) for r in runners[:2]]
     if None not in costs:  # the fast path's extra work over one replica: per-group BN only
       report.figure(f"W={num_workers} B={batch} | fast path / one replica, XLA cost estimate",

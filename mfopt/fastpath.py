@@ -151,7 +151,7 @@ def init_train_state(model, inner: optax.GradientTransformation, example_x, *, n
 
 def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_workers: int,
                     loss_fn: train_lib.LossFn = train_lib.classification_loss,
-                    comm_dtype: Any = None, donate: bool = True):
+                    comm_dtype: Any = None, donate: bool = True, update_in_place: bool = True):
   """Jitted ``(FastPathState, batch) -> (FastPathState, metrics)``: synchronous SGD, fast.
 
   Equals :func:`mfopt.train.make_train_step` with
@@ -168,6 +168,11 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
       over workers of the per-worker losses.
     comm_dtype: dtype of the cross-device gradient all-reduce.
     donate: donate the state buffers.
+    update_in_place: write the new parameters and optimizer state into the donated buffers
+      (default). ``False`` restores the earlier layout, in which XLA copies each updated
+      buffer into the output: more memory traffic, but on a 2-core CPU it measured 3-5%
+      faster (its kernels overlap; BENCHMARKS.md, target 4). Kept to decide on GPU with
+      ``bench_virtual_workers --fastpath-variants``; the two compute the same numbers.
 
   Returns:
     The jitted step. ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over
@@ -202,8 +207,12 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
 
     (_, (losses, aux, new_model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(
         jax.tree.map(lambda a: a[0], params))
-    params, opt_state, norm = jax.vmap(update, axis_name=parallel.LOCAL_AXIS)(
-        jax.tree.map(lambda g: g[None], grads), opt_state, params)
+    if update_in_place:
+      params, opt_state, norm = jax.vmap(update, axis_name=parallel.LOCAL_AXIS)(
+          jax.tree.map(lambda g: g[None], grads), opt_state, params)
+    else:
+      params, opt_state, norm = jax.tree.map(lambda a: a[None], update(
+          grads, *jax.tree.map(lambda a: a[0], (opt_state, params))))
     metrics = {"loss": losses, **aux, "update_norm": jnp.broadcast_to(norm[0], (groups,))}
     return params, new_model_state, opt_state, metrics
 

@@ -7,6 +7,8 @@
 #       OUTDIR default: $OUT if set, else runs/gpu_bench; BENCH default: all four benches.
 #   bash scripts/gpu_bench.sh "$OUT" bench_update bench_train_step      # one device call
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 4x256,8x128"
+#   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 16x64 --fastpath-variants"
+#       (decides fastpath's update_in_place default on GPU: BENCHMARKS.md, target 4)
 #   BENCH_ARGS=--quick PYTHON=.venv/bin/python bash scripts/gpu_bench.sh /tmp/x   # smoke test
 #
 # Writes OUTDIR/<bench>.json (every figure as data) and OUTDIR/<bench>.log (the FIG/TARGET

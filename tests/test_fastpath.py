@@ -149,6 +149,26 @@ def test_updated_state_is_written_in_place_not_copied(run):
   assert len(shapes) >= 4 and not copied, copied[:3]
 
 
+def test_copying_update_variant_computes_the_same_step():
+  """``update_in_place=False`` (kept for the GPU comparison) is the same arithmetic, and it is
+  the layout with the copies (so the in-place test above can tell the two apart)."""
+  mesh = mfopt.make_mesh(jax.devices()[:1])
+  inner = optax.sgd(LR, momentum=0.9)
+  batches = [parallel.shard_workers(b, mesh) for b in _batches(4, 2)]
+  out = {}
+  for in_place in (True, False):
+    state = fastpath.init_train_state(MODEL, inner, batches[0]["x"][0], num_workers=4, mesh=mesh)
+    step = fastpath.make_train_step(MODEL, inner, mesh=mesh, num_workers=4,
+                                    update_in_place=in_place)
+    hlo = step.lower(state, batches[0]).compile().as_text()
+    for b in batches:
+      state, _ = step(state, b)
+    out[in_place] = (jax.device_get(state), hlo[hlo.index("ENTRY"):])
+  _assert_tree_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-7)
+  copies = re.findall(r" copy\((%[\w.\-]+)\)", out[False][1])
+  assert any("parameter" not in _defining_op(out[False][1], c) for c in copies)
+
+
 def _defining_op(entry: str, name: str) -> str:
   m = re.search(rf"^\s*{re.escape(name)} = \S+ (\w[\w\-]*)\(", entry, re.M)
   return m.group(1) if m else ""
