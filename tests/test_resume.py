@@ -133,8 +133,12 @@ def test_sigkill_then_resume_is_bitwise_identical(algo, reference, tmp_path):
   assert not os.path.exists(out + ".npz")  # no killed run finished
   assert kills == sorted(kills) and kills[-1] < NUM_STEPS
   proc = _spawn(algo, ckpt_dir, out, pause=0.0)
-  _, err = proc.communicate(timeout=120)
+  stdout, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-3000:]
+  # It resumed rather than restarting (which would end equal too): the first step it logs
+  # follows a checkpoint of the killed runs (saved at least at the step before the last kill).
+  logged = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("STEP ")]
+  assert kills[-1] > LOG_EVERY and logged and logged[0] >= kills[-1], (kills, logged)
 
   ref = reference(algo)
   got_history = json.loads(pathlib.Path(out + ".json").read_text())
@@ -305,16 +309,21 @@ def test_simulator_sigkill_then_resume_is_bitwise_identical(tmp_path):
 
   target = int(np.random.default_rng(7).integers(2, 6))
   proc = spawn(0.2)
+  killed_after = 0
   for line in proc.stdout:
     if line.startswith("CHUNK ") and int(line.split()[1]) >= target:
+      killed_after = int(line.split()[1])
       proc.send_signal(signal.SIGKILL)
       break
   proc.wait(timeout=60)
   assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
   assert not out.exists()
   proc = spawn(0.0)
-  _, err = proc.communicate(timeout=120)
+  stdout, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-3000:]
+  # it resumed after the chunk saved before the kill (a restart would also end equal)
+  chunks = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("CHUNK ")]
+  assert killed_after >= 2 and chunks and chunks[0] == killed_after + 1, (killed_after, chunks)
 
   reference = _simulator()
   reference.run(max_samples=SIM_SAMPLES)  # one uninterrupted run, no checkpoints
