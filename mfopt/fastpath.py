@@ -170,8 +170,8 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
     donate: donate the state buffers.
     update_in_place: write the new parameters and optimizer state into the donated buffers
       (default). ``False`` restores the earlier layout, in which XLA copies each updated
-      buffer into the output: more memory traffic, but on a 2-core CPU it measured 3-5%
-      faster (its kernels overlap; BENCHMARKS.md, target 4). Kept to decide on GPU with
+      buffer into the output: more memory traffic, but on a 2-core CPU it measured 0-5%
+      faster (equal on one core; BENCHMARKS.md, target 4). Kept to decide on GPU with
       ``bench_virtual_workers --fastpath-variants``; the two compute the same numbers.
 
   Returns:

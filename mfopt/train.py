@@ -181,12 +181,11 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
     then meet the activations in a batched GEMM instead of a grouped convolution, at the
     memory cost of the patches. For models with a ``conv_impl`` field (CNN, ResNets).
   * ``"auto"``: ``vmap``, ``map``, one ``map:K`` and (models with ``conv_impl``) ``gemm``
-    (:func:`_auto_candidates`) are compiled on
-    the first call and timed on a copy of the state (2 warm-up steps each, then 5 interleaved
-    timed rounds); the
-    fastest runs from then on (issue 8, target 4b: never below the better lowering). The
-    returned :class:`AutoLoweredStep` reports ``choice`` and ``timings``. With one worker per
-    device, or a communicating model, there is nothing to choose and ``"vmap"`` is used
+    (:func:`_auto_candidates`) are compiled on the first call and timed on a copy of the state
+    (2 warm-up steps each, then 5 interleaved timed rounds); the fastest runs from then on
+    (issue 8, target 4b: never below the best lowering). The returned
+    :class:`AutoLoweredStep` reports ``choice``, ``timings`` and ``skipped``. With one worker
+    per device, or a communicating model, there is nothing to choose and ``"vmap"`` is used
     without timing.
 
   With one worker per device (``num_workers == len(mesh.devices)``, e.g. one per GPU) and a
@@ -255,7 +254,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
 
 
 class AutoLoweredStep:
-  """A train step that picks its lowering (``vmap``, ``map``, ``map:K``) by timing, on first call.
+  """A train step that picks its lowering (``vmap``, ``map``, ``map:K``, ``gemm``) by timing.
 
   Built by ``make_train_step(..., lowering="auto")``. The first call compiles every candidate
   (jitted step) for the call's shapes and runs them on one copy of the state (the caller's
