@@ -115,10 +115,12 @@ def gemm_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
   Why: under ``jax.vmap`` over *per-worker weights* (the virtual workers of a local
   algorithm), XLA lowers a convolution to a grouped convolution, which GPU libraries run far
   below their dense speed at many groups (issue 8, target 4). Here the weights only enter a
-  ``dot_general``, whose ``vmap`` is a *batched GEMM*, while the patch extraction
-  (``lax.conv_general_dilated_patches``) involves no weights and folds the worker axis into its
-  batch. The cost is memory: the patches are ``prod(kernel)`` times the input (kept for the
-  backward pass). 1x1 kernels skip the patches (a strided slice is enough).
+  ``dot_general``, whose ``vmap`` is a *batched GEMM*, while the patch extraction (strided
+  slices, :func:`_patches`) involves no weights and folds the worker axis into its batch. The
+  cost is memory: the patches are ``prod(kernel)`` times the input (kept for the backward
+  pass). 1x1 kernels skip the patches (a strided slice is enough). Measured on CPU
+  (BENCHMARKS.md, target 4): slower than ``vmap``'s grouped convolutions at 4-8 workers per
+  device, the fastest lowering at 32.
 
   Accepts flax ``nn.Conv``'s call (channels-last input, kernel ``(*spatial, in, out)``) and
   falls back to ``lax.conv_general_dilated`` for anything else (feature groups, input
