@@ -115,7 +115,7 @@ def _auto_candidates(local: int, gemm: bool = False) -> list[str]:
 
 
 def _has_conv_impl(model) -> bool:
-  return "conv_impl" in getattr(model, "__dataclass_fields__", {})
+  return hasattr(model, "conv_impl")
 
 
 def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn):
@@ -193,8 +193,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   the plain single-replica program on the device's slice and only the update is ``vmap``-ed
   (size 1), whatever ``lowering`` says.
 
-  The two lowerings compute the same step (``tests/test_train.py`` compares them); the
-  float rounding of the convolutions may differ.
+  All lowerings compute the same step (``tests/test_train.py`` compares them); the float
+  rounding of the convolutions may differ.
   """
   kind, map_batch = _parse_lowering(lowering)
   local = parallel.local_workers(num_workers, mesh)
@@ -522,12 +522,12 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       many seconds passed since the previous save (the final one is always
       written); the runner's default is 60 s at logging steps.
     lowering: how a device's workers run their forward/backward (``"vmap"``, ``"map"``,
-      ``"map:K"`` or ``"auto"``; see :func:`make_train_step`). ``None`` (default): the
-      environment variable ``MFOPT_LOWERING`` if set (so experiment scripts can be switched
-      to ``auto`` on a GPU without editing their configs), else ``"vmap"``. The lowering that ran (for ``"auto"``, the
-      one chosen by timing, which counts in ``compile_s``) is the summary's ``lowering``. A
-      resumed ``"auto"`` run times again and may choose differently (same step, different
-      rounding).
+      ``"map:K"``, ``"gemm"`` or ``"auto"``; see :func:`make_train_step`). ``None``
+      (default): the environment variable ``MFOPT_LOWERING`` if set (so experiment scripts
+      can be switched to ``auto`` on a GPU without editing their configs), else ``"vmap"``.
+      The lowering that ran (for ``"auto"``, the one chosen by timing, which counts in
+      ``compile_s``) is the summary's ``lowering``. A resumed ``"auto"`` run times again and
+      may choose differently (same step, different rounding).
 
   Returns:
     A :class:`FitResult`. ``summary`` holds the final train loss (mean over the

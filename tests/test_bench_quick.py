@@ -9,7 +9,6 @@ the benchmark's MLP computed here by hand.
 import math
 import re
 
-
 from experiments import bench_comm, bench_train_step, bench_update, bench_virtual_workers
 
 # MLP 784-64-10 of bench_comm: (784*64 + 64) + (64*10 + 10) float32 parameters.
