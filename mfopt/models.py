@@ -148,6 +148,13 @@ def gemm_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
                        rhs_dilation if rhs_dilation is not None else (1,) * nd)
   # patch features are ordered (in_features, *kernel): the kernel matrix matches that order
   matrix = jnp.moveaxis(rhs, nd, 0).reshape(in_features * math.prod(kernel), out_features)
+  # The barrier keeps XLA:GPU from fusing the patch extraction into a Triton GEMM: in the
+  # XLA of JAX 0.10.2 that fusion aborts the process (CHECK failure in
+  # triton_tiling_propagation.cc, "subdim_size_accumulator == dim_size") when compiling any
+  # ResNet-18 step of this lowering for an H100 (found by deviceless compilation,
+  # experiments/bench_gpu_hlo.py). The patches are kept for the backward pass anyway, so
+  # materialising them costs nothing extra; XLA:CPU never fuses into a dot.
+  patches = lax.optimization_barrier(patches)
   return lax.dot_general(patches, matrix.astype(patches.dtype),
                          (((patches.ndim - 1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=preferred_element_type)
