@@ -5,6 +5,13 @@ Command::
   python -m experiments.bench_comm            # 8 fake CPU devices, W = 8 and 16 workers
   python -m experiments.bench_comm --quick    # CI: W = 16 only
   python -m experiments.bench_comm --platform gpu   # on the GPUs of the machine (>= 2)
+  JAX_PLATFORMS=cpu python -m experiments.bench_comm --platform gpu-aot  # XLA:GPU, no GPU needed
+
+``--platform gpu-aot`` compiles the same steps with XLA:GPU for 8 compile-only H100s
+(deviceless compilation, ``experiments/_gpu_aot.py``; needs the JAX CUDA plugin:
+``bash scripts/gpu_aot.sh``). Nothing runs there, so the counters are not read; the program
+and the compiled *GPU* HLO are, and the bf16 rows must show bf16 all-reduce operands of half
+the parameter bytes.
 
 For each transform, the worker-stacked train step (``mfopt.train.make_train_step``, an MLP
 784-64-10 (50,890 parameters, 203,560 B in f32) on 8 devices) is
@@ -161,7 +168,7 @@ def program_collectives(closed_jaxpr, cross_axis: str) -> list[dict[str, Any]]:
 
 def _setup_devices(platform: str) -> None:
   import jax
-  if platform == "cpu":
+  if platform in ("cpu", "gpu-aot"):  # gpu-aot: host arrays on CPU, programs for the GPU mesh
     try:
       jax.config.update("jax_platforms", "cpu")
       jax.config.update("jax_num_cpu_devices", 8)
@@ -206,9 +213,17 @@ def transforms() -> list[tuple[str, Any, str]]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _bench.parse_args(argv, __doc__.splitlines()[0], lambda p: p.add_argument(
-      "--platform", choices=("cpu", "gpu"), default="cpu"))
+      "--platform", choices=("cpu", "gpu", "gpu-aot"), default="cpu"))
+  aot = args.platform == "gpu-aot"
+  if aot:
+    from experiments import _gpu_aot
+    reason = _gpu_aot.unavailable_reason()
+    if reason is not None:
+      raise SystemExit(f"--platform gpu-aot: {reason}")
   _setup_devices(args.platform)
   import jax
+  if aot:  # compile-only executables cannot be stored in (or loaded from) the persistent cache
+    jax.config.update("jax_enable_compilation_cache", False)
   import optax
 
   from mfopt import comm as comm_lib
@@ -218,6 +233,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   report = _bench.Report("bench_comm", args)
   mesh = parallel.make_mesh()
   num_devices = mesh.shape[parallel.DATA_AXIS]
+  # The mesh the steps are compiled for: the same devices, or (gpu-aot) as many compile-only
+  # H100s, with the host-built states and batches passed as shapes + shardings.
+  step_mesh = mesh
+  if aot:
+    step_mesh = parallel.make_mesh(_gpu_aot.topology_devices(num_devices, "h100"))
+    report.note(f"SIMULATED TARGET: deviceless XLA:GPU compilation for {num_devices} x H100 "
+                "(compile-only devices); nothing executes, counters are not read")
   if num_devices < 2:
     report.note(f"only {num_devices} device(s): no cross-device collectives to count")
   model = models.get_model("mlp", hidden=(64,), num_classes=10)
@@ -237,13 +259,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for _ in range(STEPS)]
 
   def analyse(step, state, data):
-    lowered = step.lower(state, data[0])
-    jaxpr = jax.make_jaxpr(step)(state, data[0])
+    args = (state, data[0])
+    if aot:
+      args = _gpu_aot.abstract_on(args, step_mesh)
+    lowered = step.lower(*args)
+    jaxpr = jax.make_jaxpr(step)(*args)
     prog = program_collectives(jaxpr, parallel.DATA_AXIS)
     hlo = hlo_collectives(lowered.compile().as_text())
-    for batch in data:
-      state, _ = step(state, batch)
+    if not aot:
+      for batch in data:
+        state, _ = step(state, batch)
     return prog, hlo, state
+
+  def counters(totals):
+    if aot:  # nothing ran
+      return {"counter_collectives": 0, "counter_payload_bytes": 0, "counter_all_reduces": 0,
+              "counter_all_gathers": 0}
+    return {"counter_collectives": totals["collectives"],
+            "counter_payload_bytes": totals["payload_bytes"],
+            "counter_all_reduces": totals["all_reduces"],
+            "counter_all_gathers": totals["all_gathers"]}
 
   def summarise(prog, hlo):
     every = [c for c in hlo if not c["in_conditional"]]
@@ -256,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "program_sync_branch_bytes": sum(c["bytes"] for c in p_cond),
         "program_sync_branch_dtypes": sorted({c["dtype"] for c in p_cond}),
         "hlo_every_step_ops": len(every), "hlo_every_step_bytes": sum(c["bytes"] for c in every),
+        "hlo_every_step_dtypes": sorted({c["dtype"] for c in every}),
         "hlo_sync_branch_ops": len(cond), "hlo_sync_branch_bytes": sum(c["bytes"] for c in cond),
+        "hlo_sync_branch_dtypes": sorted({c["dtype"] for c in cond}),
         "hlo_ops": sorted({c["op"] for c in hlo}),
     }
 
@@ -269,80 +306,90 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report.note(f"{name}: not on main yet (skipped)")
         continue
       state = train_lib.init_train_state(model, tx, example, num_workers=num_workers, mesh=mesh)
-      step = train_lib.make_train_step(model, tx, mesh=mesh, num_workers=num_workers)
+      step = train_lib.make_train_step(model, tx, mesh=step_mesh, num_workers=num_workers)
       prog, hlo, state = analyse(step, state, data)
-      totals = comm_lib.comm_totals(state.opt_state)
-      row = {"transform": name, "kind": kind, "num_workers": num_workers, **summarise(prog, hlo),
-             "counter_collectives": totals["collectives"],
-             "counter_payload_bytes": totals["payload_bytes"],
-             "counter_all_reduces": totals["all_reduces"],
-             "counter_all_gathers": totals["all_gathers"]}
-      rows.append(row)
+      rows.append({"transform": name, "kind": kind, "num_workers": num_workers,
+                   **summarise(prog, hlo), **counters(comm_lib.comm_totals(state.opt_state))})
     # The fast path: one replica per device, D-way gradient all-reduce.
     inner = optax.sgd(0.1, momentum=0.9)
     state = fastpath.init_train_state(model, inner, example, num_workers=num_workers, mesh=mesh)
-    step = fastpath.make_train_step(model, inner, mesh=mesh, num_workers=num_workers)
+    step = fastpath.make_train_step(model, inner, mesh=step_mesh, num_workers=num_workers)
     prog, hlo, state = analyse(step, state, data)
-    totals = fastpath.comm_report(state)
     rows.append({"transform": f"{fastpath.LABEL} (sync SGD)", "kind": "fast",
                  "num_workers": num_workers, **summarise(prog, hlo),
-                 "counter_collectives": totals["collectives"],
-                 "counter_payload_bytes": totals["payload_bytes"],
-                 "counter_all_reduces": totals["all_reduces"],
-                 "counter_all_gathers": totals["all_gathers"]})
+                 **counters(fastpath.comm_report(state))})
 
+  ran = "counters n/a (gpu-aot: nothing runs)"
   for row in rows:
     per = lambda v: v / STEPS  # noqa: E731
-    report.figure(
-        f"{row['transform']} | W={row['num_workers']}", per(row["counter_payload_bytes"]),
-        "B/step (counters)",
+    counted = ran if aot else (
         f"counters: {per(row['counter_collectives']):g} exchanges/step "
         f"({row['counter_all_reduces']} all-reduce, {row['counter_all_gathers']} all-gather in "
-        f"{STEPS} steps); program: every step {row['program_every_step_bytes']:,} B "
+        f"{STEPS} steps)")
+    value, unit = ((row["hlo_every_step_bytes"] + row["hlo_sync_branch_bytes"],
+                    "B (compiled GPU HLO, every step + sync branch)") if aot else
+                   (per(row["counter_payload_bytes"]), "B/step (counters)"))
+    report.figure(
+        f"{row['transform']} | W={row['num_workers']}", value, unit,
+        f"{counted}; program: every step {row['program_every_step_bytes']:,} B "
         f"{row['program_every_step_dtypes']}, sync branch {row['program_sync_branch_bytes']:,} B "
         f"{row['program_sync_branch_dtypes']}; compiled HLO: every step "
-        f"{row['hlo_every_step_ops']} op(s) {row['hlo_every_step_bytes']:,} B, in conditional "
-        f"{row['hlo_sync_branch_ops']} op(s) {row['hlo_sync_branch_bytes']:,} B {row['hlo_ops']}",
+        f"{row['hlo_every_step_ops']} op(s) {row['hlo_every_step_bytes']:,} B "
+        f"{row['hlo_every_step_dtypes']}, in conditional {row['hlo_sync_branch_ops']} op(s) "
+        f"{row['hlo_sync_branch_bytes']:,} B {row['hlo_sync_branch_dtypes']} {row['hlo_ops']}",
         **row)
 
   # Checks (targets on counts, not timings; they apply in --quick mode too).
   half = param_bytes // 2
   syncs = STEPS // PERIOD
+  # XLA:CPU computes a bf16 all-reduce in f32 after compilation; XLA:GPU keeps bf16.
+  cpu = args.platform == "cpu"
+
+  def compiled(want):
+    return param_bytes if cpu else want
+
+  def counted(tag, name, ok):
+    report.target(f"{tag}: {name}", float(ok), ">=", 1.0, applies=not aot,
+                  why_not="gpu-aot: nothing runs")
+
   for row in rows:
     tag = f"{row['transform']} W={row['num_workers']}"
     kind = row["kind"]
     if num_devices < 2:
       continue
     local = 1 if kind == "fast" else row["num_workers"] // num_devices
+    bf16 = "bf16" in row["transform"]
+    want = half if bf16 else param_bytes
     if kind in ("sync", "fast"):
-      want = half if "bf16" in row["transform"] else param_bytes
       report.target(f"{tag}: program bytes/step == params x comm dtype x {local} local worker(s)",
                     float(row["program_every_step_bytes"] == local * want), ">=", 1.0)
-      report.target(f"{tag}: counters payload/step == program bytes",
-                    float(row["counter_payload_bytes"] == STEPS * want
-                          and row["counter_all_reduces"] == STEPS), ">=", 1.0)
-      compiled_want = param_bytes  # bf16 is computed in f32 on XLA:CPU
-      report.target(f"{tag}: compiled HLO all-reduce bytes/step == params"
-                    f"{' (f32 on CPU)' if want == half else ''}",
-                    float(row["hlo_every_step_bytes"] == (
-                        compiled_want if args.platform == "cpu" else want)), ">=", 1.0)
+      counted(tag, "counters payload/step == program bytes",
+              row["counter_payload_bytes"] == STEPS * want and row["counter_all_reduces"] == STEPS)
+      report.target(f"{tag}: compiled HLO all-reduce bytes/step == params x comm dtype"
+                    f"{' (f32 on CPU)' if bf16 and cpu else ''}",
+                    float(row["hlo_every_step_bytes"] == compiled(want)), ">=", 1.0)
     elif kind == "qsgd":
-      report.target(f"{tag}: all-gather every step, counted once per step",
-                    float(row["hlo_every_step_ops"] >= 1 and row["counter_all_gathers"] == STEPS
-                          and row["counter_payload_bytes"] > 0), ">=", 1.0)
+      report.target(f"{tag}: compiled all-gather every step",
+                    float(row["hlo_every_step_ops"] >= 1 and "all-gather" in row["hlo_ops"]),
+                    ">=", 1.0)
+      counted(tag, "all-gather counted once per step",
+              row["counter_all_gathers"] == STEPS and row["counter_payload_bytes"] > 0)
     elif kind in ("periodic", "adpsgd"):
       # Every-step collectives, if any, are scalars (no parameter-sized exchange on local steps).
       report.target(f"{tag}: no parameter-sized collective outside the sync conditional",
                     float(row["hlo_every_step_bytes"] < 64
                           and row["program_every_step_bytes"] < 64), ">=", 1.0)
-      want = half if "bf16" in row["transform"] else param_bytes
       report.target(f"{tag}: sync branch exchanges the parameters",
                     float(row["program_sync_branch_bytes"] >= local * want
-                          and row["hlo_sync_branch_bytes"] >= param_bytes), ">=", 1.0)
+                          and row["hlo_sync_branch_bytes"] >= compiled(want)), ">=", 1.0)
       if kind == "periodic":
-        report.target(f"{tag}: counters = floor(N/p) = {syncs} parameter exchanges",
-                      float(row["counter_all_reduces"] >= syncs
-                            and row["counter_payload_bytes"] >= syncs * want), ">=", 1.0)
+        counted(tag, f"counters = floor(N/p) = {syncs} parameter exchanges",
+                row["counter_all_reduces"] >= syncs and row["counter_payload_bytes"] >= syncs * want)
+    if bf16 and not cpu:  # issue 8: bf16 all-reduce operands in the compiled GPU HLO
+      dtypes = row["hlo_every_step_dtypes"] if kind in ("sync", "fast") else \
+          row["hlo_sync_branch_dtypes"]
+      report.target(f"{tag}: compiled GPU all-reduce operand dtype is bf16 (got {dtypes})",
+                    float(dtypes == ["bf16"]), ">=", 1.0)
   return report.finish()
 
 

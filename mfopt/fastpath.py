@@ -169,10 +169,11 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
     comm_dtype: dtype of the cross-device gradient all-reduce.
     donate: donate the state buffers.
     update_in_place: write the new parameters and optimizer state into the donated buffers
-      (default). ``False`` restores the earlier layout, in which XLA copies each updated
-      buffer into the output: more memory traffic, but on a 2-core CPU it measured 0-5%
-      faster (equal on one core; BENCHMARKS.md, target 4). Kept to decide on GPU with
-      ``bench_virtual_workers --fastpath-variants``; the two compute the same numbers.
+      (default). ``False`` restores the earlier layout, in which XLA:CPU copies each updated
+      buffer into the output (fewer bytes in XLA's estimate, yet 0-5% slower on a 2-core CPU,
+      equal on one core). XLA:GPU compiles the two to the same program (deviceless H100
+      compilation: 36 vs 37 copies, 46.22 MB each; BENCHMARKS.md, target 4), so the choice
+      only matters on CPU. The two compute the same numbers.
 
   Returns:
     The jitted step. ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over

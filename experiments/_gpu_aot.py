@@ -1,0 +1,125 @@
+"""Deviceless XLA:GPU compilation: the compiled GPU program of a step, on a machine without a GPU.
+
+``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...,
+topology="1x1xN")`` gives N *compile-only* GPU devices described by an XLA ``TargetConfig``
+(``experiments/gpu_specs/h100_sxm.txtpb``: an H100 SXM5 80GB). A ``jax.jit`` function lowered
+with ``jax.ShapeDtypeStruct`` arguments sharded over a mesh of those devices compiles with
+XLA:GPU's full pipeline (SPMD partitioning, collective passes, fusion, layout assignment,
+buffer assignment), exactly as for a real N-GPU machine, minus autotuning (which needs a GPU).
+Nothing is executed: this gives the *structure* of the GPU program (collective ops with
+their dtypes and bytes, copies, buffer sizes), never a timing.
+
+Used by ``python -m experiments.bench_comm --platform gpu-aot`` (issue 8: "the compiled HLO on
+GPU shows bf16 all-reduce operands where ``comm_dtype`` asks for them") and
+``python -m experiments.bench_gpu_hlo``.
+
+Needs the JAX CUDA plugin of the installed JAX version (its compiler lives there), which is
+large (about 5 GB with the CUDA wheels) and not a dependency of mfopt;
+``bash scripts/gpu_aot.sh`` builds a separate virtual environment ``.venv-gpu-aot`` with it.
+The process must use ``jax_platforms="cpu"`` so that JAX does not try to open a CUDA device;
+the host arrays the benchmarks build live on CPU, and only their shapes and shardings travel
+to the GPU mesh (:func:`abstract_on`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPECS_DIR = Path(__file__).resolve().parent / "gpu_specs"
+TARGETS = {"h100": SPECS_DIR / "h100_sxm.txtpb"}
+PLUGIN_HINT = ('pip install "jax-cuda12-plugin[with-cuda]==$(python -c "import jax; '
+               'print(jax.__version__)")"   (or: bash scripts/gpu_aot.sh)')
+
+_COPY = re.compile(r"=\s*(?P<shape>\([^()]*\)|\S+)\s+copy(?P<start>-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "f32": 4, "s32": 4, "u32": 4,
+             "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1,
+             "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def unavailable_reason() -> str | None:
+  """``None`` when deviceless CUDA compilation can run here, else why not (with the fix)."""
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401  (the CUDA 12 PJRT plugin package)
+  except ImportError:
+    return f"the JAX CUDA plugin is not installed: {PLUGIN_HINT}"
+  return None
+
+
+def topology_devices(num_devices: int, target: str = "h100") -> list[Any]:
+  """``num_devices`` compile-only GPU devices of ``target`` (a key of :data:`TARGETS`)."""
+  if target not in TARGETS:
+    raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
+  if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
+    raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+  reason = unavailable_reason()
+  if reason is not None:
+    raise RuntimeError(f"deviceless GPU compilation is not available: {reason}")
+  import jax
+  from jax.experimental import topologies
+  if jax.config.jax_platforms != "cpu":
+    # With the CUDA plugin installed, JAX would otherwise try to open a GPU for its default
+    # backend; the compile-only devices below need none.
+    raise RuntimeError("set jax_platforms='cpu' before the first JAX call (JAX_PLATFORMS=cpu), "
+                       f"got {jax.config.jax_platforms!r}")
+  config = TARGETS[target].read_text()
+  topo = topologies.get_topology_desc(platform="cuda", target_config=config,
+                                      topology=f"1x1x{num_devices}")
+  return list(topo.devices)
+
+
+def abstract_on(tree: Any, mesh) -> Any:
+  """``tree``'s arrays as ``ShapeDtypeStruct`` with the same ``PartitionSpec`` on ``mesh``."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  def leaf(a):
+    spec = getattr(getattr(a, "sharding", None), "spec", PartitionSpec())
+    return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=NamedSharding(mesh, spec))
+
+  return jax.tree.map(leaf, tree)
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string (a tuple counts all its elements)."""
+  total = 0
+  for dtype, dims in _SHAPE.findall(shape):
+    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+    total += n * _ITEMSIZE.get(dtype, 4)
+  return total
+
+
+def hlo_copies(text: str) -> dict[str, int]:
+  """``copy`` / ``copy-start`` ops of an optimised HLO module: how many, and their bytes.
+
+  Counts every computation of the module once (a copy inside a loop body counts once).
+  """
+  count, total = 0, 0
+  for line in text.splitlines():
+    m = _COPY.search(line)
+    if m:
+      count += 1
+      shape = m.group("shape")
+      if m.group("start"):  # copy-start returns (destination, source, context): count one
+        parts = _SHAPE.findall(shape)
+        shape = "{}[{}]".format(*parts[0]) if parts else shape
+      total += shape_bytes(shape)
+  return {"copies": count, "copy_bytes": total}
+
+
+def memory(compiled) -> dict[str, int] | None:
+  """Buffer sizes XLA assigned to a compiled program (per device), or ``None`` if not given."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001  (a backend without the analysis)
+    return None
+  if m is None:
+    return None
+  return {"argument_bytes": int(m.argument_size_in_bytes),
+          "output_bytes": int(m.output_size_in_bytes),
+          "alias_bytes": int(m.alias_size_in_bytes),
+          "temp_bytes": int(m.temp_size_in_bytes)}

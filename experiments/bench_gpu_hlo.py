@@ -1,0 +1,311 @@
+"""The compiled XLA:GPU programs of issue 8's train steps, without a GPU (structure, not time).
+
+Command::
+
+  JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo   # bash scripts/gpu_aot.sh
+  JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo --quick
+
+SIMULATED TARGET: every program is compiled by XLA:GPU for one compile-only H100
+(``experiments/_gpu_aot.py``: deviceless compilation, no autotuning) and never run. The figures
+are what the compiler emitted: cuDNN convolution calls (with their batch and feature-group
+count), GEMM calls, kernel launches (non-trivial instructions of the top-level computations,
+split into every-step and inside a ``conditional``), ``copy`` bytes, and the temporary buffer
+XLA assigned. They explain or predict timings; they are not timings, and the time targets of
+issue 8 still need a GPU run (``scripts/gpu_bench.sh``).
+
+Programs (ResNet-18, CIFAR-shaped 32x32 inputs, width 64, bf16 compute unless noted; the
+same steps ``bench_virtual_workers`` and ``bench_train_step`` time):
+
+* target 4a: one replica at ``W*B`` (a plain flax + optax step) vs the fast path
+  (``mfopt.fastpath``) with ``W`` BN groups of ``B``; the fast path must send cuDNN the same
+  convolutions as the one replica (same count, same batch, no feature groups);
+* the fast path's in-place update (default) vs ``update_in_place=False``;
+* target 4b: the local (divergent-replica) lowerings ``vmap`` (grouped convolutions),
+  ``gemm`` (batched matrix products, no convolution) and ``map`` (a loop of ``W`` replicas);
+* target 3: a periodic-averaging local step vs a step with no communication: the same work
+  outside the sync ``conditional``;
+* target 5: bf16 vs fp32 compute of the one-replica step: the convolutions run in bf16.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from experiments import _bench, _gpu_aot
+
+# Instructions that launch nothing (views, tuples, parameters) or are control flow whose
+# bodies are counted where they are.
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "conditional",
+         "while", "call", "after-all", "partition-id", "replica-id", "opt-barrier",
+         "all-reduce-done", "all-gather-done", "collective-permute-done", "copy-done",
+         "async-done", "async-update"}
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\((?:[^()]|\([^()]*\))*\)|\S+)\s+"
+                    r"(?P<op>[\w\-]+)\(")
+_LOOP = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+_BRANCH = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CONV = re.compile(r"=\s*\(?(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\].*custom_call_target="
+                   r"\"__cudnn\$conv(?P<kind>\w+)\"")
+_GROUPS = re.compile(r"feature_group_count=(\d+)")
+_GEMM = re.compile(r"custom_call_target=\"__cublas\$(?:lt\$matmul|gemm)[^\"]*\"|"
+                   r"calls=%?gemm_fusion|\"kind\":\"__triton_gemm\"")
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+  comps: dict[str, list[str]] = {}
+  entry, cur = None, None
+  for line in text.splitlines():
+    m = _HEADER.match(line)
+    if m and not line.startswith(" "):
+      cur = m.group(2)
+      comps[cur] = []
+      if m.group(1):
+        entry = cur
+      continue
+    if cur is not None and line.strip() == "}":
+      cur = None
+      continue
+    if cur is not None:
+      comps[cur].append(line)
+  return comps, entry
+
+
+def program_structure(text: str) -> dict[str, Any]:
+  """What an optimised HLO module launches, per top-level computation class.
+
+  Top-level computations are ``ENTRY`` and the bodies of its control flow (``while``
+  bodies/conditions, ``conditional`` branches), recursively; fusion bodies and reducers are
+  not (their instructions run inside one kernel). ``launches_*`` counts the non-trivial
+  instructions there (fusions, custom calls, copies, collectives, ...); a loop body counts
+  once. ``launches_cheapest`` / ``launches_dearest`` follow one path: at every
+  ``conditional`` the branch with the fewest / most launches (for periodic averaging, a
+  local step / a sync step). Convolutions are cuDNN custom calls (``kind`` Forward /
+  BackwardInput / BackwardFilter) with their output batch (first dimension) and
+  feature-group count.
+  """
+  comps, entry = _computations(text)
+  where: dict[str, bool] = {}  # computation -> inside a conditional branch
+
+  def visit(c: str, in_cond: bool) -> None:
+    if c not in comps or (c in where and (where[c] is False or in_cond)):
+      return
+    where[c] = in_cond
+    for line in comps[c]:
+      for callee in _LOOP.findall(line):
+        visit(callee, in_cond)
+      for callee in _BRANCH.findall(line):
+        visit(callee, True)
+      for group in _BRANCHES.findall(line):
+        for callee in group.split(","):
+          visit(callee.strip().lstrip("%"), True)
+
+  if entry is not None:
+    visit(entry, False)
+  ops = {False: collections.Counter(), True: collections.Counter()}
+  convs, gemms = [], 0
+  for c, in_cond in where.items():
+    for line in comps[c]:
+      m = _INSTR.match(line)
+      if not m or m.group("op") in _FREE:
+        continue
+      ops[in_cond][m.group("op")] += 1
+      conv = _CONV.search(line)
+      if conv:
+        dims = [int(d) for d in conv.group("dims").split(",") if d]
+        groups = _GROUPS.search(line)
+        convs.append({"kind": conv.group("kind"), "dtype": conv.group("dtype"),
+                      "batch": dims[0] if dims else 1,
+                      "groups": int(groups.group(1)) if groups else 1})
+      elif _GEMM.search(line):
+        gemms += 1
+
+  def path(c: str, pick, seen: frozenset = frozenset()) -> int:
+    if c not in comps or c in seen:
+      return 0
+    seen = seen | {c}
+    total = 0
+    for line in comps[c]:
+      m = _INSTR.match(line)
+      if m and m.group("op") not in _FREE:
+        total += 1
+      total += sum(path(b, pick, seen) for b in _LOOP.findall(line))
+      branches = _BRANCH.findall(line) + [b.strip().lstrip("%") for g in _BRANCHES.findall(line)
+                                          for b in g.split(",")]
+      if branches:
+        total += pick(path(b, pick, seen) for b in branches)
+    return total
+
+  return {"launches_every_step": sum(ops[False].values()),
+          "launches_cheapest": path(entry, min) if entry else 0,
+          "launches_dearest": path(entry, max) if entry else 0,
+          "launches_in_conditional": sum(ops[True].values()),
+          "ops_every_step": dict(ops[False]), "ops_in_conditional": dict(ops[True]),
+          "convs": convs, "gemms": gemms}
+
+
+def conv_summary(convs: Sequence[dict[str, Any]]) -> str:
+  """``"59 convs (20 Forward, ...), batch {1024}, groups {1}, bf16"``."""
+  if not convs:
+    return "0 convs"
+  kinds = collections.Counter(c["kind"] for c in convs)
+  return (f"{len(convs)} convs ({', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))}), "
+          f"batch {sorted({c['batch'] for c in convs})}, groups "
+          f"{sorted({c['groups'] for c in convs})}, {sorted({c['dtype'] for c in convs})}")
+
+
+def _extra_args(parser) -> None:
+  parser.add_argument("--workers", type=int, default=16, help="W (default 16)")
+  parser.add_argument("--batch", type=int, default=64, help="per-worker batch B (default 64)")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _bench.parse_args(argv, __doc__.splitlines()[0], _extra_args)
+  reason = _gpu_aot.unavailable_reason()
+  if reason is not None:
+    raise SystemExit(f"bench_gpu_hlo: {reason}")
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+  # Compile-only executables cannot be stored in (or loaded from) the persistent cache.
+  jax.config.update("jax_enable_compilation_cache", False)
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import mfopt
+  from experiments import bench_train_step
+  from mfopt import fastpath, models, parallel
+  from mfopt import train as train_lib
+
+  report = _bench.Report("bench_gpu_hlo", args)
+  gpu_mesh = parallel.make_mesh(_gpu_aot.topology_devices(1, "h100"))
+  host_mesh = parallel.make_mesh(jax.devices()[:1])
+  if args.quick:  # a small CNN with BN: seconds to compile
+    num_workers, batch, image = 2, 4, 8
+    make = lambda dtype: models.get_model("cnn", features=(4, 8), num_classes=10,  # noqa: E731
+                                          dtype=dtype)
+    label = "CNN (4, 8) 8x8"
+  else:
+    num_workers, batch, image = args.workers, args.batch, 32
+    make = lambda dtype: models.get_model("resnet18", num_classes=10, width=64,  # noqa: E731
+                                          dtype=dtype)
+    label = "ResNet-18 width 64, 32x32"
+  for name, value in (("--workers", num_workers), ("--batch", batch)):
+    if value < 1:
+      raise SystemExit(f"bench_gpu_hlo: {name} must be positive, got {value}")
+  report.note(f"SIMULATED TARGET: XLA:GPU deviceless compilation for one H100 (compile-only "
+              f"device, no autotuning); nothing runs. {label}, W={num_workers} B={batch}")
+  sgd = optax.sgd(0.1, momentum=0.9)
+  images = num_workers * batch
+  x1 = np.zeros((1, image, image, 3), np.float32)
+  programs: dict[str, dict[str, Any]] = {}
+
+  def record(name: str, compiled) -> dict[str, Any]:
+    text = compiled.as_text()
+    row = {"program": name, **program_structure(text), **_gpu_aot.hlo_copies(text),
+           **(_gpu_aot.memory(compiled) or {})}
+    programs[name] = row
+    report.figure(f"{name} | kernel launches", row["launches_cheapest"], "launches",
+                  f"cheapest path (every step {row['launches_every_step']}, "
+                  f"+{row['launches_in_conditional']} in conditionals, dearest path "
+                  f"{row['launches_dearest']}); {conv_summary(row['convs'])};"
+                  f" {row['gemms']} gemm; {row['copies']} copies {row['copy_bytes'] / 1e6:.1f} MB;"
+                  f" temp {row.get('temp_bytes', 0) / 1e6:.1f} MB", **row)
+    return row
+
+  def plain(dtype, n):
+    model = make(dtype)
+    params, model_state = models.init_model(model, jax.random.PRNGKey(0), x1)
+    state = (params, model_state["batch_stats"], sgd.init(params))
+    args_ = _gpu_aot.abstract_on((state, np.zeros((n, image, image, 3), np.float32),
+                                  np.zeros((n,), np.int32)), gpu_mesh)
+    return bench_train_step.plain_train_step(model, sgd).lower(*args_).compile()
+
+  def worker_batch(w, b):
+    return {"x": jax.ShapeDtypeStruct((w, b, image, image, 3), jnp.float32,
+                                      sharding=parallel.worker_sharding(host_mesh)),
+            "y": jax.ShapeDtypeStruct((w, b), jnp.int32,
+                                      sharding=parallel.worker_sharding(host_mesh))}
+
+  def fast(update_in_place):
+    model = make(jnp.bfloat16)
+    state = fastpath.init_train_state(model, sgd, x1, num_workers=num_workers, mesh=host_mesh)
+    step = fastpath.make_train_step(model, sgd, mesh=gpu_mesh, num_workers=num_workers,
+                                    update_in_place=update_in_place)
+    return step.lower(*_gpu_aot.abstract_on((state, worker_batch(num_workers, batch)),
+                                            gpu_mesh)).compile()
+
+  def stacked(tx, w, b, lowering="vmap", dtype=jnp.bfloat16):
+    model = make(dtype)
+    state = train_lib.init_train_state(model, tx, x1, num_workers=w, mesh=host_mesh)
+    step = train_lib.make_train_step(model, tx, mesh=gpu_mesh, num_workers=w, lowering=lowering)
+    return step.lower(*_gpu_aot.abstract_on((state, worker_batch(w, b)), gpu_mesh)).compile()
+
+  one = record(f"one replica @ {images} bf16", plain(jnp.bfloat16, images))
+  fp = record(f"{fastpath.LABEL} W={num_workers} B={batch}", fast(True))
+  fc = record(f"{fastpath.LABEL} W={num_workers} B={batch} (copying update)", fast(False))
+  loc = {lw: record(f"{lw} local W={num_workers} B={batch}",
+                    stacked(sgd, num_workers, batch, lowering=lw))
+         for lw in ("vmap", "gemm", "map")}
+  half = images // 2
+  none = record(f"no communication W=1 @ {half}", stacked(sgd, 1, half))
+  avg = record(f"periodic_averaging local W=1 @ {half}",
+               stacked(mfopt.periodic_averaging(sgd, parallel.WORKER_AXES, 10**9), 1, half))
+  fp32 = record(f"one replica @ {half} fp32", plain(jnp.float32, half))
+  bf16 = record(f"one replica @ {half} bf16", plain(jnp.bfloat16, half))
+
+  def key(convs):
+    return sorted((c["kind"], c["batch"], c["groups"]) for c in convs)
+
+  report.figure("4a: fast path / one replica, kernel launches",
+                fp["launches_cheapest"] / one["launches_cheapest"], "x",
+                f"{fp['launches_cheapest']} vs {one['launches_cheapest']}; fusions "
+                f"{fp['ops_every_step'].get('fusion', 0)} vs "
+                f"{one['ops_every_step'].get('fusion', 0)}")
+  if "temp_bytes" in fp and "temp_bytes" in one:
+    report.figure("4a: fast path / one replica, temp buffer", fp["temp_bytes"] / one["temp_bytes"],
+                  "x", f"{fp['temp_bytes'] / 1e6:.1f} vs {one['temp_bytes'] / 1e6:.1f} MB")
+  report.target("4a: fast path sends cuDNN the one replica's convolutions (kind, batch W*B, "
+                "no feature groups)", float(key(fp["convs"]) == key(one["convs"])
+                                            and bool(one["convs"]) and not fp["gemms"] > one["gemms"]),
+                ">=", 1.0)
+  report.figure("fast path: in-place / copying update, copy bytes",
+                fp["copy_bytes"] / max(fc["copy_bytes"], 1), "x",
+                f"{fp['copies']} copies {fp['copy_bytes'] / 1e6:.2f} MB vs {fc['copies']} copies "
+                f"{fc['copy_bytes'] / 1e6:.2f} MB; launches {fp['launches_every_step']} vs "
+                f"{fc['launches_every_step']}")
+  vm = loc["vmap"]
+  report.target(f"4b: vmap of per-worker weights lowers to grouped convolutions "
+                f"(feature groups = W = {num_workers})",
+                float(any(c["groups"] == num_workers for c in vm["convs"])), ">=", 1.0)
+  report.target("4b: the gemm lowering runs no convolution", float(not loc["gemm"]["convs"]
+                                                                   and loc["gemm"]["gemms"] > 0),
+                ">=", 1.0)
+  report.figure("4b: map local, convolutions (one replica per loop iteration)",
+                len(loc["map"]["convs"]), "convs", conv_summary(loc["map"]["convs"]))
+  # A local step takes the conditional's cheap branch (W=1 on one device: XLA reduces the
+  # all-reduce of one worker away, so both branches cost about the same here).
+  report.figure("3: periodic_averaging local step / no-communication step, kernel launches",
+                avg["launches_cheapest"] / none["launches_cheapest"], "x",
+                f"{avg['launches_cheapest']} vs {none['launches_cheapest']}; outside the "
+                f"conditional {avg['ops_every_step']} vs {none['ops_every_step']}, in it "
+                f"{avg['ops_in_conditional']} (both branches)")
+  report.figure("3: periodic_averaging local step / no-communication step, copy bytes",
+                avg["copy_bytes"] / max(none["copy_bytes"], 1), "x",
+                f"{avg['copy_bytes'] / 1e6:.2f} vs {none['copy_bytes'] / 1e6:.2f} MB")
+  report.target("3: periodic_averaging runs the no-communication step's convolutions every step",
+                float(key(avg["convs"]) == key(none["convs"])), ">=", 1.0)
+  report.target("5: bf16 compute runs bf16 convolutions, fp32 runs f32 ones",
+                float({c["dtype"] for c in bf16["convs"]} == {"bf16"}
+                      and {c["dtype"] for c in fp32["convs"]} == {"f32"}), ">=", 1.0)
+  if "temp_bytes" in bf16 and "temp_bytes" in fp32:
+    report.figure("5: bf16 / fp32 temp buffer", bf16["temp_bytes"] / fp32["temp_bytes"], "x",
+                  f"{bf16['temp_bytes'] / 1e6:.1f} vs {fp32['temp_bytes'] / 1e6:.1f} MB")
+  return report.finish()
+
+
+if __name__ == "__main__":
+  main()

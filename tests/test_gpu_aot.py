@@ -1,0 +1,162 @@
+"""Deviceless XLA:GPU compilation helpers (experiments/_gpu_aot.py, bench_gpu_hlo.py).
+
+The HLO parsers are checked against hand-written HLO modules whose launches, copies and
+convolutions are counted here by hand. The deviceless compilations themselves need the JAX
+CUDA plugin (``bash scripts/gpu_aot.sh`` builds an environment with it and runs this file
+there); without it those tests are skipped, and the error a user gets is checked instead.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import _gpu_aot, bench_gpu_hlo
+from mfopt import parallel
+
+# A hand-written optimised module: ENTRY launches a fusion, a cuDNN convolution (tuple
+# result, 4 feature groups), a copy of f32[2,3] (24 B) and a conditional whose true branch
+# launches 3 instructions (2 fusions, an all-reduce-start of bf16[8] (+ its done, free)) and
+# whose false branch launches 1 copy-start of f32[4] (16 B); a while loop whose body launches
+# 1 fusion. Fusion bodies (%fused_*) and reducers are not top-level: not counted.
+MODULE = """\
+HloModule test
+
+%fused_add (p0: f32[2,3]) -> f32[2,3] {
+  %p0 = f32[2,3]{1,0} parameter(0)
+  ROOT %add = f32[2,3]{1,0} add(%p0, %p0)
+}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%sync (t: (f32[4], bf16[8])) -> f32[4] {
+  %t = (f32[4]{0}, bf16[8]{0}) parameter(0)
+  %g = f32[4]{0} get-tuple-element(%t), index=0
+  %f1 = f32[4]{0} fusion(%g), kind=kLoop, calls=%fused_add
+  %f2 = f32[4]{0} fusion(%f1), kind=kLoop, calls=%fused_add
+  %h = bf16[8]{0} get-tuple-element(%t), index=1
+  %ars = bf16[8]{0} all-reduce-start(%h), replica_groups={}, to_apply=%sum
+  %ard = bf16[8]{0} all-reduce-done(%ars)
+  ROOT %r = f32[4]{0} bitcast(%f2)
+}
+
+%local (t: (f32[4], bf16[8])) -> f32[4] {
+  %t = (f32[4]{0}, bf16[8]{0}) parameter(0)
+  %g = f32[4]{0} get-tuple-element(%t), index=0
+  %cs = (f32[4]{0}, f32[4]{0}, u32[]) copy-start(%g)
+  ROOT %cd = f32[4]{0} copy-done(%cs)
+}
+
+%body (x: f32[2,3]) -> f32[2,3] {
+  %x = f32[2,3]{1,0} parameter(0)
+  ROOT %f = f32[2,3]{1,0} fusion(%x), kind=kLoop, calls=%fused_add
+}
+
+%cond (x: f32[2,3]) -> pred[] {
+  %x = f32[2,3]{1,0} parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (p: f32[2,3], q: bf16[1,8,8,4], k: bf16[3,3,1,4], pr: pred[]) -> f32[2,3] {
+  %p = f32[2,3]{1,0} parameter(0)
+  %q = bf16[1,8,8,4]{3,2,1,0} parameter(1)
+  %k = bf16[3,3,1,4]{3,2,1,0} parameter(2)
+  %pr = pred[] parameter(3)
+  %fu = f32[2,3]{1,0} fusion(%p), kind=kLoop, calls=%fused_add
+  %cv = (bf16[1,8,8,4]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k), window={size=3x3}, dim_labels=b01f_01io->b01f, feature_group_count=4, custom_call_target="__cudnn$convForward"
+  %cp = f32[2,3]{1,0} copy(%fu)
+  %tu = (f32[4]{0}, bf16[8]{0}) tuple(%fu, %q)
+  %co = f32[4]{0} conditional(%pr, %tu, %tu), true_computation=%sync, false_computation=%local
+  %wh = f32[2,3]{1,0} while(%cp), condition=%cond, body=%body
+  ROOT %out = f32[2,3]{1,0} add(%wh, %wh)
+}
+"""
+
+
+def test_program_structure_counts_launches_per_path():
+  s = bench_gpu_hlo.program_structure(MODULE)
+  # every step: fusion, custom-call, copy, add (ROOT) in ENTRY + the while body's fusion
+  assert s["launches_every_step"] == 5
+  assert s["ops_every_step"] == {"fusion": 2, "custom-call": 1, "copy": 1, "add": 1}
+  # both branches: 2 fusions + all-reduce-start (sync), copy-start (local)
+  assert s["launches_in_conditional"] == 4
+  assert s["launches_cheapest"] == 5 + 1 and s["launches_dearest"] == 5 + 3
+  assert s["convs"] == [{"kind": "Forward", "dtype": "bf16", "batch": 1, "groups": 4}]
+  assert s["gemms"] == 0
+
+
+def test_hlo_copies_counts_copy_and_copy_start_bytes():
+  assert _gpu_aot.hlo_copies(MODULE) == {"copies": 2, "copy_bytes": 24 + 16}
+  assert _gpu_aot.shape_bytes("(bf16[8]{0}, f32[2,3]{1,0}, pred[])") == 16 + 24 + 1
+
+
+def test_conv_summary_names_kinds_batches_and_groups():
+  convs = [{"kind": "Forward", "dtype": "bf16", "batch": 64, "groups": 1},
+           {"kind": "BackwardFilter", "dtype": "bf16", "batch": 3, "groups": 16}]
+  assert bench_gpu_hlo.conv_summary(convs) == (
+      "2 convs (1 BackwardFilter, 1 Forward), batch [3, 64], groups [1, 16], ['bf16']")
+  assert bench_gpu_hlo.conv_summary([]) == "0 convs"
+
+
+def test_program_structure_of_a_compiled_cpu_conditional():
+  """A real optimised module (XLA:CPU): the dear branch launches more than the cheap one."""
+  def f(pred, x):
+    return jax.lax.cond(pred, lambda v: jnp.sin(v) @ jnp.cos(v).T + 1.0, lambda v: v[:, :4] * 2,
+                        x)
+  text = jax.jit(f).lower(True, jnp.ones((4, 4))).compile().as_text()
+  s = bench_gpu_hlo.program_structure(text)
+  assert s["launches_in_conditional"] > 0
+  assert s["launches_dearest"] > s["launches_cheapest"] >= s["launches_every_step"]
+
+
+def test_abstract_on_keeps_shapes_dtypes_and_partition_specs():
+  mesh = parallel.make_mesh()
+  tree = {"w": parallel.shard_workers(np.zeros((8, 3), np.float32), mesh),
+          "n": jnp.zeros((), jnp.int32)}
+  other = parallel.make_mesh(jax.devices()[::-1])
+  out = _gpu_aot.abstract_on(tree, other)
+  assert out["w"].shape == (8, 3) and out["w"].dtype == jnp.float32
+  assert out["w"].sharding.mesh is other and out["w"].sharding.spec == tree["w"].sharding.spec
+  assert out["n"].shape == () and out["n"].sharding.spec == jax.sharding.PartitionSpec()
+
+
+def test_topology_devices_validates_its_arguments():
+  with pytest.raises(ValueError, match="target must be one of \\['h100'\\], got 'a100'"):
+    _gpu_aot.topology_devices(8, "a100")
+  with pytest.raises(ValueError, match="num_devices must be a positive integer, got 0"):
+    _gpu_aot.topology_devices(0)
+  with pytest.raises(ValueError, match="num_devices must be a positive integer, got True"):
+    _gpu_aot.topology_devices(True)
+
+
+needs_plugin = pytest.mark.skipif(_gpu_aot.unavailable_reason() is not None,
+                                  reason="JAX CUDA plugin not installed (bash scripts/gpu_aot.sh)")
+
+
+@pytest.mark.skipif(_gpu_aot.unavailable_reason() is None, reason="the plugin is installed")
+def test_without_the_plugin_the_error_says_how_to_install_it():
+  with pytest.raises(RuntimeError, match="jax-cuda12-plugin"):
+    _gpu_aot.topology_devices(8)
+
+
+@needs_plugin
+def test_bench_comm_gpu_aot_compiles_bf16_all_reduces_for_8_h100s():
+  from experiments import bench_comm
+  result = bench_comm.main(["--quick", "--platform", "gpu-aot"])
+  assert result["passed"], [t for t in result["targets"] if t["passed"] is False]
+  rows = {f["transform"]: f for f in result["figures"] if "transform" in f}
+  assert rows["sync_gradients bf16"]["hlo_every_step_dtypes"] == ["bf16"]
+  assert rows["sync_gradients f32"]["hlo_every_step_dtypes"] == ["f32"]
+  assert rows["sync_gradients bf16"]["hlo_every_step_bytes"] * 2 == \
+      rows["sync_gradients f32"]["hlo_every_step_bytes"]
+  assert rows["periodic_averaging p=4 bf16"]["hlo_sync_branch_dtypes"] == ["bf16"]
+
+
+@needs_plugin
+def test_bench_gpu_hlo_quick_structure_holds():
+  result = bench_gpu_hlo.main(["--quick"])
+  assert result["passed"], [t for t in result["targets"] if t["passed"] is False]
