@@ -34,7 +34,6 @@ TARGETS = {"h100": SPECS_DIR / "h100_sxm.txtpb"}
 PLUGIN_HINT = ('pip install "jax-cuda12-plugin[with-cuda]==$(python -c "import jax; '
                'print(jax.__version__)")"   (or: bash scripts/gpu_aot.sh)')
 
-_COPY = re.compile(r"=\s*(?P<shape>\([^()]*\)|\S+)\s+copy(?P<start>-start)?\(")
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "f32": 4, "s32": 4, "u32": 4,
              "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1,
@@ -91,24 +90,6 @@ def shape_bytes(shape: str) -> int:
     n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
     total += n * _ITEMSIZE.get(dtype, 4)
   return total
-
-
-def hlo_copies(text: str) -> dict[str, int]:
-  """``copy`` / ``copy-start`` ops of an optimised HLO module: how many, and their bytes.
-
-  Counts every computation of the module once (a copy inside a loop body counts once).
-  """
-  count, total = 0, 0
-  for line in text.splitlines():
-    m = _COPY.search(line)
-    if m:
-      count += 1
-      shape = m.group("shape")
-      if m.group("start"):  # copy-start returns (destination, source, context): count one
-        parts = _SHAPE.findall(shape)
-        shape = "{}[{}]".format(*parts[0]) if parts else shape
-      total += shape_bytes(shape)
-  return {"copies": count, "copy_bytes": total}
 
 
 def memory(compiled) -> dict[str, int] | None:

@@ -51,6 +51,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CONV = re.compile(r"=\s*\(?(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\].*custom_call_target="
                    r"\"__cudnn\$conv(?P<kind>\w+)\"")
 _GROUPS = re.compile(r"feature_group_count=(\d+)")
+_SHAPE = re.compile(r"=\s*(?P<shape>\([^()]*\)|\S+)\s+[\w\-]+\(")
 _GEMM = re.compile(r"custom_call_target=\"__cublas\$(?:lt\$matmul|gemm)[^\"]*\"|"
                    r"calls=%?gemm_fusion|\"kind\":\"__triton_gemm\"")
 
@@ -81,7 +82,8 @@ def program_structure(text: str) -> dict[str, Any]:
   bodies/conditions, ``conditional`` branches), recursively; fusion bodies and reducers are
   not (their instructions run inside one kernel). ``launches_*`` counts the non-trivial
   instructions there (fusions, custom calls, copies, collectives, ...); a loop body counts
-  once. ``launches_cheapest`` / ``launches_dearest`` follow one path: at every
+  once, and so do ``copies`` / ``copy_bytes`` (the ``copy`` / ``copy-start`` instructions
+  there: a copy inside a fusion body is part of that kernel, not a copy). ``launches_cheapest`` / ``launches_dearest`` follow one path: at every
   ``conditional`` the branch with the fewest / most launches (for periodic averaging, a
   local step / a sync step). Convolutions are cuDNN custom calls (``kind`` Forward /
   BackwardInput / BackwardFilter) with their output batch (first dimension) and
@@ -106,13 +108,19 @@ def program_structure(text: str) -> dict[str, Any]:
   if entry is not None:
     visit(entry, False)
   ops = {False: collections.Counter(), True: collections.Counter()}
-  convs, gemms = [], 0
+  convs, gemms, copies, copy_bytes = [], 0, 0, 0
   for c, in_cond in where.items():
     for line in comps[c]:
       m = _INSTR.match(line)
       if not m or m.group("op") in _FREE:
         continue
       ops[in_cond][m.group("op")] += 1
+      if m.group("op") in ("copy", "copy-start"):
+        shape = _SHAPE.search(line).group("shape")
+        if m.group("op") == "copy-start":  # (destination, source, context): count one
+          shape = shape.strip("()").split(", ")[0]
+        copies += 1
+        copy_bytes += _gpu_aot.shape_bytes(shape)
       conv = _CONV.search(line)
       if conv:
         dims = [int(d) for d in conv.group("dims").split(",") if d]
@@ -144,7 +152,7 @@ def program_structure(text: str) -> dict[str, Any]:
           "launches_dearest": path(entry, max) if entry else 0,
           "launches_in_conditional": sum(ops[True].values()),
           "ops_every_step": dict(ops[False]), "ops_in_conditional": dict(ops[True]),
-          "convs": convs, "gemms": gemms}
+          "convs": convs, "gemms": gemms, "copies": copies, "copy_bytes": copy_bytes}
 
 
 def conv_summary(convs: Sequence[dict[str, Any]]) -> str:
@@ -205,8 +213,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   def record(name: str, compiled) -> dict[str, Any]:
     text = compiled.as_text()
-    row = {"program": name, **program_structure(text), **_gpu_aot.hlo_copies(text),
-           **(_gpu_aot.memory(compiled) or {})}
+    row = {"program": name, **program_structure(text), **(_gpu_aot.memory(compiled) or {})}
     programs[name] = row
     report.figure(f"{name} | kernel launches", row["launches_cheapest"], "launches",
                   f"cheapest path (every step {row['launches_every_step']}, "

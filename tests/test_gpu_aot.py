@@ -14,7 +14,8 @@ import pytest
 from experiments import _gpu_aot, bench_gpu_hlo
 from mfopt import parallel
 
-# A hand-written optimised module: ENTRY launches a fusion, a cuDNN convolution (tuple
+# A hand-written optimised module: ENTRY launches 2 fusions (one of them a transposing copy
+# inside its body), a cuDNN convolution (tuple
 # result, 4 feature groups), a copy of f32[2,3] (24 B) and a conditional whose true branch
 # launches 3 instructions (2 fusions, an all-reduce-start of bf16[8] (+ its done, free)) and
 # whose false branch launches 1 copy-start of f32[4] (16 B); a while loop whose body launches
@@ -25,6 +26,11 @@ HloModule test
 %fused_add (p0: f32[2,3]) -> f32[2,3] {
   %p0 = f32[2,3]{1,0} parameter(0)
   ROOT %add = f32[2,3]{1,0} add(%p0, %p0)
+}
+
+%fused_copy (p0: f32[64,64]) -> f32[64,64] {
+  %p0 = f32[64,64]{1,0} parameter(0)
+  ROOT %c = f32[64,64]{0,1} copy(%p0)
 }
 
 %sum (a: f32[], b: f32[]) -> f32[] {
@@ -67,6 +73,7 @@ ENTRY %main (p: f32[2,3], q: bf16[1,8,8,4], k: bf16[3,3,1,4], pr: pred[]) -> f32
   %k = bf16[3,3,1,4]{3,2,1,0} parameter(2)
   %pr = pred[] parameter(3)
   %fu = f32[2,3]{1,0} fusion(%p), kind=kLoop, calls=%fused_add
+  %fc = f32[64,64]{0,1} fusion(%q), kind=kLoop, calls=%fused_copy
   %cv = (bf16[1,8,8,4]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k), window={size=3x3}, dim_labels=b01f_01io->b01f, feature_group_count=4, custom_call_target="__cudnn$convForward"
   %cp = f32[2,3]{1,0} copy(%fu)
   %tu = (f32[4]{0}, bf16[8]{0}) tuple(%fu, %q)
@@ -79,19 +86,22 @@ ENTRY %main (p: f32[2,3], q: bf16[1,8,8,4], k: bf16[3,3,1,4], pr: pred[]) -> f32
 
 def test_program_structure_counts_launches_per_path():
   s = bench_gpu_hlo.program_structure(MODULE)
-  # every step: fusion, custom-call, copy, add (ROOT) in ENTRY + the while body's fusion
-  assert s["launches_every_step"] == 5
-  assert s["ops_every_step"] == {"fusion": 2, "custom-call": 1, "copy": 1, "add": 1}
+  # every step: 2 fusions, custom-call, copy, add (ROOT) in ENTRY + the while body's fusion
+  assert s["launches_every_step"] == 6
+  assert s["ops_every_step"] == {"fusion": 3, "custom-call": 1, "copy": 1, "add": 1}
   # both branches: 2 fusions + all-reduce-start (sync), copy-start (local)
   assert s["launches_in_conditional"] == 4
-  assert s["launches_cheapest"] == 5 + 1 and s["launches_dearest"] == 5 + 3
+  assert s["launches_cheapest"] == 6 + 1 and s["launches_dearest"] == 6 + 3
   assert s["convs"] == [{"kind": "Forward", "dtype": "bf16", "batch": 1, "groups": 4}]
   assert s["gemms"] == 0
+  # the copy in ENTRY (f32[2,3]) and the copy-start in the local branch (f32[4]); the copy
+  # inside the fusion body %fused_copy is part of that kernel
+  assert (s["copies"], s["copy_bytes"]) == (2, 24 + 16)
 
 
-def test_hlo_copies_counts_copy_and_copy_start_bytes():
-  assert _gpu_aot.hlo_copies(MODULE) == {"copies": 2, "copy_bytes": 24 + 16}
+def test_shape_bytes_sums_tuple_elements():
   assert _gpu_aot.shape_bytes("(bf16[8]{0}, f32[2,3]{1,0}, pred[])") == 16 + 24 + 1
+  assert _gpu_aot.shape_bytes("f32[]") == 4
 
 
 def test_conv_summary_names_kinds_batches_and_groups():
