@@ -461,14 +461,24 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     carry = (inner_state, state.outer_state, state.anchor, ctl, state.param_comm,
              state.scalar_comm, diag)
 
+    # The conditional returns the new *parameters* (the local ones, or the sync result) and
+    # the updates are formed after it. Returning the inner updates from the conditional (the
+    # design before session 4) made XLA:GPU transpose every conv kernel's update inside the
+    # local branch (the conditional's result layout differs from cuDNN's gradient layout):
+    # H100 ResNet-18 local step 559 kernels and 44.7 MB of copies, now 516 and 0.04 MB (no
+    # communication: 463; deviceless compilation, experiments/bench_gpu_hlo.py). XLA:CPU:
+    # unmapped (axis_name=None) the local update now costs optax's 24 B/param (was 44); under
+    # the worker map ENTRY 36 (was 32) + sync branch 16 (was 32) B/param, times within noise
+    # (BENCHMARKS.md, target 1). Rounding: a local step gives p + ((p + u) - p), which is
+    # p + u exactly when p + u and p are within a factor 2 (Sterbenz) and otherwise within
+    # an ulp; tests/test_averaging.py compares it with `inner`.
+    local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, inner_updates)
+
     def local_branch(carry):
-      return inner_updates, carry
+      return local, carry
 
     def sync_branch(carry):
       inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
-      # Formed here, not before the cond: outside it XLA computes p + u on every local
-      # step too (issue 8 profile: 12 extra bytes/param per local step).
-      local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, inner_updates)
       if comm_dtype is not None:
         delta = jax.tree.map(jnp.subtract, local, anchor)
         mean = jax.tree.map(jnp.add, anchor, pmean_tree(delta, axis_name, comm_dtype))
@@ -509,10 +519,10 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
             trace_lr=diag.trace_lr.at[i].set(lr_k))
       diag = diag._replace(syncs=diag.syncs + 1, last_sync_variance=s_k,
                            variance_sum=jnp.zeros_like(diag.variance_sum))
-      out_updates = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
-      return out_updates, (inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag)
+      return new_params, (inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag)
 
-    out_updates, carry = lax.cond(due, sync_branch, local_branch, carry)
+    new_params, carry = lax.cond(due, sync_branch, local_branch, carry)
+    out_updates = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
     inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
     return out_updates, PeriodicAveragingState(
         count=k + 1, inner_state=inner_state, outer_state=outer_state, anchor=anchor,
