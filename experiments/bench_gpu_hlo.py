@@ -16,6 +16,9 @@ issue 8 still need a GPU run (``scripts/gpu_bench.sh``).
 Programs (ResNet-18, CIFAR-shaped 32x32 inputs, width 64, bf16 compute unless noted; the
 same steps ``bench_virtual_workers`` and ``bench_train_step`` time):
 
+* target 2: the library's train step (``W=1``) vs the plain flax + optax step at the same
+  batch: the same convolutions, and how many more kernels (the ``update_norm`` metric is
+  one fused reduction on GPU, ``mfopt.train.tree_norm``);
 * target 4a: one replica at ``W*B`` (a plain flax + optax step) vs the fast path
   (``mfopt.fastpath``) with ``W`` BN groups of ``B``; the fast path must send cuDNN the same
   convolutions as the one replica (same count, same batch, no feature groups);
@@ -267,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   def key(convs):
     return sorted((c["kind"], c["batch"], c["groups"]) for c in convs)
 
+  report.figure("2: mfopt train step (W=1) / plain flax + optax step, kernel launches",
+                none["launches_cheapest"] / bf16["launches_cheapest"], "x",
+                f"{none['launches_cheapest']} vs {bf16['launches_cheapest']} at batch {half}; "
+                f"temp {none.get('temp_bytes', 0) / 1e6:.1f} vs {bf16.get('temp_bytes', 0) / 1e6:.1f} MB")
+  report.target("2: mfopt train step sends cuDNN the plain step's convolutions",
+                float(key(none["convs"]) == key(bf16["convs"])), ">=", 1.0)
   report.figure("4a: fast path / one replica, kernel launches",
                 fp["launches_cheapest"] / one["launches_cheapest"], "x",
                 f"{fp['launches_cheapest']} vs {one['launches_cheapest']}; fusions "

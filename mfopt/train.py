@@ -118,7 +118,37 @@ def _has_conv_impl(model) -> bool:
   return hasattr(model, "conv_impl")
 
 
-def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn):
+def tree_norm(tree: Any, fused: bool = False) -> jax.Array:
+  """Global L2 norm of ``tree`` (the ``update_norm`` metric).
+
+  ``fused=False`` is ``optax.tree.norm`` (one sum of squares per leaf, then their sum).
+  ``fused=True`` reduces the concatenation of all leaves once: XLA:GPU fuses the
+  concatenation into a single reduction kernel, where the per-leaf sums are one kernel per
+  leaf (H100, deviceless compilation of the ResNet-18 step at batch 512: 463 kernel launches
+  with per-leaf sums, 406 fused, 402 for the plain flax + optax step without the metric; the
+  same scratch memory). XLA:CPU materialises the concatenation (+8 B/param), so train steps
+  use it on accelerators with one worker per device only (:func:`_fuse_norm`).
+  """
+  if not fused:
+    return optax.tree.norm(tree)
+  leaves = [jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)]
+  if not leaves:
+    return jnp.zeros((), jnp.float32)
+  return jnp.sqrt(jnp.sum(jnp.square(jnp.concatenate(leaves))))
+
+
+def _fuse_norm(mesh, local_workers: int = 1) -> bool:
+  """Whether a step computes ``update_norm`` fused: on accelerators, one worker per device.
+
+  With several workers per device the norm runs under the worker ``vmap``, where XLA:GPU
+  concatenates the stacked leaves through layout copies (ResNet-18, 16 workers: 703 MB of
+  copies per step against 25 kernel launches saved), so the per-leaf sums stay there.
+  """
+  return mesh.devices.flat[0].platform != "cpu" and local_workers == 1
+
+
+def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn,
+                   fuse_norm: bool = False):
   """One worker's step in two phases: gradients (no communication) and the update."""
 
   def grad_phase(params, model_state, dynamic_scale, batch):
@@ -137,7 +167,7 @@ def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn):
   def update_phase(params, old_model_state, new_model_state, opt_state, grads, loss, aux):
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, **aux, "update_norm": optax.tree.norm(updates)}
+    metrics = {"loss": loss, **aux, "update_norm": tree_norm(updates, fuse_norm)}
     if precision_lib.loss_scale_of(opt_state) is not None:
       # overflow: BN statistics kept; loss scale in the metrics
       new_model_state, extra = precision_lib.finish_step(opt_state, new_model_state,
@@ -216,7 +246,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
                                                     loss_fn=loss_fn, donate=donate,
                                                     lowering=name)
                               for name in _auto_candidates(local, _has_conv_impl(model))})
-  grad_phase, update_phase = _worker_phases(model, tx, loss_fn)
+  grad_phase, update_phase = _worker_phases(model, tx, loss_fn, _fuse_norm(mesh, local))
 
   def worker_step(params, model_state, opt_state, batch):
     dynamic_scale = precision_lib.loss_scale_of(opt_state)

@@ -339,3 +339,21 @@ def test_fit_reads_lowering_from_the_environment(monkeypatch):
   monkeypatch.setenv("MFOPT_LOWERING", "grouped")
   with pytest.raises(ValueError, match="MFOPT_LOWERING: lowering must be one of .*'grouped'"):
     train.fit(**kw)
+
+
+def test_fused_tree_norm_equals_optax_and_is_one_reduction():
+  """``tree_norm(fused=True)`` (used on accelerators) is optax.tree.norm, computed as one
+  reduction of the concatenated leaves (XLA:GPU then runs one kernel, not one per leaf)."""
+  rng = np.random.default_rng(0)
+  tree = {"a": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+          "b": [jnp.asarray(rng.normal(size=(7,)) * 1e3, jnp.float32), jnp.zeros((2, 2, 2))],
+          "c": jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16)}
+  want = float(optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree)))
+  assert float(train.tree_norm(tree, fused=True)) == pytest.approx(want, rel=1e-6)
+  assert float(train.tree_norm(tree)) == pytest.approx(want, rel=1e-2)  # bf16 leaf sums
+  jaxpr = jax.make_jaxpr(lambda t: train.tree_norm(t, fused=True))(tree)
+  prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+  assert prims.count("reduce_sum") == 1 and "concatenate" in prims
+  assert float(train.tree_norm({}, fused=True)) == 0.0
+  # CPU meshes keep the per-leaf sums (XLA:CPU would materialise the concatenation)
+  assert train._fuse_norm(mfopt.make_mesh()) is False
