@@ -128,32 +128,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)
     candidates = train_lib._auto_candidates(num_workers)
     mixed = candidates[2] if len(candidates) > 2 else None
-    names = ["one replica @ W*B", fastpath.LABEL, "vmap sync", "vmap local", "lax.map local",
-             "auto local", "gemm local"] + ([f"mixed local ({mixed})"] if mixed else [])
-    runners = [plain_runner(model, sgd, x, y), fast_runner(model, sgd, xw, yw),
-               mfopt_runner(model, sync, xw, yw, num_workers=num_workers),
-               mfopt_runner(model, sgd, xw, yw, num_workers=num_workers),
-               mfopt_runner(model, sgd, xw, yw, num_workers=num_workers, lowering="map"),
-               mfopt_runner(model, sgd, xw, yw, num_workers=num_workers, lowering="auto"),
-               mfopt_runner(model, sgd, xw, yw, num_workers=num_workers, lowering="gemm")]
+    # Named runners, timed interleaved in this order; figures and ratios look them up by name.
+    runners = {
+        "one replica @ W*B": plain_runner(model, sgd, x, y),
+        fastpath.LABEL: fast_runner(model, sgd, xw, yw),
+        "vmap sync": mfopt_runner(model, sync, xw, yw, num_workers=num_workers),
+        "vmap local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers),
+        "lax.map local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
+                                      lowering="map"),
+        "auto local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
+                                   lowering="auto"),
+        "gemm local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
+                                   lowering="gemm"),
+    }
     if mixed:
-      runners.append(mfopt_runner(model, sgd, xw, yw, num_workers=num_workers, lowering=mixed))
+      runners[f"mixed local ({mixed})"] = mfopt_runner(model, sgd, xw, yw,
+                                                       num_workers=num_workers, lowering=mixed)
+    copying = f"{fastpath.LABEL} (copying update)"
     if args.fastpath_variants:
-      names.append(f"{fastpath.LABEL} (copying update)")
-      runners.append(fast_runner(model, sgd, xw, yw, update_in_place=False))
-    timings = _bench.time_interleaved(runners, warmup=warmup, reps=reps, iters=iters)
+      runners[copying] = fast_runner(model, sgd, xw, yw, update_in_place=False)
+    timings = dict(zip(runners, _bench.time_interleaved(list(runners.values()), warmup=warmup,
+                                                        reps=reps, iters=iters)))
     images = num_workers * batch
-    ref = timings[0].median
-    for name, t in zip(names, timings):
+    ref = timings["one replica @ W*B"].median
+    for name, t in timings.items():
       report.figure(f"W={num_workers} B={batch} | {name}", images / t.median, "img/s",
                     f"{ref / t.median:.3f}x one replica; {t.spread()}", num_workers=num_workers,
                     per_worker_batch=batch, variant=name.split(" (")[0], timing=t.as_dict())
-    fast = ref / timings[1].median
+    fast = ref / timings[fastpath.LABEL].median
     if args.fastpath_variants:
       report.figure(f"W={num_workers} B={batch} | fast path in place / copying update",
-                    timings[-1].median / timings[1].median, "x",
+                    timings[copying].median / timings[fastpath.LABEL].median, "x",
                     "> 1: the in-place update (the default) is faster")
-    costs = [_bench.compiled_cost(r.fn, r.state, *r.args) for r in runners[:2]]
+    costs = [_bench.compiled_cost(r.fn, r.state, *r.args)
+             for r in (runners["one replica @ W*B"], runners[fastpath.LABEL])]
     if None not in costs:  # the fast path's extra work over one replica: per-group BN only
       report.figure(f"W={num_workers} B={batch} | fast path / one replica, XLA cost estimate",
                     costs[1]["bytes accessed"] / costs[0]["bytes accessed"], "x bytes",
@@ -162,22 +170,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"{costs[0]['bytes accessed'] / 1e6:.1f} MB accessed per step",
                     num_workers=num_workers, per_worker_batch=batch,
                     variant="fast path cost", cost=costs)
-    local_idx = {"vmap": 3, "map": 4, "gemm": 6, **({mixed: 7} if mixed else {})}  # by lowering
-    best_name = min(local_idx, key=lambda n: timings[local_idx[n]].median)
-    best_t = timings[local_idx[best_name]].median
+    # The plain lowerings, keyed by the names lowering="auto" uses for its candidates.
+    local = {"vmap": "vmap local", "map": "lax.map local", "gemm": "gemm local",
+             **({mixed: f"mixed local ({mixed})"} if mixed else {})}
+    best_name = min(local, key=lambda n: timings[local[n]].median)
+    best_t = timings[local[best_name]].median
     best_local = ref / best_t
     report.figure(f"W={num_workers} B={batch} | best local lowering ({best_name}) / one replica",
                   best_local, "x")
-    auto = best_t / timings[5].median
-    chosen = runners[5].fn.choice
+    auto_step = runners["auto local"].fn
+    auto = best_t / timings["auto local"].median
+    chosen = auto_step.choice
     report.figure(f"W={num_workers} B={batch} | auto local (chose "
-                  f"{chosen}) / best of {', '.join(local_idx)}", auto, "x",
+                  f"{chosen}) / best of {', '.join(local)}", auto, "x",
                   "choice timings " + ", ".join(f"{k} {v * 1e3:.2f} ms"
-                                                for k, v in runners[5].fn.timings.items()))
-    if chosen in local_idx:  # auto runs the very program of its chosen lowering: a noise gauge
+                                                for k, v in auto_step.timings.items()))
+    if chosen in local:  # auto runs the very program of its chosen lowering: a noise gauge
       report.figure(f"W={num_workers} B={batch} | noise gauge: auto local / {chosen} local "
                     "(the same compiled program timed twice)",
-                    timings[local_idx[chosen]].median / timings[5].median, "x")
+                    timings[local[chosen]].median / timings["auto local"].median, "x")
     targets.append((num_workers, batch, fast, best_local, auto))
   for num_workers, batch, fast, best_local, auto in targets:
     report.target(f"4b: auto local / best local lowering, W={num_workers} B={batch}", auto,

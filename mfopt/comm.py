@@ -53,7 +53,8 @@ class CommStats(NamedTuple):
 
 
 
-def _axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
+def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
+  """``axis_name`` as a tuple of names: ``None`` -> ``()``, ``"x"`` -> ``("x",)``."""
   if axis_name is None:
     return ()
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
@@ -64,7 +65,7 @@ def _vmap_axes(axis_name: AxisName) -> tuple[str, ...]:
   mesh = jax.sharding.get_abstract_mesh()
   mesh_axes = set(getattr(mesh, "manual_axes", ()) or ()) | set(
       () if mesh.empty else mesh.axis_names)
-  return tuple(a for a in _axis_tuple(axis_name) if a not in mesh_axes)
+  return tuple(a for a in axis_tuple(axis_name) if a not in mesh_axes)
 
 
 def _is_bound(name: str) -> bool:

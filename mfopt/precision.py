@@ -235,10 +235,9 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
     >>> u["w"], float(s.dynamic_scale.scale), bool(s.finite)
     (Array([0., 0.], dtype=float32), 16384.0, False)
   """
-  for name, value in (("init_scale", init_scale), ("growth_factor", growth_factor)):
-    if not value > 0:
-      raise ValueError(f"{name} must be positive, got {value!r}")
-  if not 0 < backoff_factor < 1:
+  _checks.positive_number("init_scale", init_scale)
+  _checks.positive_number("growth_factor", growth_factor)
+  if not _checks.is_real(backoff_factor) or not 0 < backoff_factor < 1:
     raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
   _checks.positive_int("growth_interval", growth_interval)
 

@@ -39,7 +39,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from mfopt import _checks
-from mfopt.comm import AxisName, CollectiveKind, CommStats, _axis_tuple, init_comm_stats
+from mfopt.comm import AxisName, CollectiveKind, CommStats, axis_tuple, init_comm_stats
 
 __all__ = ["QSGDState", "qsgd", "quantize", "dequantize", "qsgd_payload_bytes"]
 
@@ -96,7 +96,7 @@ def _all_gather(x: jax.Array, axis_name: AxisName) -> jax.Array:
   rejected by JAX 0.10 ("axis size doesn't match"); gathering per axis gives the
   same ``(W, ...)`` result in worker order and is one logical exchange.
   """
-  axes = _axis_tuple(axis_name)
+  axes = axis_tuple(axis_name)
   for axis in reversed(axes):
     x = lax.all_gather(x, axis)
   return x.reshape((-1,) + x.shape[len(axes):])
