@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -103,6 +104,29 @@ def compiled_cost(fn: Any, *args: Any) -> dict[str, float] | None:
   if not cost or "flops" not in cost or "bytes accessed" not in cost:
     return None
   return {"flops": float(cost["flops"]), "bytes accessed": float(cost["bytes accessed"])}
+
+
+_HLO_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+
+
+def hlo_computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+  """The computations of an HLO module's text: ``({name: instruction lines}, entry name)``."""
+  comps: dict[str, list[str]] = {}
+  entry, cur = None, None
+  for line in text.splitlines():
+    m = _HLO_HEADER.match(line)
+    if m and not line.startswith(" "):
+      cur = m.group(2)
+      comps[cur] = []
+      if m.group(1):
+        entry = cur
+      continue
+    if cur is not None and line.strip() == "}":
+      cur = None
+      continue
+    if cur is not None:
+      comps[cur].append(line)
+  return comps, entry
 
 
 class Timing:

@@ -54,7 +54,6 @@ DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "u64": 8, "s32
                "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "s4": 1, "u4": 1}
 HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                    "collective-permute")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _OP = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(HLO_COLLECTIVES) +
                  r")(?P<start>-start)?\(")
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -80,21 +79,7 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
   ``to_apply``, ``body``/``condition`` edges only; reached only through a conditional's
   branch computations, it is conditional.
   """
-  comps: dict[str, list[str]] = {}
-  entry, cur = None, None
-  for line in text.splitlines():
-    m = _HEADER.match(line)
-    if m and not line.startswith(" "):
-      cur = m.group(2)
-      comps[cur] = []
-      if m.group(1):
-        entry = cur
-      continue
-    if cur is not None and line.strip() == "}":
-      cur = None
-      continue
-    if cur is not None:
-      comps[cur].append(line)
+  comps, entry = _bench.hlo_computations(text)
   edges: dict[str, list[tuple[str, bool]]] = {c: [] for c in comps}
   for c, lines in comps.items():
     for line in lines:

@@ -45,7 +45,6 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "cond
          "while", "call", "after-all", "partition-id", "replica-id", "opt-barrier",
          "all-reduce-done", "all-gather-done", "collective-permute-done", "copy-done",
          "async-done", "async-update"}
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\((?:[^()]|\([^()]*\))*\)|\S+)\s+"
                     r"(?P<op>[\w\-]+)\(")
 _LOOP = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
@@ -57,25 +56,6 @@ _GROUPS = re.compile(r"feature_group_count=(\d+)")
 _SHAPE = re.compile(r"=\s*(?P<shape>\([^()]*\)|\S+)\s+[\w\-]+\(")
 _GEMM = re.compile(r"custom_call_target=\"__cublas\$(?:lt\$matmul|gemm)[^\"]*\"|"
                    r"calls=%?gemm_fusion|\"kind\":\"__triton_gemm\"")
-
-
-def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
-  comps: dict[str, list[str]] = {}
-  entry, cur = None, None
-  for line in text.splitlines():
-    m = _HEADER.match(line)
-    if m and not line.startswith(" "):
-      cur = m.group(2)
-      comps[cur] = []
-      if m.group(1):
-        entry = cur
-      continue
-    if cur is not None and line.strip() == "}":
-      cur = None
-      continue
-    if cur is not None:
-      comps[cur].append(line)
-  return comps, entry
 
 
 def program_structure(text: str) -> dict[str, Any]:
@@ -92,7 +72,7 @@ def program_structure(text: str) -> dict[str, Any]:
   BackwardInput / BackwardFilter) with their output batch (first dimension) and
   feature-group count.
   """
-  comps, entry = _computations(text)
+  comps, entry = _bench.hlo_computations(text)
   where: dict[str, bool] = {}  # computation -> inside a conditional branch
 
   def visit(c: str, in_cond: bool) -> None:

@@ -135,21 +135,6 @@ def _shape_bytes(shape: str) -> int:
              for d, dims in _ARRAY.findall(shape))
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-  comps, entry, cur = {}, None, None
-  for line in hlo_text.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", line)
-      cur = m.group(2)
-      comps[cur] = []
-      entry = cur if m.group(1) else entry
-    elif cur is not None and line.strip() == "}":
-      cur = None
-    elif cur is not None:
-      comps[cur].append(line)
-  return comps, entry
-
-
 def _traffic(lines: list[str]) -> tuple[int, list[list[str]]]:
   sizes, total, branches = {}, 0, []
   for line in lines:
@@ -182,7 +167,7 @@ def entry_traffic_bytes(hlo_text: str) -> tuple[int, list[int]]:
   Returns:
     ``(entry_bytes, [bytes of each conditional branch, in HLO order])``.
   """
-  comps, entry = _computations(hlo_text)
+  comps, entry = _bench.hlo_computations(hlo_text)
   total, branches = _traffic(comps.get(entry, []))
   per_branch = [_traffic(comps.get(b, []))[0] for group in branches for b in group]
   return total, per_branch
