@@ -42,11 +42,14 @@ _ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "f32": 4, "s32": 4, "u32": 
 
 def unavailable_reason() -> str | None:
   """``None`` when deviceless CUDA compilation can run here, else why not (with the fix)."""
-  try:
-    import jax_plugins.xla_cuda12  # noqa: F401  (the CUDA 12 PJRT plugin package)
-  except ImportError:
-    return f"the JAX CUDA plugin is not installed: {PLUGIN_HINT}"
-  return None
+  import importlib.util
+  for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):  # the CUDA PJRT plugins
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return None
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+      break
+  return f"the JAX CUDA plugin is not installed: {PLUGIN_HINT}"
 
 
 def topology_devices(num_devices: int, target: str = "h100") -> list[Any]:

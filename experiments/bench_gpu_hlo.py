@@ -4,6 +4,7 @@ Command::
 
   JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo   # bash scripts/gpu_aot.sh
   JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo --quick
+  JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo --resnet50   # target 2, model 2
 
 SIMULATED TARGET: every program is compiled by XLA:GPU for one compile-only H100
 (``experiments/_gpu_aot.py``: deviceless compilation, no autotuning) and never run. The figures
@@ -151,6 +152,9 @@ def conv_summary(convs: Sequence[dict[str, Any]]) -> str:
 def _extra_args(parser) -> None:
   parser.add_argument("--workers", type=int, default=16, help="W (default 16)")
   parser.add_argument("--batch", type=int, default=64, help="per-worker batch B (default 64)")
+  parser.add_argument("--resnet50", action="store_true",
+                      help="only target 2's second model: ResNet-50 224x224, batch 128, bf16 "
+                           "and fp32, the library's step vs the plain one")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -179,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     make = lambda dtype: models.get_model("cnn", features=(4, 8), num_classes=10,  # noqa: E731
                                           dtype=dtype)
     label = "CNN (4, 8) 8x8"
+  elif args.resnet50:
+    num_workers, batch, image = 1, 128, 224
+    make = lambda dtype: models.get_model("resnet50", num_classes=1000,  # noqa: E731
+                                          dtype=dtype)
+    label = "ResNet-50, 224x224"
   else:
     num_workers, batch, image = args.workers, args.batch, 32
     make = lambda dtype: models.get_model("resnet18", num_classes=10, width=64,  # noqa: E731
@@ -234,6 +243,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     step = train_lib.make_train_step(model, tx, mesh=gpu_mesh, num_workers=w, lowering=lowering)
     return step.lower(*_gpu_aot.abstract_on((state, worker_batch(w, b)), gpu_mesh)).compile()
 
+  def key(convs):
+    return sorted((c["kind"], c["batch"], c["groups"]) for c in convs)
+
+  if args.resnet50:  # target 2, second model: the library's step as bench_train_step runs it
+    sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)
+    for dname, dtype in (("bf16", jnp.bfloat16), ("fp32", jnp.float32)):
+      base = record(f"plain flax + optax @ {batch} {dname}", plain(dtype, batch))
+      lib = record(f"mfopt step (sync_gradients, W=1) @ {batch} {dname}",
+                   stacked(sync, 1, batch, dtype=dtype))
+      report.figure(f"2: ResNet-50 {dname}, mfopt / plain step, kernel launches",
+                    lib["launches_cheapest"] / base["launches_cheapest"], "x",
+                    f"{lib['launches_cheapest']} vs {base['launches_cheapest']}; temp "
+                    f"{lib.get('temp_bytes', 0) / 1e6:.1f} vs {base.get('temp_bytes', 0) / 1e6:.1f} MB")
+      report.target(f"2: ResNet-50 {dname}: the library's step sends cuDNN the plain step's "
+                    "convolutions", float(key(lib["convs"]) == key(base["convs"])
+                                          and bool(base["convs"])), ">=", 1.0)
+    return report.finish()
+
   one = record(f"one replica @ {images} bf16", plain(jnp.bfloat16, images))
   fp = record(f"{fastpath.LABEL} W={num_workers} B={batch}", fast(True))
   fc = record(f"{fastpath.LABEL} W={num_workers} B={batch} (copying update)", fast(False))
@@ -246,9 +273,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                stacked(mfopt.periodic_averaging(sgd, parallel.WORKER_AXES, 10**9), 1, half))
   fp32 = record(f"one replica @ {half} fp32", plain(jnp.float32, half))
   bf16 = record(f"one replica @ {half} bf16", plain(jnp.bfloat16, half))
-
-  def key(convs):
-    return sorted((c["kind"], c["batch"], c["groups"]) for c in convs)
 
   report.figure("2: mfopt train step (W=1) / plain flax + optax step, kernel launches",
                 none["launches_cheapest"] / bf16["launches_cheapest"], "x",
