@@ -201,12 +201,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   sgd = optax.sgd(0.1, momentum=0.9)
   images = num_workers * batch
   x1 = np.zeros((1, image, image, 3), np.float32)
-  programs: dict[str, dict[str, Any]] = {}
 
   def record(name: str, compiled) -> dict[str, Any]:
     text = compiled.as_text()
     row = {"program": name, **program_structure(text), **(_gpu_aot.memory(compiled) or {})}
-    programs[name] = row
     report.figure(f"{name} | kernel launches", row["launches_cheapest"], "launches",
                   f"cheapest path (every step {row['launches_every_step']}, "
                   f"+{row['launches_in_conditional']} in conditionals, dearest path "
