@@ -129,6 +129,69 @@ def hlo_computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   return comps, entry
 
 
+#: Bytes per element of HLO element types (``shape_bytes`` counts unknown types as 4).
+HLO_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "f32": 4, "s32": 4, "u32": 4,
+                   "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1,
+                   "s4": 1, "u4": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_HLO_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_HLO_LOOP = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+_HLO_CALL = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+_HLO_BRANCH = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
+_HLO_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def hlo_arrays(shape: str) -> list[tuple[str, int]]:
+  """``(element type, element count)`` of each array in an HLO shape string (tuples too)."""
+  return [(dtype, int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1)
+          for dtype, dims in _HLO_ARRAY.findall(shape)]
+
+
+def hlo_arrays_bytes(arrays: Sequence[tuple[str, int]]) -> int:
+  """Bytes of ``(element type, count)`` pairs from :func:`hlo_arrays`."""
+  return sum(n * HLO_DTYPE_BYTES.get(dtype, 4) for dtype, n in arrays)
+
+
+def hlo_shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string (a tuple counts all its elements)."""
+  return hlo_arrays_bytes(hlo_arrays(shape))
+
+
+def hlo_branches(line: str) -> list[str]:
+  """The branch computations a ``conditional`` instruction line names (none for others)."""
+  return _HLO_BRANCH.findall(line) + [b.strip().lstrip("%") for group in
+                                      _HLO_BRANCHES.findall(line) for b in group.split(",")]
+
+
+def hlo_loop_bodies(line: str) -> list[str]:
+  """The ``while`` body and condition computations an instruction line names."""
+  return _HLO_LOOP.findall(line)
+
+
+def hlo_reachable(comps: dict[str, list[str]], entry: str | None, *,
+                  through_calls: bool = True) -> dict[str, bool]:
+  """Computations reached from ``entry`` -> True if reached *only* through conditional branches.
+
+  Follows ``while`` bodies/conditions and conditional branches, and with ``through_calls``
+  also ``calls=``/``to_apply=`` (fusion bodies, reducers, async wrappers); without it the
+  result is the top-level computations, whose instructions each launch on their own.
+  """
+  where: dict[str, bool] = {}
+
+  def visit(c: str, in_cond: bool) -> None:
+    if c not in comps or (c in where and (where[c] is False or in_cond)):
+      return
+    where[c] = in_cond
+    for line in comps[c]:
+      for callee in hlo_loop_bodies(line) + (_HLO_CALL.findall(line) if through_calls else []):
+        visit(callee, in_cond)
+      for callee in hlo_branches(line):
+        visit(callee, True)
+
+  if entry is not None:
+    visit(entry, False)
+  return where
+
+
 class Timing:
   """Seconds per call over repetitions: median, min, max, IQR; page faults per call.
 

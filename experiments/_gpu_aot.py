@@ -23,21 +23,17 @@ to the GPU mesh (:func:`abstract_on`).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mfopt import _checks
+
 SPECS_DIR = Path(__file__).resolve().parent / "gpu_specs"
 TARGETS = {"h100": SPECS_DIR / "h100_sxm.txtpb"}
 PLUGIN_HINT = ('pip install "jax-cuda12-plugin[with-cuda]==$(python -c "import jax; '
                'print(jax.__version__)")"   (or: bash scripts/gpu_aot.sh)')
-
-_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "f32": 4, "s32": 4, "u32": 4,
-             "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1,
-             "f8e4m3fn": 1, "f8e5m2": 1}
 
 
 def unavailable_reason() -> str | None:
@@ -56,8 +52,7 @@ def topology_devices(num_devices: int, target: str = "h100") -> list[Any]:
   """``num_devices`` compile-only GPU devices of ``target`` (a key of :data:`TARGETS`)."""
   if target not in TARGETS:
     raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
-  if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
-    raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+  _checks.positive_int("num_devices", num_devices)
   reason = unavailable_reason()
   if reason is not None:
     raise RuntimeError(f"deviceless GPU compilation is not available: {reason}")
@@ -84,15 +79,6 @@ def abstract_on(tree: Any, mesh) -> Any:
     return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=NamedSharding(mesh, spec))
 
   return jax.tree.map(leaf, tree)
-
-
-def shape_bytes(shape: str) -> int:
-  """Bytes of an HLO shape string (a tuple counts all its elements)."""
-  total = 0
-  for dtype, dims in _SHAPE.findall(shape):
-    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-    total += n * _ITEMSIZE.get(dtype, 4)
-  return total
 
 
 def memory(compiled) -> dict[str, int] | None:

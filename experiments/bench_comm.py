@@ -50,26 +50,17 @@ from experiments import _bench
 
 STEPS = 8
 PERIOD = 4
-DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "u64": 8, "s32": 4, "u32": 4,
-               "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "s4": 1, "u4": 1}
 HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                    "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(HLO_COLLECTIVES) +
                  r")(?P<start>-start)?\(")
-_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
-def _shape_bytes(shape: str, op: str, start: bool) -> int:
-  parts = _SHAPE.findall(shape)
-  if start and op == "all-gather" and len(parts) > 1:  # (operand, result): count the result
-    parts = parts[-1:]
-  total = 0
-  for dtype, dims in parts:
-    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-    total += n * DTYPE_BYTES.get(dtype, 4)
-  return total
+def _collective_bytes(shape: str, op: str, start: bool) -> int:
+  arrays = _bench.hlo_arrays(shape)
+  if start and op == "all-gather" and len(arrays) > 1:  # (operand, result): count the result
+    arrays = arrays[-1:]
+  return _bench.hlo_arrays_bytes(arrays)
 
 
 def hlo_collectives(text: str) -> list[dict[str, Any]]:
@@ -80,38 +71,16 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
   branch computations, it is conditional.
   """
   comps, entry = _bench.hlo_computations(text)
-  edges: dict[str, list[tuple[str, bool]]] = {c: [] for c in comps}
-  for c, lines in comps.items():
-    for line in lines:
-      for kind, callee in _CALLS.findall(line):
-        edges[c].append((callee, kind in ("true_computation", "false_computation")))
-      for group in _BRANCHES.findall(line):
-        for callee in group.split(","):
-          edges[c].append((callee.strip().lstrip("%"), True))
-  unconditional, seen = set(), set()
-
-  def visit(c: str, cond: bool) -> None:
-    if (c, cond) in seen or c not in comps:
-      return
-    seen.add((c, cond))
-    if not cond:
-      unconditional.add(c)
-    for callee, branch in edges[c]:
-      visit(callee, cond or branch)
-
-  if entry is not None:
-    visit(entry, False)
   out = []
-  for c, lines in comps.items():
-    if all(c != s[0] for s in seen):
-      continue
-    for line in lines:
+  for c, in_conditional in _bench.hlo_reachable(comps, entry).items():
+    for line in comps[c]:
       m = _OP.search(line)
       if m:
-        out.append({"op": m.group("op"), "bytes": _shape_bytes(m.group("shape"), m.group("op"),
-                                                               bool(m.group("start"))),
-                    "in_conditional": c not in unconditional,
-                    "dtype": ",".join(sorted({d for d, _ in _SHAPE.findall(m.group("shape"))}))})
+        out.append({"op": m.group("op"),
+                    "bytes": _collective_bytes(m.group("shape"), m.group("op"),
+                                               bool(m.group("start"))),
+                    "in_conditional": in_conditional,
+                    "dtype": ",".join(sorted({d for d, _ in _bench.hlo_arrays(m.group("shape"))}))})
   return out
 
 

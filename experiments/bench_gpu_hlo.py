@@ -46,15 +46,11 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "cond
          "while", "call", "after-all", "partition-id", "replica-id", "opt-barrier",
          "all-reduce-done", "all-gather-done", "collective-permute-done", "copy-done",
          "async-done", "async-update"}
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\((?:[^()]|\([^()]*\))*\)|\S+)\s+"
-                    r"(?P<op>[\w\-]+)\(")
-_LOOP = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
-_BRANCH = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*"
+                    r"(?P<shape>\((?:[^()]|\([^()]*\))*\)|\S+)\s+(?P<op>[\w\-]+)\(")
 _CONV = re.compile(r"=\s*\(?(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\].*custom_call_target="
                    r"\"__cudnn\$conv(?P<kind>\w+)\"")
 _GROUPS = re.compile(r"feature_group_count=(\d+)")
-_SHAPE = re.compile(r"=\s*(?P<shape>\([^()]*\)|\S+)\s+[\w\-]+\(")
 _GEMM = re.compile(r"custom_call_target=\"__cublas\$(?:lt\$matmul|gemm)[^\"]*\"|"
                    r"calls=%?gemm_fusion|\"kind\":\"__triton_gemm\"")
 
@@ -67,30 +63,14 @@ def program_structure(text: str) -> dict[str, Any]:
   not (their instructions run inside one kernel). ``launches_*`` counts the non-trivial
   instructions there (fusions, custom calls, copies, collectives, ...); a loop body counts
   once, and so do ``copies`` / ``copy_bytes`` (the ``copy`` / ``copy-start`` instructions
-  there: a copy inside a fusion body is part of that kernel, not a copy). ``launches_cheapest`` / ``launches_dearest`` follow one path: at every
-  ``conditional`` the branch with the fewest / most launches (for periodic averaging, a
+  there: a copy inside a fusion body is part of that kernel, not a copy).
+  ``launches_cheapest`` / ``launches_dearest`` follow one path: at every ``conditional`` the branch with the fewest / most launches (for periodic averaging, a
   local step / a sync step). Convolutions are cuDNN custom calls (``kind`` Forward /
   BackwardInput / BackwardFilter) with their output batch (first dimension) and
   feature-group count.
   """
   comps, entry = _bench.hlo_computations(text)
-  where: dict[str, bool] = {}  # computation -> inside a conditional branch
-
-  def visit(c: str, in_cond: bool) -> None:
-    if c not in comps or (c in where and (where[c] is False or in_cond)):
-      return
-    where[c] = in_cond
-    for line in comps[c]:
-      for callee in _LOOP.findall(line):
-        visit(callee, in_cond)
-      for callee in _BRANCH.findall(line):
-        visit(callee, True)
-      for group in _BRANCHES.findall(line):
-        for callee in group.split(","):
-          visit(callee.strip().lstrip("%"), True)
-
-  if entry is not None:
-    visit(entry, False)
+  where = _bench.hlo_reachable(comps, entry, through_calls=False)  # -> inside a branch
   ops = {False: collections.Counter(), True: collections.Counter()}
   convs, gemms, copies, copy_bytes = [], 0, 0, 0
   for c, in_cond in where.items():
@@ -100,11 +80,11 @@ def program_structure(text: str) -> dict[str, Any]:
         continue
       ops[in_cond][m.group("op")] += 1
       if m.group("op") in ("copy", "copy-start"):
-        shape = _SHAPE.search(line).group("shape")
+        arrays = _bench.hlo_arrays(m.group("shape"))
         if m.group("op") == "copy-start":  # (destination, source, context): count one
-          shape = shape.strip("()").split(", ")[0]
+          arrays = arrays[:1]
         copies += 1
-        copy_bytes += _gpu_aot.shape_bytes(shape)
+        copy_bytes += _bench.hlo_arrays_bytes(arrays)
       conv = _CONV.search(line)
       if conv:
         dims = [int(d) for d in conv.group("dims").split(",") if d]
@@ -124,9 +104,8 @@ def program_structure(text: str) -> dict[str, Any]:
       m = _INSTR.match(line)
       if m and m.group("op") not in _FREE:
         total += 1
-      total += sum(path(b, pick, seen) for b in _LOOP.findall(line))
-      branches = _BRANCH.findall(line) + [b.strip().lstrip("%") for g in _BRANCHES.findall(line)
-                                          for b in g.split(",")]
+      total += sum(path(b, pick, seen) for b in _bench.hlo_loop_bodies(line))
+      branches = _bench.hlo_branches(line)
       if branches:
         total += pick(path(b, pick, seen) for b in branches)
     return total

@@ -465,8 +465,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # the updates are formed after it. Returning the inner updates from the conditional (the
     # design before session 4) made XLA:GPU transpose every conv kernel's update inside the
     # local branch (the conditional's result layout differs from cuDNN's gradient layout):
-    # H100 ResNet-18 local step 559 kernels and 44.7 MB of copies, now 516 and 0.04 MB (no
-    # communication: 463; deviceless compilation, experiments/bench_gpu_hlo.py). XLA:CPU:
+    # H100 ResNet-18 local step 559 kernels and 44.7 MB of copies, then 516 and 0.04 MB (no
+    # communication: 463; with train.tree_norm's fused norm since: 508 vs 406; deviceless
+    # compilation, experiments/bench_gpu_hlo.py). XLA:CPU:
     # unmapped (axis_name=None) the local update now costs optax's 24 B/param (was 44); under
     # the worker map ENTRY 36 (was 32) + sync branch 16 (was 32) B/param, times within noise
     # (BENCHMARKS.md, target 1). Rounding: a local step gives p + ((p + u) - p), which is

@@ -183,7 +183,7 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
   _check_model(model)
   parallel.local_workers(num_workers, mesh)  # validates before tracing
   tx = sync_transform(inner, mesh, comm_dtype)
-  fuse_norm = train_lib._fuse_norm(mesh)
+  fuse_norm = train_lib._fuse_norm(mesh, 1)  # one replica per device
 
   def update(grads, opt_state, params):
     updates, opt_state = tx.update(grads, opt_state, params)

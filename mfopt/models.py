@@ -150,10 +150,10 @@ def gemm_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
   matrix = jnp.moveaxis(rhs, nd, 0).reshape(in_features * math.prod(kernel), out_features)
   # The barrier keeps XLA:GPU from fusing the patch extraction into a Triton GEMM: in the
   # XLA of JAX 0.10.2 that fusion aborts the process (CHECK failure in
-  # triton_tiling_propagation.cc, "subdim_size_accumulator == dim_size") when compiling any
-  # ResNet-18 step of this lowering for an H100 (found by deviceless compilation,
-  # experiments/bench_gpu_hlo.py). The patches are kept for the backward pass anyway, so
-  # materialising them costs nothing extra; XLA:CPU never fuses into a dot.
+  # triton_tiling_propagation.cc, "subdim_size_accumulator == dim_size") for every ResNet-18
+  # step of this lowering tried for an H100 (deviceless compilation,
+  # experiments/bench_gpu_hlo.py). The patches are a residual of the backward pass either
+  # way; on XLA:CPU the compiled step's cost estimate is identical with and without it.
   patches = lax.optimization_barrier(patches)
   return lax.dot_general(patches, matrix.astype(patches.dtype),
                          (((patches.ndim - 1,), (0,)), ((), ())), precision=precision,

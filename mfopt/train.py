@@ -137,7 +137,7 @@ def tree_norm(tree: Any, fused: bool = False) -> jax.Array:
   return jnp.sqrt(jnp.sum(jnp.square(jnp.concatenate(leaves))))
 
 
-def _fuse_norm(mesh, local_workers: int = 1) -> bool:
+def _fuse_norm(mesh, local_workers: int) -> bool:
   """Whether a step computes ``update_norm`` fused: on accelerators, one worker per device.
 
   With several workers per device the norm runs under the worker ``vmap``, where XLA:GPU

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import mfopt
+from experiments import _bench
 from mfopt import averaging, parallel
 
 W = 8
@@ -386,10 +387,8 @@ def test_local_step_moves_no_more_bytes_than_the_inner_optimizer():
   grads = {"w": jnp.full((n,), 0.01, jnp.float32)}
 
   def cost(tx):
-    fn = _update_and_apply(tx)
-    c = fn.lower((params, tx.init(params)), grads).compile().cost_analysis()
-    c = c[0] if isinstance(c, (list, tuple)) else c
-    return c["bytes accessed"]
+    return _bench.compiled_cost(_update_and_apply(tx), (params, tx.init(params)),
+                                grads)["bytes accessed"]
 
   inner = lambda: optax.sgd(0.1, momentum=0.9)  # noqa: E731
   base = cost(inner())

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import _gpu_aot, bench_gpu_hlo
+from experiments import _bench, _gpu_aot, bench_gpu_hlo
 from mfopt import parallel
 
 # A hand-written optimised module: ENTRY launches 2 fusions (one of them a transposing copy
@@ -100,8 +100,8 @@ def test_program_structure_counts_launches_per_path():
 
 
 def test_shape_bytes_sums_tuple_elements():
-  assert _gpu_aot.shape_bytes("(bf16[8]{0}, f32[2,3]{1,0}, pred[])") == 16 + 24 + 1
-  assert _gpu_aot.shape_bytes("f32[]") == 4
+  assert _bench.hlo_shape_bytes("(bf16[8]{0}, f32[2,3]{1,0}, pred[])") == 16 + 24 + 1
+  assert _bench.hlo_shape_bytes("f32[]") == 4
 
 
 def test_conv_summary_names_kinds_batches_and_groups():

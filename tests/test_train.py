@@ -356,4 +356,4 @@ def test_fused_tree_norm_equals_optax_and_is_one_reduction():
   assert prims.count("reduce_sum") == 1 and "concatenate" in prims
   assert float(train.tree_norm({}, fused=True)) == 0.0
   # CPU meshes keep the per-leaf sums (XLA:CPU would materialise the concatenation)
-  assert train._fuse_norm(mfopt.make_mesh()) is False
+  assert train._fuse_norm(mfopt.make_mesh(), 1) is False
