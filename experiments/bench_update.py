@@ -6,8 +6,10 @@ Command (same on CPU and GPU; the device is printed in the header line)::
   python -m experiments.bench_update --quick    # CI: tiny sizes, 1 repetition
 
 What is timed: one jitted optimizer step ``(params, opt_state) -> (params', opt_state')``
-= ``tx.update(grads, opt_state, params)`` + ``optax.apply_updates``, with ``params`` and
-``opt_state`` donated, ``grads`` a fixed input, on
+= ``mfopt.train.apply_transform(tx, grads, opt_state, params)`` (``tx.update`` +
+``optax.apply_updates``; periodic averaging and block momentum compute the new parameters
+themselves, as the library's train step does), with ``params`` and ``opt_state`` donated,
+``grads`` a fixed input, on
 
 (a) a flat float32 vector of ``--flat`` parameters (default 2**28 = 268M on GPU, 2**24 = 16.8M
     on CPU), and
@@ -20,7 +22,7 @@ hybrid_adabound_lars (AdaBound phase) vs ``optax.adam``, hybrid_adabound_lars (L
 ``optax.lars``, and the *local* step of periodic_averaging / block_momentum (period 10**9:
 never due) vs their inner ``optax.sgd(momentum=0.9)``. The two averaging rows run both
 variants under the worker map (``mfopt.parallel.per_worker``, W=1 on one device) so that
-the collective of the sync branch is in the compiled program. One more figure (target 3):
+the collective of the sync loop is in the compiled program. One more figure (target 3):
 a sync step (period 1) against the local step. Transforms not on main yet are skipped.
 
 Byte convention for GB/s on (a): the minimum traffic of the *optax* algorithm: every
@@ -126,7 +128,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\
 _ARRAY = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|s16|s8|u64|u32|u16|u8|pred)\[([\d,]*)\]")
 _ITEM = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
          "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "conditional",
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "conditional", "while",
          "after-all", "partition-id", "replica-id"}
 
 
@@ -143,6 +145,8 @@ def _traffic(lines: list[str]) -> tuple[int, list[list[str]]]:
       continue
     name, shape, op, rest = m.groups()
     sizes[name] = _shape_bytes(shape)
+    if _bench.hlo_is_sync_loop(line):  # the sync loop: its body runs on sync steps only
+      branches.append(_bench.hlo_sync_bodies(line))
     if op == "conditional":
       group = re.search(r"branch_computations=\{([^}]*)\}", rest)
       names = ([b.strip().lstrip("%") for b in group.group(1).split(",")] if group else
@@ -162,10 +166,12 @@ def entry_traffic_bytes(hlo_text: str) -> tuple[int, list[int]]:
   one kernel, so this is its minimum memory traffic); ``parameter``,
   ``get-tuple-element``, ``bitcast`` count nothing. A ``conditional`` counts nothing in
   the first number; the traffic of each of its branch computations is returned apart
-  (only one runs per step). A deterministic profile beside the noisy timings.
+  (only one runs per step). So does the body of periodic averaging's sync loop
+  (``_bench.hlo_is_sync_loop``: run on sync steps only); ``while`` itself counts nothing.
+  A deterministic profile beside the noisy timings.
 
   Returns:
-    ``(entry_bytes, [bytes of each conditional branch, in HLO order])``.
+    ``(entry_bytes, [bytes of each conditional branch or sync-loop body, in HLO order])``.
   """
   comps, entry = _bench.hlo_computations(hlo_text)
   total, branches = _traffic(comps.get(entry, []))
@@ -179,13 +185,18 @@ def _count_param_sized(state: Any, num_params: int) -> int:
 
 
 def build_step(tx, params, grads, worker_axes: bool):
-  """``(state=(params, opt_state)) -> state`` jitted with the state donated, and the initial state."""
-  from mfopt import parallel
+  """``(state=(params, opt_state)) -> state`` jitted with the state donated, and the initial state.
+
+  The step is ``mfopt.train.apply_transform``: ``tx.update`` + ``optax.apply_updates``, or,
+  for periodic averaging and block momentum, their parameter step (what the library's train
+  step runs).
+  """
+  from mfopt import parallel, train
 
   def update(state, g):
     p, s = state
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+    p, s, _ = train.apply_transform(tx, g, s, p)  # tx.update + optax.apply_updates for optax
+    return p, s
 
   if not worker_axes:
     opt_state = jax.jit(tx.init)(params)
@@ -237,7 +248,7 @@ def run_case(report: _bench.Report, shape_name: str, params: Any, name: str, mf_
       f"mfopt {t_mf.spread()}; optax {t_ox.spread()}; {num_params:,} params; "
       f"{bytes_per_param} B/param ({s_ref} state array(s) in optax, {state_counts[0]} in mfopt); "
       f"mfopt {gbs_mf:.1f} GB/s, optax {gbs_ox:.1f} GB/s{peak_txt}; compiled traffic "
-      f"(ENTRY + conditional branches) mfopt {traffic_bpp[0][0]:.1f} + {traffic_bpp[0][1]} "
+      f"(ENTRY + conditional branches / sync-loop body) mfopt {traffic_bpp[0][0]:.1f} + {traffic_bpp[0][1]} "
       f"B/param vs optax {traffic_bpp[1][0]:.1f} + {traffic_bpp[1][1]} B/param; minor page "
       f"faults per call mfopt {_faults(t_mf)}, optax {_faults(t_ox)}",
       shape=shape_name, transform=name, baseline=ox_name, ratio=ratio,

@@ -17,20 +17,23 @@ w~ += v``.
 
 **Local steps run no collective.** The train step maps workers with
 ``shard_map(vmap(step, axis_name="local"), P("data"))``, so every state leaf,
-the controller's counters included, is *batched* under ``vmap``. A batched
-predicate turns ``lax.cond`` into ``select`` and the collective would run on
-every step (ARCHITECTURE.md). The counters are identical on all workers by
-construction, so the predicate is made unbatched with a ``lax.pmax`` over the
-*vmap* axes of ``axis_name`` only: under ``vmap`` that is a plain local
-reduction over the stacked workers of one device (no communication), and across
-the mesh axes (the ``shard_map`` axes, found from
-``jax.sharding.get_abstract_mesh()``) nothing is needed because a ``shard_map``
-body is a per-device program whose ``cond`` stays a ``conditional``. The
-compiled HLO then holds every parameter collective (and ADPSGD's scalar one)
-inside the sync branch of a ``conditional`` and none outside it
-(``tests/test_averaging_hlo.py`` checks W = 8, 16, 32 on 8 devices). The period
-is held in the state, so neither a change of period by ADPSGD nor a different
-constant period recompiles.
+the controller's counters included, is *batched* under ``vmap``. The sync is a
+``lax.while_loop`` of 0 or 1 trips (named ``mfopt_sync``, :data:`SYNC_SCOPE`, in the
+HLO metadata) rather than a ``lax.cond``: XLA updates a loop's carried buffers in
+place, where a conditional's results are fresh buffers that must be copied (or
+re-added) into the step's donated parameters on every local step (see the comment
+in :func:`periodic_averaging`). Its trip count must be *unbatched*: a batched one
+would make the loop run its body, collectives included, for every worker whenever
+any worker syncs and select the results. The counters are identical on all workers
+by construction, so the trip count is made unbatched with a ``lax.pmax`` over the
+*vmap* axes of ``axis_name`` only: under ``vmap`` that is a plain local reduction
+over the stacked workers of one device (no communication), and across the mesh axes
+(the ``shard_map`` axes, found from ``jax.sharding.get_abstract_mesh()``) nothing is
+needed because a ``shard_map`` body is a per-device program. The compiled HLO then
+holds every parameter collective (and ADPSGD's scalar one) inside the body of the
+sync loop and none outside it (``tests/test_averaging_hlo.py`` checks W = 8, 16, 32
+on 8 devices). The period is held in the state, so neither a change of period by
+ADPSGD nor a different constant period recompiles.
 
 Communication is counted in the state (:class:`mfopt.comm.CommStats`): the
 parameter exchange once per synchronisation (``param_comm``), the scalar S_k
@@ -65,7 +68,12 @@ __all__ = [
     "PeriodState", "PeriodController", "constant_period", "adpsgd_period", "scheduled_period",
     "AveragingDiagnostics", "PeriodicAveragingState", "periodic_averaging", "block_momentum",
     "find_averaging_state", "averaging_metrics", "sync_trace", "parameter_variance",
+    "SYNC_SCOPE",
 ]
+
+#: Name scope of the sync loop (``lax.while_loop`` of 0 or 1 trips): XLA keeps it in the
+#: ``op_name`` metadata of the compiled ``while``, which is how the HLO checks find the loop.
+SYNC_SCOPE = "mfopt_sync"
 
 
 # ----------------------------------------------------------------------------- controllers
@@ -443,11 +451,12 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
                                     CollectiveKind.ALL_REDUCE),
         diagnostics=diag)
 
-  def update_fn(updates, state, params=None):
+  def params_step(updates, state, params, norm_fn=None):
+    """``(grads, state, params, norm_fn) -> (new_params, new_state, norm)``; see
+    :func:`mfopt.train.apply_transform`."""
     if params is None:
       raise ValueError("periodic_averaging needs params in update(updates, state, params)")
     k = state.count  # 0-based index of this step
-    inner_updates, inner_state = inner.update(updates, state.inner_state, params)
     ctl, due = controller.advance(state.controller)
     due = _unbatched(due, axis_name)
 
@@ -458,28 +467,25 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       diag = diag._replace(variance=var_k, variance_sum=diag.variance_sum + var_k,
                            variance_exchanges=diag.variance_exchanges + (2 if communicates else 0))
 
-    carry = (inner_state, state.outer_state, state.anchor, ctl, state.param_comm,
-             state.scalar_comm, diag)
-
-    # The conditional returns the new *parameters* (the local ones, or the sync result) and
-    # the updates are formed after it. Returning the inner updates from the conditional (the
-    # design before session 4) made XLA:GPU transpose every conv kernel's update inside the
-    # local branch (the conditional's result layout differs from cuDNN's gradient layout):
-    # H100 ResNet-18 local step 559 kernels and 44.7 MB of copies, then 516 and 0.04 MB (no
-    # communication: 463; with train.tree_norm's fused norm since: 508 vs 406; deviceless
-    # compilation, experiments/bench_gpu_hlo.py). XLA:CPU:
-    # unmapped (axis_name=None) the local update now costs optax's 24 B/param (was 44); under
-    # the worker map ENTRY 36 (was 32) + sync branch 16 (was 32) B/param, times within noise
-    # (BENCHMARKS.md, target 1). Rounding: a local step gives p + ((p + u) - p), which is
-    # p + u exactly when p + u and p are within a factor 2 (Sterbenz) and otherwise within
-    # an ulp; tests/test_averaging.py compares it with `inner`.
+    # Every step: the inner step, exactly as `inner` + optax.apply_updates would do it.
+    inner_updates, inner_state = inner.update(updates, state.inner_state, params)
     local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, inner_updates)
+    norm = norm_fn(inner_updates) if norm_fn is not None else jnp.zeros([], jnp.float32)
 
-    def local_branch(carry):
-      return local, carry
-
-    def sync_branch(carry):
-      inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
+    # A sync step: the averaging, in a while loop of 0 or 1 trips rather than a lax.cond.
+    # XLA updates a while loop's carried buffers in place, so on a local step the parameters
+    # (and block momentum's anchor and outer momentum) are written once, by the inner step's
+    # own kernel, and nothing else touches them. A conditional cannot alias its results with
+    # the step's donated inputs: XLA copies every parameter-sized result into place (or, with
+    # the update formed after it, runs one more kernel per leaf). Deviceless XLA:GPU compile,
+    # ResNet-18 W=1 bf16 batch 512 for an H100 (experiments/bench_gpu_hlo.py): local step
+    # 508 kernel launches with the conditional, ~411 with the loop, 406 with no averaging
+    # at all; block momentum 756 -> ~411 (BENCHMARKS.md, target 3). XLA:CPU allocates a
+    # conditional's results afresh at every execution (page faults per step); the loop's
+    # carry it does not.
+    def sync_body(loop):
+      trip, carry = loop
+      local, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
       if comm_dtype is not None:
         delta = jax.tree.map(jnp.subtract, local, anchor)
         mean = jax.tree.map(jnp.add, anchor, pmean_tree(delta, axis_name, comm_dtype))
@@ -520,15 +526,25 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
             trace_lr=diag.trace_lr.at[i].set(lr_k))
       diag = diag._replace(syncs=diag.syncs + 1, last_sync_variance=s_k,
                            variance_sum=jnp.zeros_like(diag.variance_sum))
-      return new_params, (inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag)
+      return trip + 1, (new_params, inner_state, outer_state, anchor, ctl, param_comm,
+                        scalar_comm, diag)
 
-    new_params, carry = lax.cond(due, sync_branch, local_branch, carry)
-    out_updates = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
-    inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
-    return out_updates, PeriodicAveragingState(
+    trips = due.astype(jnp.int32)
+    carry = (local, inner_state, state.outer_state, state.anchor, ctl, state.param_comm,
+             state.scalar_comm, diag)
+    with jax.named_scope(SYNC_SCOPE):
+      _, carry = lax.while_loop(lambda loop: loop[0] < trips, sync_body,
+                                (jnp.zeros([], jnp.int32), carry))
+    new_params, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
+    return new_params, PeriodicAveragingState(
         count=k + 1, inner_state=inner_state, outer_state=outer_state, anchor=anchor,
-        controller=ctl, param_comm=param_comm, scalar_comm=scalar_comm, diagnostics=diag)
+        controller=ctl, param_comm=param_comm, scalar_comm=scalar_comm, diagnostics=diag), norm
 
+  def update_fn(updates, state, params=None):
+    new_params, state, _ = params_step(updates, state, params)
+    return jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params), state
+
+  update_fn.params_step = params_step
   return optax.GradientTransformation(init_fn, update_fn)
 
 

@@ -81,9 +81,10 @@ def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
 
   Under the worker ``vmap`` a step count or a "sync now" predicate held in every worker's
   state is *batched*, so a ``lax.cond`` on it lowers to a ``select`` that runs both branches
-  (and their collectives) on every step. A ``pmax`` over a ``vmap`` axis is a local reduction
-  over the stacked axis whose batching rule returns an unmapped value, which keeps the
-  ``cond`` a ``conditional``; mesh (``shard_map``) axes need no reduction and get none, so
+  (and their collectives) on every step, and a ``lax.while_loop`` with a batched trip count
+  runs its body for all workers while any needs it, then selects. A ``pmax`` over a ``vmap``
+  axis is a local reduction over the stacked axis whose batching rule returns an unmapped
+  value, which keeps the ``cond`` a ``conditional`` (the loop one loop); mesh (``shard_map``) axes need no reduction and get none, so
   nothing crosses a device; names that are not bound at all (the transform used outside the
   worker ``vmap``) are skipped. Bool inputs give bool, integer inputs their own dtype. Only
   correct for values that really are equal on every worker (counts, schedules).

@@ -137,6 +137,33 @@ def tree_norm(tree: Any, fused: bool = False) -> jax.Array:
   return jnp.sqrt(jnp.sum(jnp.square(jnp.concatenate(leaves))))
 
 
+def apply_transform(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any,
+                    norm_fn: Callable[[Any], jax.Array] | None = None):
+  """One optimizer step: ``(new_params, new_opt_state, norm)``.
+
+  For any optax transform this is ``tx.update`` then ``optax.apply_updates``, and ``norm``
+  is ``norm_fn(updates)``. A transform whose ``update`` function carries a ``params_step``
+  attribute (:func:`mfopt.periodic_averaging`, :func:`mfopt.block_momentum`) returns the new
+  parameters itself: ``params_step(grads, opt_state, params, norm_fn) -> (new_params,
+  new_opt_state, norm)``. That skips forming ``updates = new - params`` only to add them back
+  (one more kernel and a parameter-sized round trip per leaf), which is what lets a local step
+  of periodic averaging cost what the inner optimizer's step costs (BENCHMARKS.md, target 3).
+  For those transforms ``norm`` is ``norm_fn`` of the *inner* optimizer's updates on every step,
+  the averaging jump of a sync step excluded (its size is the ``S_k`` diagnostic,
+  ``periodic_averaging(sync_variance=True)``). Wrapped in another transform
+  (``optax.chain``, :func:`mfopt.precision.dynamic_loss_scale`) the attribute is gone and the
+  plain ``update`` + ``apply_updates`` path runs, with the same result up to rounding.
+
+  ``norm`` is ``None`` without ``norm_fn``.
+  """
+  params_step = getattr(tx.update, "params_step", None)
+  if params_step is not None:
+    return params_step(grads, opt_state, params, norm_fn)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return (optax.apply_updates(params, updates), opt_state,
+          None if norm_fn is None else norm_fn(updates))
+
+
 def _fuse_norm(mesh, local_workers: int) -> bool:
   """Whether a step computes ``update_norm`` fused: on accelerators, one worker per device.
 
@@ -165,9 +192,9 @@ def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn,
     return loss, aux, new_model_state, grads
 
   def update_phase(params, old_model_state, new_model_state, opt_state, grads, loss, aux):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, **aux, "update_norm": tree_norm(updates, fuse_norm)}
+    params, opt_state, norm = apply_transform(tx, grads, opt_state, params,
+                                              lambda u: tree_norm(u, fuse_norm))
+    metrics = {"loss": loss, **aux, "update_norm": norm}
     if precision_lib.loss_scale_of(opt_state) is not None:
       # overflow: BN statistics kept; loss scale in the metrics
       new_model_state, extra = precision_lib.finish_step(opt_state, new_model_state,

@@ -1,11 +1,12 @@
 """Local steps run no collective: the compiled train step, W = 8 on 8 devices and W = 16, 32.
 
-Checks on ``train_step.lower(...).compile().as_text()``: every collective sits in
-a computation reachable only from the sync branch of a ``conditional``; the local
-branch reaches none; nothing outside a conditional reaches one. Then, with one
-compiled executable (so no recompilation is possible), the sync branch runs
-exactly floor(N/p) times for several periods p held in the state, counted by a
-``jax.debug.callback`` inside the branch and by the transform's own CommStats.
+Checks on ``train_step.lower(...).compile().as_text()``: every collective sits in a
+computation reachable only from the body of the sync loop (a ``while`` of 0 or 1 trips,
+named by ``mfopt.averaging.SYNC_SCOPE`` in its metadata) or from the sync branch of a
+``conditional``; nothing reaches one otherwise. Then, with one compiled executable (so no
+recompilation is possible), the sync body runs exactly floor(N/p) times for several periods p
+held in the state, counted by a ``jax.debug.callback`` inside it and by the transform's own
+CommStats.
 """
 
 import re
@@ -17,73 +18,58 @@ import optax
 import pytest
 
 import mfopt
+from experiments import _bench
 from mfopt import averaging, models, parallel, train
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_CALL_RE = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)="
-                      r"%?([\w.\-]+)")
-_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
-
-
-def parse_hlo(text):
-  """Computations -> (instruction lines, callees); conditionals as (computation, branch list)."""
-  comps, entry, current = {}, None, None
-  for line in text.splitlines():
-    m = _COMP_RE.match(line.strip()) if line and not line.startswith(" ") else None
-    if m:
-      current = m.group(1)
-      comps[current] = []
-      if line.startswith("ENTRY"):
-        entry = current
-    elif current is not None and line.startswith(" "):
-      comps[current].append(line)
-  calls, conditionals = {}, []
-  for name, lines in comps.items():
-    callees = set()
-    for line in lines:
-      callees.update(_CALL_RE.findall(line))
-      b = _BRANCHES_RE.search(line)
-      if b:
-        branches = [x.strip().lstrip("%") for x in b.group(1).split(",")]
-        conditionals.append((name, branches))
-        callees.update(branches)
-    calls[name] = callees
-  return comps, calls, conditionals, entry
-
-
-def _reach(calls, roots, stop=frozenset()):
-  seen, todo = set(), list(roots)
-  while todo:
-    c = todo.pop()
-    if c in seen or c in stop:
-      continue
-    seen.add(c)
-    todo.extend(calls.get(c, ()))
-  return seen
 
 
 def _has_collective(lines):
   return any(re.search(rf"\b{op}(-start)?\(", line) for line in lines for op in COLLECTIVES)
 
 
-def check_collectives_only_in_sync_branch(text):
-  comps, calls, conditionals, entry = parse_hlo(text)
-  with_coll = {c for c, lines in comps.items() if _has_collective(lines)}
+def check_collectives_only_in_sync_loop(text):
+  """Every collective is reached only through a sync body; returns how many computations hold one."""
+  comps, entry = _bench.hlo_computations(text)
+  where = _bench.hlo_reachable(comps, entry)  # computation -> reached only via a sync body
+  with_coll = {c for c in where if _has_collective(comps[c])}
   assert with_coll, "no collective at all in the program"
-  # Branch 0 of a bool lax.cond is the false (local) branch, branch 1 the true (sync) one.
-  sync_reach, local_reach = set(), set()
-  for _, branches in conditionals:
-    if len(branches) == 2:
-      local_reach |= _reach(calls, [branches[0]])
-      sync_reach |= _reach(calls, [branches[1]])
-  assert sync_reach & with_coll, "no conditional whose sync branch holds a collective"
-  assert not (local_reach & with_coll), "a collective is reachable from a local branch"
-  all_branches = {b for _, bs in conditionals for b in bs}
-  outside = _reach(calls, [entry], stop=frozenset(all_branches))
-  assert not (outside & with_coll), (
-      f"collectives outside any conditional: {sorted(outside & with_coll)}")
+  sync_bodies = [b for lines in comps.values() for line in lines
+                 for b in _bench.hlo_sync_bodies(line)]
+  assert sync_bodies, "no sync loop in the program"
+  outside = sorted(c for c in with_coll if not where[c])
+  assert not outside, f"collectives outside the sync loop: {outside}"
   return len(with_coll)
+
+
+def test_sync_scope_names_agree():
+  assert _bench.SYNC_SCOPE == averaging.SYNC_SCOPE
+
+
+def test_checker_on_hand_written_modules():
+  """The checker passes a collective inside the sync loop and fails one outside it, or one in
+  an ordinary loop."""
+  def module(sync_scope, collective_in_entry):
+    name = f"jit(step)/vmap({sync_scope})/while"
+    entry_op = ("  %ar = f32[4]{0} all-reduce(%p), to_apply=%sum\n" if collective_in_entry
+                else "")
+    return (
+        "HloModule m\n\n"
+        "%sum (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n"
+        "  %b = f32[] parameter(1)\n  ROOT %s = f32[] add(%a, %b)\n}\n\n"
+        "%body (x: f32[4]) -> f32[4] {\n  %x = f32[4]{0} parameter(0)\n"
+        "  ROOT %r = f32[4]{0} all-reduce(%x), to_apply=%sum\n}\n\n"
+        "%cond (x: f32[4]) -> pred[] {\n  %x = f32[4]{0} parameter(0)\n"
+        "  ROOT %c = pred[] constant(false)\n}\n\n"
+        "ENTRY %main (p: f32[4]) -> f32[4] {\n  %p = f32[4]{0} parameter(0)\n" + entry_op +
+        f"  ROOT %w = f32[4]{{0}} while(%p), condition=%cond, body=%body, "
+        f"metadata={{op_name=\"{name}\"}}\n}}\n")
+
+  assert check_collectives_only_in_sync_loop(module(averaging.SYNC_SCOPE, False)) == 1
+  with pytest.raises(AssertionError, match="outside the sync loop"):
+    check_collectives_only_in_sync_loop(module(averaging.SYNC_SCOPE, True))
+  with pytest.raises(AssertionError, match="no sync loop"):
+    check_collectives_only_in_sync_loop(module("scan", False))
 
 
 def _model():
@@ -109,7 +95,7 @@ _CALLS = []
 
 
 def _counting(ctl):
-  """The controller with a host callback inside ``on_sync`` (which runs only in the sync branch)."""
+  """The controller with a host callback inside ``on_sync`` (which runs only in the sync loop body)."""
   def on_sync(state, k, s_k):
     jax.debug.callback(lambda kk: _CALLS.append(np.asarray(kk).reshape(-1).tolist()), k)
     return ctl.on_sync(state, k, s_k)
@@ -122,7 +108,7 @@ def test_constant_period_hlo_and_exact_sync_count_without_recompiling(num_worker
                                 _counting(mfopt.constant_period(3)))
   mesh, state0, step, batch = _setup(tx, num_workers)
   compiled = step.lower(state0, batch).compile()
-  check_collectives_only_in_sync_branch(compiled.as_text())
+  check_collectives_only_in_sync_loop(compiled.as_text())
   n = 11
   for p in (2, 3, 5):
     state = jax.tree.map(jnp.copy, state0)
@@ -144,19 +130,18 @@ def test_constant_period_hlo_and_exact_sync_count_without_recompiling(num_worker
     assert np.ptp(params, axis=0).max() > 0  # n % p != 0 after the last step: workers differ
 
 
-def test_adpsgd_scalar_all_reduce_also_inside_sync_branch():
+def test_adpsgd_scalar_all_reduce_also_inside_the_sync_loop():
   ctl = mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=8, warmup_steps=2)
   tx = mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, ctl)
   _, state, step, batch = _setup(tx, 16)
   text = step.lower(state, batch).compile().as_text()
-  check_collectives_only_in_sync_branch(text)
+  check_collectives_only_in_sync_loop(text)
   assert re.search(r"f32\[\]\S* all-reduce\(", text)  # the S_k scalar exchange
 
 
-def test_checker_catches_a_batched_predicate(monkeypatch):
-  """Negative control: without unbatching, cond becomes select and collectives run every step."""
-  monkeypatch.setattr(averaging, "_unbatched", lambda pred, axis_name: pred)
-  tx = mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, 4)
+def test_checker_catches_a_collective_outside_the_sync_loop():
+  """Negative control on a real program: the variance diagnostic all-reduces every step."""
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, 4, track_variance=True)
   _, state, step, batch = _setup(tx, 16)
-  with pytest.raises(AssertionError):
-    check_collectives_only_in_sync_branch(step.lower(state, batch).compile().as_text())
+  with pytest.raises(AssertionError, match="outside the sync loop"):
+    check_collectives_only_in_sync_loop(step.lower(state, batch).compile().as_text())

@@ -19,7 +19,9 @@ from mfopt import parallel
 # result, 4 feature groups), a copy of f32[2,3] (24 B) and a conditional whose true branch
 # launches 3 instructions (2 fusions, an all-reduce-start of bf16[8] (+ its done, free)) and
 # whose false branch launches 1 copy-start of f32[4] (16 B); a while loop whose body launches
-# 1 fusion. Fusion bodies (%fused_*) and reducers are not top-level: not counted.
+# 1 fusion; and periodic averaging's sync loop (a while named mfopt_sync in its metadata:
+# 0 or 1 trips) whose body launches a fusion and a copy of f32[2,3] (24 B). Fusion bodies
+# (%fused_*) and reducers are not top-level: not counted.
 MODULE = """\
 HloModule test
 
@@ -62,6 +64,12 @@ HloModule test
   ROOT %f = f32[2,3]{1,0} fusion(%x), kind=kLoop, calls=%fused_add
 }
 
+%sync_body (x: f32[2,3]) -> f32[2,3] {
+  %x = f32[2,3]{1,0} parameter(0)
+  %sf = f32[2,3]{1,0} fusion(%x), kind=kLoop, calls=%fused_add
+  ROOT %sc = f32[2,3]{1,0} copy(%sf)
+}
+
 %cond (x: f32[2,3]) -> pred[] {
   %x = f32[2,3]{1,0} parameter(0)
   ROOT %c = pred[] constant(true)
@@ -79,7 +87,8 @@ ENTRY %main (p: f32[2,3], q: bf16[1,8,8,4], k: bf16[3,3,1,4], pr: pred[]) -> f32
   %tu = (f32[4]{0}, bf16[8]{0}) tuple(%fu, %q)
   %co = f32[4]{0} conditional(%pr, %tu, %tu), true_computation=%sync, false_computation=%local
   %wh = f32[2,3]{1,0} while(%cp), condition=%cond, body=%body
-  ROOT %out = f32[2,3]{1,0} add(%wh, %wh)
+  %sy = f32[2,3]{1,0} while(%wh), condition=%cond, body=%sync_body, metadata={op_name="jit(step)/vmap(mfopt_sync)/while"}
+  ROOT %out = f32[2,3]{1,0} add(%sy, %sy)
 }
 """
 
@@ -89,14 +98,17 @@ def test_program_structure_counts_launches_per_path():
   # every step: 2 fusions, custom-call, copy, add (ROOT) in ENTRY + the while body's fusion
   assert s["launches_every_step"] == 6
   assert s["ops_every_step"] == {"fusion": 3, "custom-call": 1, "copy": 1, "add": 1}
-  # both branches: 2 fusions + all-reduce-start (sync), copy-start (local)
-  assert s["launches_in_conditional"] == 4
-  assert s["launches_cheapest"] == 6 + 1 and s["launches_dearest"] == 6 + 3
+  # both branches: 2 fusions + all-reduce-start (sync), copy-start (local); the sync body's
+  # fusion and copy
+  assert s["launches_in_conditional"] == 4 + 2
+  assert s["launches_cheapest"] == 6 + 1 and s["launches_dearest"] == 6 + 3 + 2
   assert s["convs"] == [{"kind": "Forward", "dtype": "bf16", "batch": 1, "groups": 4}]
   assert s["gemms"] == 0
   # the copy in ENTRY (f32[2,3]) and the copy-start in the local branch (f32[4]); the copy
   # inside the fusion body %fused_copy is part of that kernel
-  assert (s["copies"], s["copy_bytes"]) == (2, 24 + 16)
+  # ... and the sync body's copy (24 B), which a local step does not run
+  assert (s["copies"], s["copy_bytes"]) == (3, 24 + 16 + 24)
+  assert s["copy_bytes_every_step"] == 24
 
 
 def test_shape_bytes_sums_tuple_elements():
