@@ -64,7 +64,8 @@ def program_structure(text: str) -> dict[str, Any]:
   instructions there (fusions, custom calls, copies, collectives, ...); a loop body counts
   once, and so do ``copies`` / ``copy_bytes`` (the ``copy`` / ``copy-start`` instructions
   there: a copy inside a fusion body is part of that kernel, not a copy);
-  ``copy_bytes_every_step`` leaves out those inside conditionals and the sync loop's body.
+  ``copy_bytes_every_step`` leaves out those inside conditionals and the sync loop's body, and
+  copies of scalars.
   ``launches_cheapest`` / ``launches_dearest`` follow one path: at every ``conditional`` the
   branch with the fewest / most launches, and the sync loop of periodic averaging
   (``_bench.hlo_is_sync_loop``) skipped / run once: a local step / a sync step. The sync loop's
@@ -88,8 +89,8 @@ def program_structure(text: str) -> dict[str, Any]:
           arrays = arrays[:1]
         copies += 1
         copy_bytes += _bench.hlo_arrays_bytes(arrays)
-        if not in_cond:
-          copy_bytes_every_step += _bench.hlo_arrays_bytes(arrays)
+        if not in_cond:  # arrays, not scalars (a loop counter's copy is 4 B)
+          copy_bytes_every_step += _bench.hlo_arrays_bytes([a for a in arrays if a[1] > 1])
       conv = _CONV.search(line)
       if conv:
         dims = [int(d) for d in conv.group("dims").split(",") if d]
@@ -307,11 +308,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report.figure(f"3: {tname} local step / no-communication step, copy bytes",
                   avg["copy_bytes_every_step"] / max(none["copy_bytes_every_step"], 1), "x",
                   f"{avg['copy_bytes_every_step'] / 1e6:.2f} vs "
-                  f"{none['copy_bytes_every_step'] / 1e6:.2f} MB every step; the sync step's "
+                  f"{none['copy_bytes_every_step'] / 1e6:.2f} MB every step (non-scalar); the sync step's "
                   f"body {(avg['copy_bytes'] - avg['copy_bytes_every_step']) / 1e6:.2f} MB more")
-    report.target(f"3: {tname} local step copies no more than the no-communication step",
+    report.target(f"3: {tname} local step copies no array the no-communication step does not",
                   avg["copy_bytes_every_step"] / max(none["copy_bytes_every_step"], 1), "<=",
-                  1.001)
+                  1.0)
     report.target(f"3: {tname} runs the no-communication step's convolutions every step",
                   float(key(avg["convs"]) == key(none["convs"])), ">=", 1.0)
   report.target("5: bf16 compute runs bf16 convolutions, fp32 runs f32 ones",
