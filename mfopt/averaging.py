@@ -394,7 +394,11 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     trace_length: per-sync records kept in the state (ring buffer; 0 = none).
 
   Returns:
-    An ``optax.GradientTransformation`` with :class:`PeriodicAveragingState`.
+    An ``optax.GradientTransformation`` with :class:`PeriodicAveragingState`. Its
+    ``update`` also carries ``update.params_step``, which returns the new parameters
+    directly: :func:`mfopt.train.apply_transform` (used by the library's train step) calls it,
+    so a local step runs exactly the inner optimizer's kernels (``tx.update`` +
+    ``optax.apply_updates`` gives the same result with one more kernel per leaf).
 
   Example:
     >>> import jax.numpy as jnp, optax, mfopt
