@@ -125,16 +125,8 @@ def _random_tree(shapes: Any, seed: int) -> Any:
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
-_ARRAY = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|s16|s8|u64|u32|u16|u8|pred)\[([\d,]*)\]")
-_ITEM = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-         "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "conditional", "while",
          "after-all", "partition-id", "replica-id"}
-
-
-def _shape_bytes(shape: str) -> int:
-  return sum(_ITEM[d] * int(np.prod([int(x) for x in dims.split(",") if x]))
-             for d, dims in _ARRAY.findall(shape))
 
 
 def _traffic(lines: list[str]) -> tuple[int, list[list[str]]]:
@@ -144,7 +136,7 @@ def _traffic(lines: list[str]) -> tuple[int, list[list[str]]]:
     if not m:
       continue
     name, shape, op, rest = m.groups()
-    sizes[name] = _shape_bytes(shape)
+    sizes[name] = _bench.hlo_shape_bytes(shape)
     if _bench.hlo_is_sync_loop(line):  # the sync loop: its body runs on sync steps only
       branches.append(_bench.hlo_sync_bodies(line))
     if op == "conditional":
