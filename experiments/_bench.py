@@ -24,7 +24,10 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,14 +56,35 @@ def parse_args(argv: Sequence[str] | None, description: str,
   if extra is not None:
     extra(parser)
   args = parser.parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)  # for the report's command line
   if args.reps is not None and args.reps <= 0:
     parser.error(f"--reps must be positive, got {args.reps}")
   return args
 
 
+def source_commit() -> str | None:
+  """The git commit of the code that runs (``+dirty`` with uncommitted changes), or
+  ``$MFOPT_COMMIT`` where there is no repository (a copied working tree, e.g. a lent GPU
+  machine: ``MFOPT_COMMIT=$(git rev-parse --short HEAD)`` is set where the call is made)."""
+  if os.environ.get("MFOPT_COMMIT"):
+    return os.environ["MFOPT_COMMIT"]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, timeout=10)
+    if head.returncode != 0:
+      return None
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def environment() -> dict[str, Any]:
   dev = jax.devices()[0]
   return {
+      "commit": source_commit(),
       "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
       "jax": jax.__version__,
       "backend": jax.default_backend(),
@@ -314,6 +338,8 @@ class Report:
       from mfopt import runner
       runner.enable_compilation_cache()
     self.env = environment()
+    self.command = " ".join(["python", "-m", f"experiments.{bench}",
+                             *map(shlex.quote, getattr(args, "argv", []))])
     print(f"# {bench} on {self.env['backend']} ({self.env['device_kind']} x"
           f"{self.env['num_devices']}), JAX {self.env['jax']}, {self.env['date_utc']}"
           f"{' [--quick: sizes for CI, timings meaningless]' if args.quick else ''}", flush=True)
@@ -342,7 +368,8 @@ class Report:
     print(f"RESULT {self.bench}: {verdict} ({sum(t['passed'] for t in judged)}/{len(judged)} "
           f"targets met{', quick mode: timings not meaningful' if self.args.quick else ''})",
           flush=True)
-    out = {"bench": self.bench, "env": self.env, "quick": self.args.quick,
+    out = {"bench": self.bench, "env": self.env, "command": self.command,
+           "quick": self.args.quick,
            "figures": self.figures, "targets": self.targets, "passed": passed}
     if self.args.json:
       with open(self.args.json, "w") as f:

@@ -12,7 +12,10 @@
 #   BENCH_ARGS=--quick PYTHON=.venv/bin/python bash scripts/gpu_bench.sh /tmp/x   # smoke test
 #
 # Writes OUTDIR/<bench>.json (every figure as data) and OUTDIR/<bench>.log (the FIG/TARGET
-# lines) and prints the header and RESULT lines. Time: a device call may run 10 minutes and
+# lines) and prints the header and RESULT lines. The device machine gets a copy of the working
+# tree without .git: prefix the call with MFOPT_COMMIT=<sha> (computed here) so the JSON
+# records the code's commit. Back here, `python -m experiments.bench_tables <files_at>` turns
+# the JSON into BENCHMARKS.md rows (device, date, JAX, command, commit, every target). Time: a device call may run 10 minutes and
 # nothing compiled survives between machines, so split the benches over calls (ResNet-18/50
 # compile once per variant and shape; bench_virtual_workers compiles ~10 steps per shape:
 # give it two or three shapes per call with --shapes).
