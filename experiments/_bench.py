@@ -163,9 +163,9 @@ _HLO_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _HLO_COND = re.compile(r"\bcondition=%?([\w.\-]+)")
 _HLO_WHILE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\swhile\(")
 _HLO_OPNAME = re.compile(r'op_name="([^"]*)"')
-#: ``mfopt.averaging.SYNC_SCOPE``, repeated to keep this module free of mfopt imports
+#: ``mfopt.comm.GATE_SCOPE``, repeated to keep this module free of mfopt imports
 #: (``tests/test_averaging_hlo.py`` checks that the two agree).
-SYNC_SCOPE = "mfopt_sync"
+GATE_SCOPE = "mfopt_gate"
 _HLO_CALL = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
 _HLO_BRANCH = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
 _HLO_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -193,42 +193,43 @@ def hlo_branches(line: str) -> list[str]:
                                       _HLO_BRANCHES.findall(line) for b in group.split(",")]
 
 
-def hlo_is_sync_loop(line: str) -> bool:
-  """Whether an instruction line is the sync loop of :func:`mfopt.periodic_averaging`.
+def hlo_is_gated_loop(line: str) -> bool:
+  """Whether an instruction line is a :func:`mfopt.comm.gated` loop.
 
-  That ``while`` runs its body 0 times (a local step) or once (a sync step): its ``op_name``
-  metadata carries :data:`mfopt.averaging.SYNC_SCOPE`. Its body is counted like a
-  ``conditional`` branch, its condition as every-step work.
+  That ``while`` runs its body 0 times or once (periodic averaging's sync: a local step / a sync
+  step; the hybrid's LARS norms: the AdaBound / the LARS phase): its ``op_name`` metadata
+  carries :data:`mfopt.comm.GATE_SCOPE`. Its body is counted like a ``conditional`` branch,
+  its condition as every-step work.
   """
   if not _HLO_WHILE.match(line):
     return False
   m = _HLO_OPNAME.search(line)
-  return bool(m) and in_sync_scope(m.group(1))
+  return bool(m) and in_gate_scope(m.group(1))
 
 
-def in_sync_scope(name: str) -> bool:
-  """Whether an HLO ``op_name`` or a jaxpr equation's name stack lies in the sync scope
-  (``"jit(step)/vmap(mfopt_sync)/while"`` under ``vmap``, ``"mfopt_sync"`` bare)."""
-  return re.search(rf"(?:^|[/(]){SYNC_SCOPE}(?:[/)]|$)", name) is not None
+def in_gate_scope(name: str) -> bool:
+  """Whether an HLO ``op_name`` or a jaxpr equation's name stack lies in the gate scope
+  (``"jit(step)/vmap(mfopt_gate)/while"`` under ``vmap``, ``"mfopt_gate"`` bare)."""
+  return re.search(rf"(?:^|[/(]){GATE_SCOPE}(?:[/)]|$)", name) is not None
 
 
 def hlo_loop_bodies(line: str) -> list[str]:
   """The computations a ``while`` line runs on every step: body and condition, or only the
-  condition for the sync loop (:func:`hlo_sync_bodies`)."""
-  if hlo_is_sync_loop(line):
+  condition for a gated loop (:func:`hlo_gated_bodies`)."""
+  if hlo_is_gated_loop(line):
     return _HLO_COND.findall(line)
   return _HLO_LOOP.findall(line)
 
 
-def hlo_sync_bodies(line: str) -> list[str]:
-  """The body of the sync loop an instruction line names (none for other lines)."""
-  return _HLO_BODY.findall(line) if hlo_is_sync_loop(line) else []
+def hlo_gated_bodies(line: str) -> list[str]:
+  """The body of the gated loop an instruction line names (none for other lines)."""
+  return _HLO_BODY.findall(line) if hlo_is_gated_loop(line) else []
 
 
 def hlo_reachable(comps: dict[str, list[str]], entry: str | None, *,
                   through_calls: bool = True) -> dict[str, bool]:
   """Computations reached from ``entry`` -> True if reached *only* through conditional branches
-  (or the body of the sync loop, :func:`hlo_is_sync_loop`: the sync steps' work).
+  (or the body of a gated loop, :func:`hlo_is_gated_loop`: e.g. the sync steps' work).
 
   Follows ``while`` bodies/conditions and conditional branches, and with ``through_calls``
   also ``calls=``/``to_apply=`` (fusion bodies, reducers, async wrappers); without it the
@@ -243,7 +244,7 @@ def hlo_reachable(comps: dict[str, list[str]], entry: str | None, *,
     for line in comps[c]:
       for callee in hlo_loop_bodies(line) + (_HLO_CALL.findall(line) if through_calls else []):
         visit(callee, in_cond)
-      for callee in hlo_branches(line) + hlo_sync_bodies(line):
+      for callee in hlo_branches(line) + hlo_gated_bodies(line):
         visit(callee, True)
 
   if entry is not None:

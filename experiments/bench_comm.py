@@ -69,7 +69,7 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
 
   A computation counts as unconditional when ``ENTRY`` reaches it through ``calls``,
   ``to_apply``, ``body``/``condition`` edges only; reached only through a conditional's
-  branch computations or the body of the sync loop (``_bench.hlo_is_sync_loop``), it is
+  branch computations or the body of the sync loop (``_bench.hlo_is_gated_loop``), it is
   conditional (runs on sync steps only).
   """
   comps, entry = _bench.hlo_computations(text)
@@ -110,7 +110,7 @@ def program_collectives(closed_jaxpr, cross_axis: str) -> list[dict[str, Any]]:
                       "bytes": int(np.prod(aval.shape)) * aval.dtype.itemsize,
                       "in_cond": in_cond})
       is_cond = eqn.primitive.name == "cond" or (  # or periodic averaging's sync loop
-          eqn.primitive.name == "while" and _bench.in_sync_scope(str(eqn.source_info.name_stack)))
+          eqn.primitive.name == "while" and _bench.in_gate_scope(str(eqn.source_info.name_stack)))
       for value in eqn.params.values():
         subs = value if isinstance(value, (list, tuple)) else [value]
         for sub in subs:

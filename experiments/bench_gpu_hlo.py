@@ -68,7 +68,7 @@ def program_structure(text: str) -> dict[str, Any]:
   copies of scalars.
   ``launches_cheapest`` / ``launches_dearest`` follow one path: at every ``conditional`` the
   branch with the fewest / most launches, and the sync loop of periodic averaging
-  (``_bench.hlo_is_sync_loop``) skipped / run once: a local step / a sync step. The sync loop's
+  (``_bench.hlo_is_gated_loop``) skipped / run once: a local step / a sync step. The sync loop's
   body counts as ``launches_in_conditional``. Convolutions are cuDNN custom calls (``kind`` Forward /
   BackwardInput / BackwardFilter) with their output batch (first dimension) and
   feature-group count.
@@ -114,7 +114,7 @@ def program_structure(text: str) -> dict[str, Any]:
       branches = _bench.hlo_branches(line)
       if branches:
         total += pick(path(b, pick, seen) for b in branches)
-      for body in _bench.hlo_sync_bodies(line):  # 0 trips (local step) or 1 (sync step)
+      for body in _bench.hlo_gated_bodies(line):  # 0 trips (local step) or 1 (sync step)
         total += pick((0, path(body, pick, seen)))
     return total
 

@@ -137,8 +137,8 @@ def _traffic(lines: list[str]) -> tuple[int, list[list[str]]]:
       continue
     name, shape, op, rest = m.groups()
     sizes[name] = _bench.hlo_shape_bytes(shape)
-    if _bench.hlo_is_sync_loop(line):  # the sync loop: its body runs on sync steps only
-      branches.append(_bench.hlo_sync_bodies(line))
+    if _bench.hlo_is_gated_loop(line):  # the sync loop: its body runs on sync steps only
+      branches.append(_bench.hlo_gated_bodies(line))
     if op == "conditional":
       group = re.search(r"branch_computations=\{([^}]*)\}", rest)
       names = ([b.strip().lstrip("%") for b in group.group(1).split(",")] if group else
@@ -159,7 +159,7 @@ def entry_traffic_bytes(hlo_text: str) -> tuple[int, list[int]]:
   ``get-tuple-element``, ``bitcast`` count nothing. A ``conditional`` counts nothing in
   the first number; the traffic of each of its branch computations is returned apart
   (only one runs per step). So does the body of periodic averaging's sync loop
-  (``_bench.hlo_is_sync_loop``: run on sync steps only); ``while`` itself counts nothing.
+  (``_bench.hlo_is_gated_loop``: run on sync steps only); ``while`` itself counts nothing.
   A deterministic profile beside the noisy timings.
 
   Returns:
@@ -272,10 +272,103 @@ def sync_step_cost(report: _bench.Report, params: Any, *, warmup: int, reps: int
                 f"all-reduce spans one worker, so this is the sync branch's compute, not network")
 
 
+def abstract_step(tx, shapes: Any, worker_axes: bool, mesh) -> tuple[Any, tuple[Any, Any]]:
+  """The step of :func:`build_step` for abstract f32 parameters of ``shapes`` on ``mesh``
+  (compile-only devices): ``(jitted step, (abstract state, abstract grads))``."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from mfopt import parallel, train
+
+  def update(state, g):
+    p, s = state
+    p, s, _ = train.apply_transform(tx, g, s, p)
+    return p, s
+
+  spec = PartitionSpec(parallel.DATA_AXIS) if worker_axes else PartitionSpec()
+  lead = (1,) if worker_axes else ()
+
+  def on_mesh(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                       sharding=NamedSharding(mesh, spec)), tree)
+
+  params = on_mesh(jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + tuple(a.shape),
+                                                               jnp.float32), shapes))
+  if worker_axes:
+    init = parallel.per_worker(tx.init, mesh, 1)
+    mapped = parallel.per_worker(lambda p, s, g: update((p, s), g), mesh, 1)
+    step = jax.jit(lambda state, g: mapped(state[0], state[1], g), donate_argnums=0)
+  else:
+    init = tx.init
+    step = jax.jit(update, donate_argnums=0)
+  opt_state = on_mesh(jax.eval_shape(init, params))
+  return step, ((params, opt_state), params)
+
+
+def gpu_aot_structure(report: _bench.Report, args) -> dict[str, Any]:
+  """``--platform gpu-aot``: every pair compiled by XLA:GPU for one compile-only H100 at the
+  GPU sizes (flat 2**28, ResNet-50 tree), and compared by structure: every-step traffic of the
+  compiled kernels (``entry_traffic_bytes``; conditional branches and the sync loop's body
+  apart) and kernel launches. SIMULATED TARGET: nothing runs; these figures predict target 1,
+  they are not its timings."""
+  from experiments import _gpu_aot, bench_gpu_hlo
+  from mfopt import models, parallel
+
+  mesh = parallel.make_mesh(_gpu_aot.topology_devices(1, "h100"))
+  flat = args.flat or (2**16 if args.quick else 2**28)
+  width = 4 if args.quick else 64
+  model = models.get_model("resnet50", num_classes=1000, width=width)
+  tree = jax.eval_shape(lambda: models.init_model(
+      model, jax.random.PRNGKey(0), jnp.zeros((1, 64, 64, 3)))[0])
+  report.note(f"SIMULATED TARGET: XLA:GPU deviceless compilation for one H100; nothing runs. "
+              f"Flat {flat:,} f32 parameters and the ResNet-50 tree (width {width})")
+  shapes = {"flat": jax.ShapeDtypeStruct((flat,), jnp.float32),
+            f"resnet50-tree(width={width})": tree}
+  for shape_name, shape_tree in shapes.items():
+    num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shape_tree))
+    for name, mf_factory, ox_factory, ox_name, worker_axes in pairs():
+      if args.only and args.only not in name:
+        continue
+      tx_mf = mf_factory()
+      if tx_mf is None:
+        continue
+      rows = []
+      for tx in (tx_mf, ox_factory()):
+        step, call_args = abstract_step(tx, shape_tree, worker_axes, mesh)
+        text = step.lower(*call_args).compile().as_text()
+        entry, branches = entry_traffic_bytes(text)
+        st = bench_gpu_hlo.program_structure(text)
+        rows.append({"entry_bpp": entry / num_params,
+                     "branches_bpp": [round(b / num_params, 1) for b in branches],
+                     "launches": st["launches_cheapest"], "launches_dearest": st["launches_dearest"]})
+      mf, ox = rows
+      ratio = mf["entry_bpp"] / ox["entry_bpp"]
+      report.figure(
+          f"gpu-aot | {shape_name} | {name} / {ox_name} | every-step traffic", ratio, "x bytes",
+          f"compiled for an H100: mfopt {mf['entry_bpp']:.2f} + {mf['branches_bpp']} B/param, "
+          f"{mf['launches']} launches (dearest path {mf['launches_dearest']}); optax "
+          f"{ox['entry_bpp']:.2f} + {ox['branches_bpp']} B/param, {ox['launches']} launches; "
+          f"{num_params:,} params",
+          shape=shape_name, transform=name, baseline=ox_name, traffic_ratio=ratio,
+          mfopt_structure=mf, optax_structure=ox, num_params=num_params)
+      report.target(f"gpu-aot {shape_name} {name}: every-step traffic <= optax's (+1%)", ratio,
+                    "<=", 1.01)
+  return report.finish()
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _bench.parse_args(argv, __doc__.splitlines()[0], lambda p: (
       p.add_argument("--flat", type=int, default=None, help="flat vector size (parameters)"),
-      p.add_argument("--only", default=None, help="substring filter on transform names")))
+      p.add_argument("--only", default=None, help="substring filter on transform names"),
+      p.add_argument("--platform", choices=("default", "gpu-aot"), default="default",
+                     help="gpu-aot: compile for a compile-only H100 and compare structure "
+                          "(needs the JAX CUDA plugin: bash scripts/gpu_aot.sh)")))
+  if args.platform == "gpu-aot":
+    from experiments import _gpu_aot
+    reason = _gpu_aot.unavailable_reason()
+    if reason is not None:
+      raise SystemExit(f"bench_update --platform gpu-aot: {reason}")
+    jax.config.update("jax_enable_compilation_cache", False)  # compile-only: not cacheable
+    return gpu_aot_structure(_bench.Report("bench_update", args), args)
   gpu = jax.default_backend() == "gpu"
   report = _bench.Report("bench_update", args)
   if args.quick:

@@ -23,6 +23,7 @@ step, and the sign flip is the final ``optax.scale(-1)`` of the alias.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -33,7 +34,7 @@ import optax
 from jax import lax
 
 from mfopt import _checks
-from mfopt.comm import AxisName, unbatched
+from mfopt.comm import AxisName, gated, unbatched
 
 __all__ = [
     "AdaBoundState",
@@ -422,9 +423,13 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
   memory bound); the two phases share the moment buffers (:class:`HybridState`: LARS's
   momentum lives in AdaBound's ``m`` buffer after the switch, 2 parameter-sized buffers
   instead of 3); and only the per-tensor LARS norms, which are extra reads of ``w`` and ``g``,
-  sit in a ``lax.cond`` whose outputs are scalars, so the warmup phase does not read them.
-  Under the worker ``vmap`` the step count is batched, which would turn that ``cond`` into a
-  ``select``; pass ``axis_name`` (the worker axes) to keep it a ``conditional``
+  sit in a loop of 0 or 1 trips whose results are scalars (:func:`mfopt.comm.gated`), so the
+  warmup phase does not read them. (A ``lax.cond`` there kept them out of the warmup on
+  XLA:CPU, but XLA:GPU turned it into a ``select`` and computed the norms every step: 36
+  B/param against ``optax.adam``'s 28 in the deviceless H100 compile,
+  ``bench_update --platform gpu-aot``.) Under the worker ``vmap`` the step count is batched,
+  which would make the loop run the norms for all workers whenever any needs them; pass
+  ``axis_name`` (the worker axes) to keep its trip count unbatched
   (:func:`mfopt.comm.unbatched`: a local reduction, no communication). Measured on CPU
   (``python -m experiments.bench_update``, BENCHMARKS.md): AdaBound phase 0.96-1.08x
   ``optax.adam``'s time, LARS phase 0.27x ``optax.lars``'s.
@@ -441,7 +446,7 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     trust_coefficient: LARS trust coefficient (You et al.: 0.001).
     b1, b2, eps: AdaBound's Adam hyperparameters.
     axis_name: the worker axes (e.g. :data:`mfopt.WORKER_AXES`) when the transform runs
-      inside the worker ``vmap``; only used to keep the norm ``cond`` unbatched, never to
+      inside the worker ``vmap``; only used to keep the norms loop's trip count unbatched, never to
       communicate. ``None`` (default) is always correct.
 
   Returns:
@@ -489,17 +494,28 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     # trace): g' = g + wd w, v = momentum v - lr tau ||w||/||g'|| g'. The norms are the only
     # part in a cond; its operands are w and g (g' is formed inside, not materialised).
 
-    def norms(operands):
-      ws, gs = operands
-      return [(jnp.sqrt(jnp.sum(jnp.square(w))),
-               jnp.sqrt(jnp.sum(jnp.square(g + weight_decay * w)))) for w, g in zip(ws, gs)]
+    ws, gs = jax.tree.leaves(params), jax.tree.leaves(updates)
 
-    def no_norms(operands):  # warmup: the trust ratio is not used; skip the two reads
-      ws, gs = operands
-      return [(jnp.zeros([], w.dtype), jnp.zeros([], g.dtype)) for w, g in zip(ws, gs)]
+    table_dtype = functools.reduce(jnp.promote_types, [x.dtype for x in ws + gs], jnp.float32)
 
-    leaf_norms = lax.cond(unbatched(count, axis_name) >= switch, norms, no_norms,
-                          (jax.tree.leaves(params), jax.tree.leaves(updates)))
+    def norms(table):  # one (n_leaves, 2) array: one loop buffer, not 2 scalars per leaf
+      # The barrier ties the reads of w and g to the loop's carry: w and g are loop-invariant,
+      # and XLA:CPU's loop-invariant code motion hoisted the reductions out of the loop, so
+      # they ran every step (ResNet-50 tree: 2.85x optax.adam's time in the warmup).
+      # (The table comes in as zeros, the loop runs once: adding it changes nothing, and keeps
+      # the barrier's every output in use, so XLA cannot drop the table from it.)
+      ws_, gs_, table = lax.optimization_barrier((ws, gs, table))
+      return table + jnp.stack([
+          jnp.stack([jnp.sqrt(jnp.sum(jnp.square(w))).astype(table_dtype),
+                     jnp.sqrt(jnp.sum(jnp.square(g + weight_decay * w))).astype(table_dtype)])
+          for w, g in zip(ws_, gs_)])
+
+    # warmup: the trust ratio is not used; skip the two reads (zeros: never read). A carry of
+    # 2 scalars per leaf cost one copy kernel each on XLA:GPU (322 on the ResNet-50 tree).
+    table = gated(unbatched(count, axis_name) >= switch, norms,
+                  jnp.zeros((len(ws), 2), table_dtype))
+    leaf_norms = [(table[i, 0].astype(w.dtype), table[i, 1].astype(g.dtype))
+                  for i, (w, g) in enumerate(zip(ws, gs))]
     neg_lr = -lars_lr(jnp.maximum(count - switch, 0))
     restart = count == switch  # a fresh optax.lars momentum at the switch
 

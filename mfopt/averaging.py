@@ -18,7 +18,7 @@ w~ += v``.
 **Local steps run no collective.** The train step maps workers with
 ``shard_map(vmap(step, axis_name="local"), P("data"))``, so every state leaf,
 the controller's counters included, is *batched* under ``vmap``. The sync is a
-``lax.while_loop`` of 0 or 1 trips (named ``mfopt_sync``, :data:`SYNC_SCOPE`, in the
+``lax.while_loop`` of 0 or 1 trips (:func:`mfopt.comm.gated`, named ``mfopt_gate`` in the
 HLO metadata) rather than a ``lax.cond``: XLA updates a loop's carried buffers in
 place, where a conditional's results are fresh buffers that must be copied (or
 re-added) into the step's donated parameters on every local step (see the comment
@@ -60,20 +60,15 @@ import optax
 from jax import lax
 
 from mfopt import _checks
-from mfopt.comm import (AxisName, CollectiveKind, CommStats, init_comm_stats, pmean_tree,
-                        states_of, tree_payload_bytes)
+from mfopt.comm import (AxisName, CollectiveKind, CommStats, gated, init_comm_stats,
+                        pmean_tree, states_of, tree_payload_bytes)
 from mfopt.comm import unbatched as _unbatched
 
 __all__ = [
     "PeriodState", "PeriodController", "constant_period", "adpsgd_period", "scheduled_period",
     "AveragingDiagnostics", "PeriodicAveragingState", "periodic_averaging", "block_momentum",
     "find_averaging_state", "averaging_metrics", "sync_trace", "parameter_variance",
-    "SYNC_SCOPE",
 ]
-
-#: Name scope of the sync loop (``lax.while_loop`` of 0 or 1 trips): XLA keeps it in the
-#: ``op_name`` metadata of the compiled ``while``, which is how the HLO checks find the loop.
-SYNC_SCOPE = "mfopt_sync"
 
 
 # ----------------------------------------------------------------------------- controllers
@@ -476,19 +471,18 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, inner_updates)
     norm = norm_fn(inner_updates) if norm_fn is not None else jnp.zeros([], jnp.float32)
 
-    # A sync step: the averaging, in a while loop of 0 or 1 trips rather than a lax.cond.
-    # XLA updates a while loop's carried buffers in place, so on a local step the parameters
-    # (and block momentum's anchor and outer momentum) are written once, by the inner step's
-    # own kernel, and nothing else touches them. A conditional cannot alias its results with
-    # the step's donated inputs: XLA copies every parameter-sized result into place (or, with
-    # the update formed after it, runs one more kernel per leaf). Deviceless XLA:GPU compile,
-    # ResNet-18 W=1 bf16 batch 512 for an H100 (experiments/bench_gpu_hlo.py): local step
-    # 508 kernel launches with the conditional, ~411 with the loop, 406 with no averaging
-    # at all; block momentum 756 -> ~411 (BENCHMARKS.md, target 3). XLA:CPU allocates a
-    # conditional's results afresh at every execution (page faults per step); the loop's
-    # carry it does not.
-    def sync_body(loop):
-      trip, carry = loop
+    # A sync step: the averaging, in a while loop of 0 or 1 trips (comm.gated) rather than a
+    # lax.cond. XLA updates a while loop's carried buffers in place, so on a local step the
+    # parameters (and block momentum's anchor and outer momentum) are written once, by the
+    # inner step's own kernel, and nothing else touches them. A conditional cannot alias its
+    # results with the step's donated inputs: XLA copies every parameter-sized result into
+    # place (or, with the update formed after it, runs one more kernel per leaf). Deviceless
+    # XLA:GPU compile, ResNet-18 W=1 bf16 batch 512 for an H100 (experiments/bench_gpu_hlo.py):
+    # local step 508 kernel launches with the conditional, 411 with the loop, 406 with no
+    # averaging at all; block momentum 756 -> 411 (BENCHMARKS.md, target 3). XLA:CPU
+    # allocates a conditional's results afresh at every execution (16,386 page faults per
+    # step on 2^24 parameters); the loop's carry it does not (2).
+    def sync_body(carry):
       local, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
       if comm_dtype is not None:
         delta = jax.tree.map(jnp.subtract, local, anchor)
@@ -530,15 +524,11 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
             trace_lr=diag.trace_lr.at[i].set(lr_k))
       diag = diag._replace(syncs=diag.syncs + 1, last_sync_variance=s_k,
                            variance_sum=jnp.zeros_like(diag.variance_sum))
-      return trip + 1, (new_params, inner_state, outer_state, anchor, ctl, param_comm,
-                        scalar_comm, diag)
+      return (new_params, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag)
 
-    trips = due.astype(jnp.int32)
     carry = (local, inner_state, state.outer_state, state.anchor, ctl, state.param_comm,
              state.scalar_comm, diag)
-    with jax.named_scope(SYNC_SCOPE):
-      _, carry = lax.while_loop(lambda loop: loop[0] < trips, sync_body,
-                                (jnp.zeros([], jnp.int32), carry))
+    carry = gated(due, sync_body, carry)
     new_params, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
     return new_params, PeriodicAveragingState(
         count=k + 1, inner_state=inner_state, outer_state=outer_state, anchor=anchor,

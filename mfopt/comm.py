@@ -97,6 +97,38 @@ def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
   return lax.pmax(x, axes)
 
 
+#: Name scope of :func:`gated` loops. XLA keeps it in the ``op_name`` metadata of the compiled
+#: ``while``, which is how the HLO checks of the benchmarks and tests find them.
+GATE_SCOPE = "mfopt_gate"
+
+
+def gated(pred: jax.Array, fn: Any, carry: Any) -> Any:
+  """``fn(carry)`` where the scalar ``pred`` holds, else ``carry``, as a ``lax.while_loop`` of
+  0 or 1 trips (named :data:`GATE_SCOPE`) instead of a ``lax.cond``.
+
+  Two measured reasons (issue 8, BENCHMARKS.md):
+
+  * XLA updates a loop's carried buffers in place. A ``conditional``'s results are fresh
+    buffers that XLA does not alias with a step's donated state, so parameter-sized results
+    were copied or re-added into place on every step (periodic averaging's local step: 508
+    kernel launches against 406 for the step without averaging, in the deviceless XLA:GPU
+    compilation for an H100; 36 B/param of update traffic against 24 on XLA:CPU).
+  * XLA:GPU turns a ``conditional`` whose branches look cheap into a ``select`` and runs both
+    branches every step. The hybrid's LARS norms (two reductions per tensor) then read the
+    parameters and gradients again during the AdaBound warmup: 36 B/param against
+    ``optax.adam``'s 28. It does not do that to a loop.
+
+  ``pred`` must be unbatched under the worker ``vmap`` (:func:`unbatched`); batched, the loop
+  runs ``fn`` for every worker while any needs it and selects (still correct, not cheaper).
+  ``fn`` must return a value of ``carry``'s structure, shapes and dtypes.
+  """
+  trips = jnp.asarray(pred).astype(jnp.int32)
+  with jax.named_scope(GATE_SCOPE):
+    _, out = lax.while_loop(lambda loop: loop[0] < trips, lambda loop: (loop[0] + 1, fn(loop[1])),
+                            (jnp.zeros([], jnp.int32), carry))
+  return out
+
+
 def init_comm_stats(payload_bytes: int, kind: CollectiveKind) -> CommStats:
   """A zeroed counter for exchanges of ``payload_bytes`` bytes per worker."""
   if not 0 <= payload_bytes < 2**31:

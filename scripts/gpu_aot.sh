@@ -7,6 +7,7 @@
 # with the CUDA wheels; a separate environment so the main .venv stays CPU-only), then runs
 #   python -m experiments.bench_comm --platform gpu-aot   (bf16 all-reduce operands, 8 x H100)
 #   python -m experiments.bench_gpu_hlo                    (convolutions, launches, buffers)
+#   python -m experiments.bench_update --platform gpu-aot  (every update's traffic vs optax's)
 #   pytest tests/test_gpu_aot.py                           (its deviceless tests run here)
 # and writes OUTDIR/<bench>.json and .log. Nothing executes on a GPU: figures are structure
 # (what XLA:GPU emitted), never timings. See experiments/_gpu_aot.py and BENCHMARKS.md.
@@ -24,5 +25,7 @@ status=0
   | tee "$out/bench_comm.log" | grep -E "^(#|RESULT)" || status=1
 "$PY" -m experiments.bench_gpu_hlo --json "$out/bench_gpu_hlo.json" 2>&1 \
   | tee "$out/bench_gpu_hlo.log" | grep -E "^(#|RESULT|FIG bench_gpu_hlo \| [345])" || status=1
+"$PY" -m experiments.bench_update --platform gpu-aot --json "$out/bench_update_gpu_aot.json" 2>&1 \
+  | tee "$out/bench_update_gpu_aot.log" | grep -E "^(#|RESULT)" || status=1
 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_aot.py || status=1
 exit $status

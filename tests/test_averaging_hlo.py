@@ -2,7 +2,7 @@
 
 Checks on ``train_step.lower(...).compile().as_text()``: every collective sits in a
 computation reachable only from the body of the sync loop (a ``while`` of 0 or 1 trips,
-named by ``mfopt.averaging.SYNC_SCOPE`` in its metadata) or from the sync branch of a
+named by ``mfopt.comm.GATE_SCOPE`` in its metadata) or from the sync branch of a
 ``conditional``; nothing reaches one otherwise. Then, with one compiled executable (so no
 recompilation is possible), the sync body runs exactly floor(N/p) times for several periods p
 held in the state, counted by a ``jax.debug.callback`` inside it and by the transform's own
@@ -19,7 +19,7 @@ import pytest
 
 import mfopt
 from experiments import _bench
-from mfopt import averaging, models, parallel, train
+from mfopt import averaging, comm, models, parallel, train
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -35,22 +35,22 @@ def check_collectives_only_in_sync_loop(text):
   with_coll = {c for c in where if _has_collective(comps[c])}
   assert with_coll, "no collective at all in the program"
   sync_bodies = [b for lines in comps.values() for line in lines
-                 for b in _bench.hlo_sync_bodies(line)]
+                 for b in _bench.hlo_gated_bodies(line)]
   assert sync_bodies, "no sync loop in the program"
   outside = sorted(c for c in with_coll if not where[c])
   assert not outside, f"collectives outside the sync loop: {outside}"
   return len(with_coll)
 
 
-def test_sync_scope_names_agree():
-  assert _bench.SYNC_SCOPE == averaging.SYNC_SCOPE
+def test_gate_scope_names_agree():
+  assert _bench.GATE_SCOPE == comm.GATE_SCOPE
 
 
 def test_checker_on_hand_written_modules():
   """The checker passes a collective inside the sync loop and fails one outside it, or one in
   an ordinary loop."""
-  def module(sync_scope, collective_in_entry):
-    name = f"jit(step)/vmap({sync_scope})/while"
+  def module(scope, collective_in_entry):
+    name = f"jit(step)/vmap({scope})/while"
     entry_op = ("  %ar = f32[4]{0} all-reduce(%p), to_apply=%sum\n" if collective_in_entry
                 else "")
     return (
@@ -65,9 +65,9 @@ def test_checker_on_hand_written_modules():
         f"  ROOT %w = f32[4]{{0}} while(%p), condition=%cond, body=%body, "
         f"metadata={{op_name=\"{name}\"}}\n}}\n")
 
-  assert check_collectives_only_in_sync_loop(module(averaging.SYNC_SCOPE, False)) == 1
+  assert check_collectives_only_in_sync_loop(module(comm.GATE_SCOPE, False)) == 1
   with pytest.raises(AssertionError, match="outside the sync loop"):
-    check_collectives_only_in_sync_loop(module(averaging.SYNC_SCOPE, True))
+    check_collectives_only_in_sync_loop(module(comm.GATE_SCOPE, True))
   with pytest.raises(AssertionError, match="no sync loop"):
     check_collectives_only_in_sync_loop(module("scan", False))
 

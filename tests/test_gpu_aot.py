@@ -19,7 +19,7 @@ from mfopt import parallel
 # result, 4 feature groups), a copy of f32[2,3] (24 B) and a conditional whose true branch
 # launches 3 instructions (2 fusions, an all-reduce-start of bf16[8] (+ its done, free)) and
 # whose false branch launches 1 copy-start of f32[4] (16 B); a while loop whose body launches
-# 1 fusion; and periodic averaging's sync loop (a while named mfopt_sync in its metadata:
+# 1 fusion; and periodic averaging's sync loop (a while named mfopt_gate in its metadata:
 # 0 or 1 trips) whose body launches a fusion and a copy of f32[2,3] (24 B). Fusion bodies
 # (%fused_*) and reducers are not top-level: not counted.
 MODULE = """\
@@ -87,7 +87,7 @@ ENTRY %main (p: f32[2,3], q: bf16[1,8,8,4], k: bf16[3,3,1,4], pr: pred[]) -> f32
   %tu = (f32[4]{0}, bf16[8]{0}) tuple(%fu, %q)
   %co = f32[4]{0} conditional(%pr, %tu, %tu), true_computation=%sync, false_computation=%local
   %wh = f32[2,3]{1,0} while(%cp), condition=%cond, body=%body
-  %sy = f32[2,3]{1,0} while(%wh), condition=%cond, body=%sync_body, metadata={op_name="jit(step)/vmap(mfopt_sync)/while"}
+  %sy = f32[2,3]{1,0} while(%wh), condition=%cond, body=%sync_body, metadata={op_name="jit(step)/vmap(mfopt_gate)/while"}
   ROOT %out = f32[2,3]{1,0} add(%sy, %sy)
 }
 """
@@ -182,3 +182,23 @@ def test_bench_comm_gpu_aot_compiles_bf16_all_reduces_for_8_h100s():
 def test_bench_gpu_hlo_quick_structure_holds():
   result = bench_gpu_hlo.main(["--quick"])
   assert result["passed"], [t for t in result["targets"] if t["passed"] is False]
+
+
+@pytest.mark.skipif(_gpu_aot.unavailable_reason() is None, reason="the plugin is installed")
+def test_bench_update_gpu_aot_without_the_plugin_says_why():
+  from experiments import bench_update
+  with pytest.raises(SystemExit, match="bench_update --platform gpu-aot: .*jax-cuda12-plugin"):
+    bench_update.main(["--quick", "--platform", "gpu-aot"])
+
+
+@needs_plugin
+def test_bench_update_gpu_aot_every_transform_moves_optax_bytes():
+  """Every mfopt update compiled for an H100 moves no more every-step bytes than its optax
+  counterpart. The hybrid's AdaBound phase read w and g twice (XLA:GPU had turned its norms
+  ``lax.cond`` into a select: 36 vs 28 B/param) before the norms moved into a gated loop."""
+  from experiments import bench_update
+  result = bench_update.main(["--quick", "--platform", "gpu-aot"])
+  assert result["passed"], [t for t in result["targets"] if t["passed"] is False]
+  hyb = [f for f in result["figures"] if f.get("transform") == "hybrid_adabound_lars[adabound phase]"]
+  assert hyb and all(f["mfopt_structure"]["entry_bpp"] <= 28.2 for f in hyb), hyb
+  assert all(f["mfopt_structure"]["branches_bpp"][0] >= 8.0 for f in hyb)  # norms: gated
