@@ -57,7 +57,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from mfopt import _checks
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, gated, init_comm_stats,

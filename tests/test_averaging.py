@@ -16,7 +16,6 @@ import optax
 import pytest
 
 import mfopt
-from experiments import _bench
 from mfopt import averaging, parallel, train
 
 W = 8
