@@ -468,7 +468,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # Every step: the inner step, exactly as `inner` + optax.apply_updates would do it.
     inner_updates, inner_state = inner.update(updates, state.inner_state, params)
     local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, inner_updates)
-    norm = norm_fn(inner_updates) if norm_fn is not None else jnp.zeros([], jnp.float32)
+    norm = norm_fn(inner_updates) if norm_fn is not None else None
 
     # A sync step: the averaging, in a while loop of 0 or 1 trips (comm.gated) rather than a
     # lax.cond. XLA updates a while loop's carried buffers in place, so on a local step the

@@ -84,10 +84,11 @@ def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
   (and their collectives) on every step, and a ``lax.while_loop`` with a batched trip count
   runs its body for all workers while any needs it, then selects. A ``pmax`` over a ``vmap``
   axis is a local reduction over the stacked axis whose batching rule returns an unmapped
-  value, which keeps the ``cond`` a ``conditional`` (the loop one loop); mesh (``shard_map``) axes need no reduction and get none, so
-  nothing crosses a device; names that are not bound at all (the transform used outside the
-  worker ``vmap``) are skipped. Bool inputs give bool, integer inputs their own dtype. Only
-  correct for values that really are equal on every worker (counts, schedules).
+  value, which keeps the ``cond`` a ``conditional`` (and a loop's trip count one number);
+  mesh (``shard_map``) axes need no reduction and get none, so nothing crosses a device;
+  names that are not bound at all (the transform used outside the worker ``vmap``) are
+  skipped. Bool inputs give bool, integer inputs their own dtype. Only correct for values
+  that really are equal on every worker (counts, schedules).
   """
   axes = tuple(a for a in _vmap_axes(axis_name) if _is_bound(a))
   if not axes:
