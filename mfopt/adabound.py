@@ -427,10 +427,12 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
   warmup phase does not read them. (A ``lax.cond`` there kept them out of the warmup on
   XLA:CPU, but XLA:GPU turned it into a ``select`` and computed the norms every step: 36
   B/param against ``optax.adam``'s 28 in the deviceless H100 compile,
-  ``bench_update --platform gpu-aot``.) Under the worker ``vmap`` the step count is batched,
-  which would make the loop run the norms for all workers whenever any needs them; pass
-  ``axis_name`` (the worker axes) to keep its trip count unbatched
-  (:func:`mfopt.comm.unbatched`: a local reduction, no communication). Measured on CPU
+  ``bench_update --platform gpu-aot``.) Under the worker ``vmap`` the step count is batched;
+  the loop then runs when any worker's count says so (all of them at once: the counts are
+  equal) and selects its small norms table per worker, at the same cost (XLA:CPU, worker map:
+  44.0 + [12.0] B/param with or without ``axis_name``). ``axis_name`` (the worker axes) makes
+  the trip count unbatched (:func:`mfopt.comm.unbatched`: a local reduction, no
+  communication) and drops that select. Measured on CPU
   (``python -m experiments.bench_update``, BENCHMARKS.md): AdaBound phase 0.96-1.08x
   ``optax.adam``'s time, LARS phase 0.27x ``optax.lars``'s.
 
@@ -446,8 +448,8 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     trust_coefficient: LARS trust coefficient (You et al.: 0.001).
     b1, b2, eps: AdaBound's Adam hyperparameters.
     axis_name: the worker axes (e.g. :data:`mfopt.WORKER_AXES`) when the transform runs
-      inside the worker ``vmap``; only used to keep the norms loop's trip count unbatched, never to
-      communicate. ``None`` (default) is always correct.
+      inside the worker ``vmap``; only used to keep the norms loop's trip count unbatched,
+      never to communicate. ``None`` (default) is always correct and costs the same.
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`HybridState`.
