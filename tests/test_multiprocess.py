@@ -31,15 +31,18 @@ LAUNCH = ROOT / "scripts" / "launch_local.py"
 NUM_STEPS, LOG_EVERY = 10, 5
 
 
-def _setup(num_steps):
+def _setup(num_steps, algo="sync"):
   dataset = data.load("synthetic", num_train=512, num_test=64, input_shape=(12,), num_classes=4)
   model = models.get_model("mlp", hidden=(8,), num_classes=4)
-  tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1, momentum=0.9))
+  if algo == "sync":
+    tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1, momentum=0.9))
+  else:  # local steps; every 3rd step averages across both processes inside the gated loop
+    tx = mfopt.periodic_averaging(optax.sgd(0.1, momentum=0.9), mfopt.WORKER_AXES, 3)
   return dict(model=model, tx=tx, dataset=dataset, num_workers=8, per_worker_batch=4,
               num_steps=num_steps, log_every=LOG_EVERY, seed=2, progress=False)
 
 
-def child_main(out, num_steps):
+def child_main(out, num_steps, algo="sync"):
   """One process of the job: join, train with checkpoints, process 0 writes the final params."""
   distributed.initialize()  # MFOPT_* from the launcher: 4 CPU devices, gloo, coordinator
   runner.enable_compilation_cache(os.environ.get("MFOPT_JAX_CACHE") or ROOT / ".jax_cache")
@@ -48,7 +51,7 @@ def child_main(out, num_steps):
   def on_log(row):
     print(f"STEP {row['step']}", flush=True)
 
-  result = train.fit(**_setup(num_steps), checkpoint_dir=pathlib.Path(out) / "ckpt",
+  result = train.fit(**_setup(num_steps, algo), checkpoint_dir=pathlib.Path(out) / "ckpt",
                      on_log=on_log)
   params = train._to_host(result.state.params, parallel.make_mesh())
   if jax.process_index() == 0:
@@ -57,9 +60,9 @@ def child_main(out, num_steps):
     (pathlib.Path(out) / "history.json").write_text(json.dumps(result.history))
 
 
-def _launch(out, num_steps, heartbeat=5):
+def _launch(out, num_steps, heartbeat=5, algo="sync"):
   code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
-          f"test_multiprocess.child_main({str(out)!r}, {num_steps})")
+          f"test_multiprocess.child_main({str(out)!r}, {num_steps}, {algo!r})")
   return subprocess.Popen(
       [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout",
        str(heartbeat), "--grace", "40", "--", "-c", code],
@@ -97,6 +100,25 @@ def test_two_processes_match_one_process_and_checkpoint_restores_on_one(tmp_path
   assert restored.step == NUM_STEPS
   for g, r in zip(got, jax.tree.leaves(jax.device_get(restored.state.params))):
     np.testing.assert_array_equal(g, r)
+
+
+@pytest.mark.slow  # child processes
+def test_two_processes_run_periodic_averaging_like_one_process(tmp_path):
+  """The sync of periodic averaging is a gated while loop whose body all-reduces across the
+  two processes (gloo) on steps 3, 6 and 9 only: the same parameters as one process, and the
+  workers differ after step 10 (a local step), so not every step averaged."""
+  proc = _launch(tmp_path, NUM_STEPS, algo="avg")
+  out, err = proc.communicate(timeout=150)
+  assert proc.returncode == 0, (out + err)[-4000:]
+  reference = train.fit(**_setup(NUM_STEPS, "avg"), mesh=parallel.make_mesh())
+  want = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(reference.state.params))]
+  with np.load(tmp_path / "params.npz") as z:
+    got = [z[f"arr_{i}"] for i in range(len(z.files))]
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+  assert max(float(np.ptp(g, axis=0).max()) for g in got) > 0  # worker-stacked, diverged
+  assert mfopt.comm_totals(reference.state.opt_state)["all_reduces"] == NUM_STEPS // 3
 
 
 @pytest.mark.slow  # child processes
