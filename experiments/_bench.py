@@ -163,6 +163,7 @@ _HLO_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _HLO_COND = re.compile(r"\bcondition=%?([\w.\-]+)")
 _HLO_WHILE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\swhile\(")
 _HLO_OPNAME = re.compile(r'op_name="([^"]*)"')
+_HLO_TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 #: ``mfopt.comm.GATE_SCOPE``, repeated to keep this module free of mfopt imports
 #: (``tests/test_averaging_hlo.py`` checks that the two agree).
 GATE_SCOPE = "mfopt_gate"
@@ -219,6 +220,12 @@ def hlo_loop_bodies(line: str) -> list[str]:
   if hlo_is_gated_loop(line):
     return _HLO_COND.findall(line)
   return _HLO_LOOP.findall(line)
+
+
+def hlo_trip_count(line: str) -> int | None:
+  """XLA's ``known_trip_count`` of a ``while`` line (``backend_config``), else ``None``."""
+  m = _HLO_TRIPS.search(line)
+  return int(m.group(1)) if m else None
 
 
 def hlo_gated_bodies(line: str) -> list[str]:

@@ -69,7 +69,9 @@ def program_structure(text: str) -> dict[str, Any]:
   ``launches_cheapest`` / ``launches_dearest`` follow one path: at every ``conditional`` the
   branch with the fewest / most launches, and the sync loop of periodic averaging
   (``_bench.hlo_is_gated_loop``) skipped / run once: a local step / a sync step. The sync loop's
-  body counts as ``launches_in_conditional``. Convolutions are cuDNN custom calls (``kind`` Forward /
+  body counts as ``launches_in_conditional``. ``launches_run`` is the cheapest path with every
+  ``while`` body counted as often as it runs (XLA's ``known_trip_count``; once where unknown,
+  e.g. ``lax.map``'s loop over W workers counts W times): the kernels one step launches. Convolutions are cuDNN custom calls (``kind`` Forward /
   BackwardInput / BackwardFilter) with their output batch (first dimension) and
   feature-group count.
   """
@@ -101,7 +103,7 @@ def program_structure(text: str) -> dict[str, Any]:
       elif _GEMM.search(line):
         gemms += 1
 
-  def path(c: str, pick, seen: frozenset = frozenset()) -> int:
+  def path(c: str, pick, seen: frozenset = frozenset(), trips: bool = False) -> int:
     if c not in comps or c in seen:
       return 0
     seen = seen | {c}
@@ -110,17 +112,19 @@ def program_structure(text: str) -> dict[str, Any]:
       m = _INSTR.match(line)
       if m and m.group("op") not in _FREE:
         total += 1
-      total += sum(path(b, pick, seen) for b in _bench.hlo_loop_bodies(line))
+      n = (_bench.hlo_trip_count(line) or 1) if trips else 1
+      total += n * sum(path(b, pick, seen, trips) for b in _bench.hlo_loop_bodies(line))
       branches = _bench.hlo_branches(line)
       if branches:
-        total += pick(path(b, pick, seen) for b in branches)
+        total += pick(path(b, pick, seen, trips) for b in branches)
       for body in _bench.hlo_gated_bodies(line):  # 0 trips (local step) or 1 (sync step)
-        total += pick((0, path(body, pick, seen)))
+        total += pick((0, path(body, pick, seen, trips)))
     return total
 
   return {"launches_every_step": sum(ops[False].values()),
           "launches_cheapest": path(entry, min) if entry else 0,
           "launches_dearest": path(entry, max) if entry else 0,
+          "launches_run": path(entry, min, trips=True) if entry else 0,
           "launches_in_conditional": sum(ops[True].values()),
           "ops_every_step": dict(ops[False]), "ops_in_conditional": dict(ops[True]),
           "convs": convs, "gemms": gemms, "copies": copies, "copy_bytes": copy_bytes,
@@ -194,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     text = compiled.as_text()
     row = {"program": name, **program_structure(text), **(_gpu_aot.memory(compiled) or {})}
     report.figure(f"{name} | kernel launches", row["launches_cheapest"], "launches",
-                  f"cheapest path (every step {row['launches_every_step']}, "
+                  f"cheapest path (run with loop trip counts: {row['launches_run']}; "
+                  f"every step {row['launches_every_step']}, "
                   f"+{row['launches_in_conditional']} in conditionals, dearest path "
                   f"{row['launches_dearest']}); {conv_summary(row['convs'])};"
                   f" {row['gemms']} gemm; {row['copies']} copies {row['copy_bytes'] / 1e6:.1f} MB;"

@@ -19,7 +19,7 @@ from mfopt import parallel
 # result, 4 feature groups), a copy of f32[2,3] (24 B) and a conditional whose true branch
 # launches 3 instructions (2 fusions, an all-reduce-start of bf16[8] (+ its done, free)) and
 # whose false branch launches 1 copy-start of f32[4] (16 B); a while loop whose body launches
-# 1 fusion; and periodic averaging's sync loop (a while named mfopt_gate in its metadata:
+# 1 fusion and runs 5 times (XLA's known_trip_count); and periodic averaging's sync loop (a while named mfopt_gate in its metadata:
 # 0 or 1 trips) whose body launches a fusion and a copy of f32[2,3] (24 B). Fusion bodies
 # (%fused_*) and reducers are not top-level: not counted.
 MODULE = """\
@@ -86,7 +86,7 @@ ENTRY %main (p: f32[2,3], q: bf16[1,8,8,4], k: bf16[3,3,1,4], pr: pred[]) -> f32
   %cp = f32[2,3]{1,0} copy(%fu)
   %tu = (f32[4]{0}, bf16[8]{0}) tuple(%fu, %q)
   %co = f32[4]{0} conditional(%pr, %tu, %tu), true_computation=%sync, false_computation=%local
-  %wh = f32[2,3]{1,0} while(%cp), condition=%cond, body=%body
+  %wh = f32[2,3]{1,0} while(%cp), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
   %sy = f32[2,3]{1,0} while(%wh), condition=%cond, body=%sync_body, metadata={op_name="jit(step)/vmap(mfopt_gate)/while"}
   ROOT %out = f32[2,3]{1,0} add(%sy, %sy)
 }
@@ -102,6 +102,8 @@ def test_program_structure_counts_launches_per_path():
   # fusion and copy
   assert s["launches_in_conditional"] == 4 + 2
   assert s["launches_cheapest"] == 6 + 1 and s["launches_dearest"] == 6 + 3 + 2
+  # run: the loop body's fusion 5 times instead of once
+  assert s["launches_run"] == 6 + 1 + 4
   assert s["convs"] == [{"kind": "Forward", "dtype": "bf16", "batch": 1, "groups": 4}]
   assert s["gemms"] == 0
   # the copy in ENTRY (f32[2,3]) and the copy-start in the local branch (f32[4]); the copy
