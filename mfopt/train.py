@@ -216,7 +216,9 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
 
   ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over workers.
   ``metrics`` maps names to per-worker arrays of shape ``(W,)`` (loss, accuracy,
-  ``update_norm``), left on device.
+  ``update_norm``), left on device. ``update_norm`` is the norm of the applied update; for
+  periodic averaging and block momentum it is the inner optimizer's step on every step (see
+  :func:`apply_transform`).
 
   Mixed precision needs no argument: the model's ``dtype`` is the compute dtype
   (``mfopt.precision.apply_policy``); if ``tx`` is wrapped by
