@@ -69,20 +69,26 @@ def _launch(out, num_steps, heartbeat=5, algo="sync"):
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow  # child processes
-def test_two_processes_match_one_process_and_checkpoint_restores_on_one(tmp_path):
-  proc = _launch(tmp_path, NUM_STEPS)
+def _two_processes_vs_one(tmp_path, algo):
+  """Runs the 2-process job and the 1-process reference (8 devices); checks that both end
+  with the same parameters and returns ``(2-process leaves, reference leaves, reference)``."""
+  proc = _launch(tmp_path, NUM_STEPS, algo=algo)
   out, err = proc.communicate(timeout=150)
   assert proc.returncode == 0, (out + err)[-4000:]
   assert "all 2 processes finished" in err
-
-  reference = train.fit(**_setup(NUM_STEPS), mesh=parallel.make_mesh())  # 1 process, 8 devices
+  reference = train.fit(**_setup(NUM_STEPS, algo), mesh=parallel.make_mesh())
   want = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(reference.state.params))]
   with np.load(tmp_path / "params.npz") as z:
     got = [z[f"arr_{i}"] for i in range(len(z.files))]
   assert len(got) == len(want)
   for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)  # the reduction order differs
+  return got, want, reference
+
+
+@pytest.mark.slow  # child processes
+def test_two_processes_match_one_process_and_checkpoint_restores_on_one(tmp_path):
+  got, want, reference = _two_processes_vs_one(tmp_path, "sync")
   moved = max(float(np.abs(w - w0).max()) for w, w0 in zip(
       want, jax.tree.leaves(jax.device_get(train.init_train_state(
           _setup(1)["model"], _setup(1)["tx"], np.zeros((4, 12), np.float32), num_workers=8,
@@ -107,16 +113,7 @@ def test_two_processes_run_periodic_averaging_like_one_process(tmp_path):
   """The sync of periodic averaging is a gated while loop whose body all-reduces across the
   two processes (gloo) on steps 3, 6 and 9 only: the same parameters as one process, and the
   workers differ after step 10 (a local step), so not every step averaged."""
-  proc = _launch(tmp_path, NUM_STEPS, algo="avg")
-  out, err = proc.communicate(timeout=150)
-  assert proc.returncode == 0, (out + err)[-4000:]
-  reference = train.fit(**_setup(NUM_STEPS, "avg"), mesh=parallel.make_mesh())
-  want = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(reference.state.params))]
-  with np.load(tmp_path / "params.npz") as z:
-    got = [z[f"arr_{i}"] for i in range(len(z.files))]
-  assert len(got) == len(want)
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+  got, _, reference = _two_processes_vs_one(tmp_path, "avg")
   assert max(float(np.ptp(g, axis=0).max()) for g in got) > 0  # worker-stacked, diverged
   assert mfopt.comm_totals(reference.state.opt_state)["all_reduces"] == NUM_STEPS // 3
 
