@@ -26,8 +26,10 @@ same steps ``bench_virtual_workers`` and ``bench_train_step`` time):
 * the fast path's in-place update (default) vs ``update_in_place=False``;
 * target 4b: the local (divergent-replica) lowerings ``vmap`` (grouped convolutions),
   ``gemm`` (batched matrix products, no convolution) and ``map`` (a loop of ``W`` replicas);
-* target 3: a periodic-averaging local step vs a step with no communication: the same work
-  outside the sync ``conditional``;
+* target 3: a periodic-averaging (and block-momentum) local step vs a step with no
+  communication: the same work outside the gated sync loop;
+* target 4b with the local algorithms: the averaging transforms' local step with W workers on
+  the device vs plain local SGD (``vmap``);
 * target 5: bf16 vs fp32 compute of the one-replica step: the convolutions run in bf16.
 """
 
@@ -258,6 +260,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   loc = {lw: record(f"{lw} local W={num_workers} B={batch}",
                     stacked(sgd, num_workers, batch, lowering=lw))
          for lw in ("vmap", "gemm", "map")}
+  # Target 4b's local algorithms: the averaging transforms with W workers on one device.
+  local_avg = {
+      name: record(f"{name} local (vmap) W={num_workers} B={batch}",
+                   stacked(make(sgd, parallel.WORKER_AXES, 10**9), num_workers, batch))
+      for name, make in (("periodic_averaging", mfopt.periodic_averaging),
+                         ("block_momentum", mfopt.block_momentum))}
   half = images // 2
   none = record(f"no communication W=1 @ {half}", stacked(sgd, 1, half))
   local_steps = {
@@ -320,6 +328,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   1.0)
     report.target(f"3: {tname} runs the no-communication step's convolutions every step",
                   float(key(avg["convs"]) == key(none["convs"])), ">=", 1.0)
+  for tname, row in local_avg.items():
+    report.figure(f"4b: {tname} local step / vmap local SGD step (W={num_workers}), kernels run",
+                  row["launches_run"] / loc["vmap"]["launches_run"], "x",
+                  f"{row['launches_run']} vs {loc['vmap']['launches_run']}; every-step copies "
+                  f"{row['copy_bytes_every_step'] / 1e6:.2f} vs "
+                  f"{loc['vmap']['copy_bytes_every_step'] / 1e6:.2f} MB; temp "
+                  f"{row.get('temp_bytes', 0) / 1e6:.1f} vs "
+                  f"{loc['vmap'].get('temp_bytes', 0) / 1e6:.1f} MB")
+    report.target(f"4b: {tname} local step (W={num_workers}) copies no array the local SGD step "
+                  "does not", row["copy_bytes_every_step"]
+                  / max(loc["vmap"]["copy_bytes_every_step"], 1), "<=", 1.0)
   report.target("5: bf16 compute runs bf16 convolutions, fp32 runs f32 ones",
                 float({c["dtype"] for c in bf16["convs"]} == {"bf16"}
                       and {c["dtype"] for c in fp32["convs"]} == {"f32"}), ">=", 1.0)
