@@ -98,7 +98,7 @@ class PeriodController(NamedTuple):
     init: ``() -> PeriodState``.
     advance: ``state -> (state, due)``: one local step was taken; ``due`` (bool
       scalar) says whether this step ends with an averaging.
-    on_sync: ``(state, k, s_k) -> state``: called inside the sync branch after
+    on_sync: ``(state, k, s_k) -> state``: called inside the sync loop's body after
       the averaging of step ``k`` (0-based) with that step's parameter variance
       ``S_k``; resets ``cnt`` and adapts the period.
     uses_variance: whether ``on_sync`` needs ``S_k`` (one scalar all-reduce per sync).
@@ -370,7 +370,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     inner: the local optimizer (e.g. ``optax.sgd(lr, momentum=0.9)``); its
       state stays local unless ``average_inner_state``.
     axis_name: worker axes (e.g. ``mfopt.WORKER_AXES``); ``None`` = one worker
-      (the sync branch still runs, without collectives).
+      (the sync still runs, without collectives).
     period: a :class:`PeriodController` (:func:`constant_period`,
       :func:`adpsgd_period`, :func:`scheduled_period`) or an int ``p`` for
       ``constant_period(p)``.
