@@ -103,9 +103,9 @@ def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
 GATE_SCOPE = "mfopt_gate"
 
 
-def gated(pred: jax.Array, fn: Any, carry: Any) -> Any:
-  """``fn(carry)`` where the scalar ``pred`` holds, else ``carry``, as a ``lax.while_loop`` of
-  0 or 1 trips (named :data:`GATE_SCOPE`) instead of a ``lax.cond``.
+def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = ()) -> Any:
+  """``fn(carry, *operands)`` where the scalar ``pred`` holds, else ``carry``, as a
+  ``lax.while_loop`` of 0 or 1 trips (named :data:`GATE_SCOPE`) instead of a ``lax.cond``.
 
   Two measured reasons (issue 8, BENCHMARKS.md):
 
@@ -119,14 +119,28 @@ def gated(pred: jax.Array, fn: Any, carry: Any) -> Any:
     parameters and gradients again during the AdaBound warmup: 36 B/param against
     ``optax.adam``'s 28. It does not do that to a loop.
 
+  ``operands`` are values ``fn`` reads that do not change in the loop (e.g. the parameters).
+  Pass them here rather than closing over them: inside the loop they go through an
+  ``optimization_barrier`` together with the trip counter, so work that depends only on them
+  is not loop-invariant. Closed over, XLA:CPU's loop-invariant code motion hoisted such work
+  (the hybrid's norm reductions) out of the loop and ran it every step: 64 B/param against
+  44 in the AdaBound warmup (``tests/test_adabound.py``).
+
   ``pred`` must be unbatched under the worker ``vmap`` (:func:`unbatched`); batched, the loop
   runs ``fn`` for every worker while any needs it and selects (still correct, not cheaper).
   ``fn`` must return a value of ``carry``'s structure, shapes and dtypes.
   """
   trips = jnp.asarray(pred).astype(jnp.int32)
+
+  def body(loop):
+    trip, c = loop
+    ops = operands
+    if operands:  # the counter is always used (the next trip test), so the barrier stays
+      ops, trip = lax.optimization_barrier((operands, trip))
+    return trip + 1, fn(c, *ops)
+
   with jax.named_scope(GATE_SCOPE):
-    _, out = lax.while_loop(lambda loop: loop[0] < trips, lambda loop: (loop[0] + 1, fn(loop[1])),
-                            (jnp.zeros([], jnp.int32), carry))
+    _, out = lax.while_loop(lambda loop: loop[0] < trips, body, (jnp.zeros([], jnp.int32), carry))
   return out
 
 

@@ -40,3 +40,26 @@ def test_the_compiled_loop_is_named_and_found_by_the_hlo_helpers():
   comps, entry = _bench.hlo_computations(text)
   where = _bench.hlo_reachable(comps, entry)
   assert where[_bench.hlo_gated_bodies(lines[0])[0]] is True  # sync-steps-only work
+
+
+def _entry_reductions(fn, *args):
+  comps, entry = _bench.hlo_computations(jax.jit(fn).lower(*args).compile().as_text())
+  return sum("reduce" in line for line in comps[entry])
+
+
+def test_operands_reach_fn_and_their_work_stays_in_the_loop():
+  """Work on ``operands`` runs only when the gate opens: passed as operands, the reduction
+  stays in the loop's body; closed over, XLA:CPU's loop-invariant code motion hoists it into
+  the every-step program (the negative control)."""
+  w = jnp.linspace(-1.0, 1.0, 1 << 12)
+
+  def via_operands(p, w):
+    return comm.gated(p, lambda c, w: c + jnp.sum(jnp.square(w)), jnp.zeros([]), (w,))
+
+  def closed_over(p, w):
+    return comm.gated(p, lambda c: c + jnp.sum(jnp.square(w)), jnp.zeros([]))
+
+  assert float(via_operands(True, w)) == pytest.approx(float(jnp.sum(jnp.square(w))), rel=1e-6)
+  assert float(via_operands(False, w)) == 0.0
+  assert _entry_reductions(via_operands, True, w) == 0
+  assert _entry_reductions(closed_over, True, w) > 0
