@@ -31,7 +31,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from mfopt import _checks
 from mfopt.comm import AxisName, gated, unbatched
