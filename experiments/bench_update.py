@@ -183,6 +183,22 @@ def build_step(tx, params, grads, worker_axes: bool):
   for periodic averaging and block momentum, their parameter step (what the library's train
   step runs).
   """
+  from mfopt import parallel
+
+  if not worker_axes:
+    step, init = _step_and_init(tx, False, None)
+    return step, (params, jax.jit(init)(params))
+
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  step, init = _step_and_init(tx, True, mesh)
+  stack = lambda t: parallel.shard_workers(jax.tree.map(lambda x: x[None], t), mesh)  # noqa: E731
+  p1, g1 = stack(params), stack(grads)
+  return step, (p1, jax.jit(init)(p1)), g1
+
+
+def _step_and_init(tx, worker_axes: bool, mesh):
+  """The jitted step ``(state=(params, opt_state), grads) -> state`` (state donated) and the
+  matching ``init``: plain, or mapped over a worker axis of size 1 on ``mesh``."""
   from mfopt import parallel, train
 
   def update(state, g):
@@ -191,16 +207,10 @@ def build_step(tx, params, grads, worker_axes: bool):
     return p, s
 
   if not worker_axes:
-    opt_state = jax.jit(tx.init)(params)
-    return jax.jit(update, donate_argnums=0), (params, opt_state)
-
-  mesh = parallel.make_mesh(jax.devices()[:1])
-  stack = lambda t: parallel.shard_workers(jax.tree.map(lambda x: x[None], t), mesh)  # noqa: E731
-  p1, g1 = stack(params), stack(grads)
-  opt_state = jax.jit(parallel.per_worker(tx.init, mesh, 1))(p1)
+    return jax.jit(update, donate_argnums=0), tx.init
   mapped = parallel.per_worker(lambda p, s, g: update((p, s), g), mesh, 1)
-  step = jax.jit(lambda state, g: mapped(state[0], state[1], g), donate_argnums=0)
-  return step, (p1, opt_state), g1
+  return (jax.jit(lambda state, g: mapped(state[0], state[1], g), donate_argnums=0),
+          parallel.per_worker(tx.init, mesh, 1))
 
 
 def _faults(t: _bench.Timing) -> str:
@@ -277,13 +287,9 @@ def abstract_step(tx, shapes: Any, worker_axes: bool, mesh) -> tuple[Any, tuple[
   (compile-only devices): ``(jitted step, (abstract state, abstract grads))``."""
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from mfopt import parallel, train
+  from mfopt import parallel
 
-  def update(state, g):
-    p, s = state
-    p, s, _ = train.apply_transform(tx, g, s, p)
-    return p, s
-
+  step, init = _step_and_init(tx, worker_axes, mesh)
   spec = PartitionSpec(parallel.DATA_AXIS) if worker_axes else PartitionSpec()
   lead = (1,) if worker_axes else ()
 
@@ -293,13 +299,6 @@ def abstract_step(tx, shapes: Any, worker_axes: bool, mesh) -> tuple[Any, tuple[
 
   params = on_mesh(jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + tuple(a.shape),
                                                                jnp.float32), shapes))
-  if worker_axes:
-    init = parallel.per_worker(tx.init, mesh, 1)
-    mapped = parallel.per_worker(lambda p, s, g: update((p, s), g), mesh, 1)
-    step = jax.jit(lambda state, g: mapped(state[0], state[1], g), donate_argnums=0)
-  else:
-    init = tx.init
-    step = jax.jit(update, donate_argnums=0)
   opt_state = on_mesh(jax.eval_shape(init, params))
   return step, ((params, opt_state), params)
 
