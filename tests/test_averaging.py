@@ -438,14 +438,23 @@ def test_parameter_step_equals_update_and_apply_through_syncs(kind):
 
 def test_train_step_update_norm_is_the_inner_step():
   """The train step's ``update_norm`` for a transform with a parameter step is the norm of the
-  inner optimizer's update, on local and sync steps alike (train.apply_transform)."""
-  tx = mfopt.periodic_averaging(optax.sgd(0.5), None, 2)
-  params = {"w": jnp.asarray([1.0, -2.0, 3.0])}
-  grads = {"w": jnp.asarray([0.3, 0.4, 0.0])}
-  state = tx.init(params)
-  for _ in range(3):  # steps 1 (local), 2 (sync), 3 (local)
-    params, state, norm = train.apply_transform(tx, grads, state, params, optax.tree.norm)
-    assert float(norm) == pytest.approx(0.5 * 0.5, rel=1e-6)  # ||-lr g|| = 0.5 * 0.5
+  inner optimizer's update, on local and sync steps alike (train.apply_transform). Two
+  workers with different gradients: on the sync step (step 2) the applied update also holds
+  the averaging jump, and the norm still leaves it out."""
+  tx = mfopt.periodic_averaging(optax.sgd(0.5), "w", 2)
+  params = {"w": jnp.asarray([[1.0, -2.0, 3.0], [0.0, 4.0, -1.0]])}
+  grads = {"w": jnp.asarray([[0.3, 0.4, 0.0], [0.0, 0.6, 0.8]])}
+  step = jax.jit(jax.vmap(lambda g, s, p: train.apply_transform(tx, g, s, p, optax.tree.norm),
+                          axis_name="w"))
+  state = jax.vmap(tx.init, axis_name="w")(params)
+  inner_norm = 0.5 * np.linalg.norm(np.asarray(grads["w"]), axis=1)  # ||-lr g||: 0.25, 0.5
+  for k in range(3):  # steps 1 (local), 2 (sync), 3 (local)
+    new, state, norm = step(grads, state, params)
+    applied = np.linalg.norm(np.asarray(new["w"] - params["w"]), axis=1)
+    np.testing.assert_allclose(norm, inner_norm, rtol=1e-6)
+    if k == 1:  # the sync step moved the parameters by more than the inner step
+      assert np.all(np.abs(applied - inner_norm) > 1e-3), applied
+    params = new
 
 
 @pytest.mark.parametrize("kind", ["periodic", "block_momentum", "adpsgd"])
