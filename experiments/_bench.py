@@ -355,10 +355,12 @@ class Report:
   def figure(self, name: str, value: float, unit: str, details: str = "", **data: Any) -> None:
     print(f"FIG {self.bench} | {name} | {value:.4g} {unit} | {details}", flush=True)
     self.figures.append({"name": name, "value": value, "unit": unit, "details": details, **data})
+    self._write(complete=False)
 
   def note(self, text: str) -> None:
     print(f"NOTE {self.bench} | {text}", flush=True)
     self.figures.append({"note": text})
+    self._write(complete=False)
 
   def target(self, name: str, value: float, op: str, threshold: float,
              applies: bool = True, why_not: str = "") -> None:
@@ -368,6 +370,20 @@ class Report:
     print(f"TARGET {self.bench} | {name} | {value:.4f} {op} {threshold} | {status}", flush=True)
     self.targets.append({"name": name, "value": value, "op": op, "threshold": threshold,
                          "applies": applies, "passed": bool(ok) if applies else None})
+    self._write(complete=False)
+
+  def _write(self, complete: bool, passed: bool | None = None) -> dict[str, Any]:
+    """The report as data; written to ``--json`` after every figure (``complete: false``) so
+    a run cut off by a time limit (a device call's 10 minutes) still leaves what it measured."""
+    out = {"bench": self.bench, "env": self.env, "command": self.command,
+           "quick": self.args.quick, "complete": complete,
+           "figures": self.figures, "targets": self.targets, "passed": passed}
+    if self.args.json:
+      tmp = f"{self.args.json}.tmp"
+      with open(tmp, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+      os.replace(tmp, self.args.json)
+    return out
 
   def finish(self) -> dict[str, Any]:
     judged = [t for t in self.targets if t["applies"]]
@@ -376,10 +392,4 @@ class Report:
     print(f"RESULT {self.bench}: {verdict} ({sum(t['passed'] for t in judged)}/{len(judged)} "
           f"targets met{', quick mode: timings not meaningful' if self.args.quick else ''})",
           flush=True)
-    out = {"bench": self.bench, "env": self.env, "command": self.command,
-           "quick": self.args.quick,
-           "figures": self.figures, "targets": self.targets, "passed": passed}
-    if self.args.json:
-      with open(self.args.json, "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    return out
+    return self._write(complete=True, passed=passed)

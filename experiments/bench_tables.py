@@ -39,6 +39,8 @@ def section(result: dict[str, Any], *, figures: bool = False, source: str = "") 
   env = result.get("env", {})
   device = f"{env.get('backend', '?')} ({env.get('device_kind', '?')} x{env.get('num_devices', '?')})"
   quick = " **[--quick: CI sizes, timings meaningless]**" if result.get("quick") else ""
+  if result.get("complete") is False:  # written mid-run, then cut off (a time limit)
+    quick += " **[cut off: partial run, no final verdict]**"
   lines = [
       f"#### {result.get('bench', '?')} on {device}, JAX {env.get('jax', '?')}, "
       f"{env.get('date_utc', '?')}{quick}",

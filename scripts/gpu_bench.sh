@@ -49,7 +49,10 @@ for spec in "${benches[@]}"; do
   name="$bench"  # output names: letters, digits, '.', '_', '-' only (the device tool's rule)
   [[ -n "$extra" ]] && name="${bench}_$(printf '%s' "$extra" | tr -c 'A-Za-z0-9._-' '_')"
   # shellcheck disable=SC2086  # BENCH_ARGS and extra are word lists on purpose
-  "$py" -m "experiments.$bench" ${BENCH_ARGS:-} $extra --json "$out/$name.json" 2>&1 \
-    | tee "$out/$name.log" | grep -E "^(#|RESULT)" || status=1
+  # BENCH_TIMEOUT (seconds): a bench still running then is stopped; its JSON, written after
+  # every figure, keeps what it measured ("complete": false), so later benches still run.
+  timeout --signal=INT --kill-after=20 "${BENCH_TIMEOUT:-0}" \
+    "$py" -m "experiments.$bench" ${BENCH_ARGS:-} $extra --json "$out/$name.json" 2>&1 \
+    | tee "$out/$name.log" | grep -E "^(#|RESULT|Traceback|[A-Za-z]*Error)" || status=1
 done
 exit $status
