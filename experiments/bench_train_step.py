@@ -70,7 +70,8 @@ def plain_runner(model, tx, x: np.ndarray, y: np.ndarray, seed: int = 0) -> _ben
 
 
 def mfopt_runner(model, tx, x: np.ndarray, y: np.ndarray, num_workers: int = 1,
-                 seed: int = 0, lowering: str = "vmap") -> _bench.Runner:
+                 seed: int = 0, lowering: str = "vmap",
+                 host_gates: bool | None = None) -> _bench.Runner:
   """The library's worker-stacked step on one device; ``x`` is ``(W, B, ...)``."""
   from mfopt import parallel
   from mfopt import train as train_lib
@@ -78,7 +79,7 @@ def mfopt_runner(model, tx, x: np.ndarray, y: np.ndarray, num_workers: int = 1,
   state = train_lib.init_train_state(model, tx, x[0, :1], num_workers=num_workers, mesh=mesh,
                                      seed=seed)
   step = train_lib.make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
-                                   lowering=lowering)
+                                   lowering=lowering, host_gates=host_gates)
   batch = parallel.shard_workers({"x": x, "y": y}, mesh)
   return _bench.Runner(step, state, (batch,), out_state=lambda out: out[0])
 
@@ -100,7 +101,9 @@ def configs(quick: bool, gpu: bool) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  args = _bench.parse_args(argv, __doc__.splitlines()[0])
+  args = _bench.parse_args(argv, __doc__.splitlines()[0], lambda p: p.add_argument(
+      "--periodic-only", action="store_true",
+      help="only target 3 (periodic averaging's local and sync steps vs no communication)"))
   import mfopt
   from mfopt import models, parallel
 
@@ -112,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{iters} steps, block_until_ready per rep; sizes "
               f"{'full (GPU)' if gpu and not args.quick else 'REDUCED (CPU/quick): ratios only'}")
   results = []
-  for cfg in configs(args.quick, gpu):
+  for cfg in ([] if args.periodic_only else configs(args.quick, gpu)):
     x, y = synthetic(cfg["batch"], cfg["image"], cfg["classes"])
     step_time = {}
     for dtype_name, dtype in (("bf16", jnp.bfloat16), ("fp32", jnp.float32)):
@@ -173,15 +176,24 @@ def periodic_step_cost(report: _bench.Report, args, gpu: bool, *, warmup: int, r
   dtype_name, dtype = ("bf16", jnp.bfloat16) if gpu else ("fp32", jnp.float32)
   model = models.get_model(cfg["name"], num_classes=cfg["classes"], dtype=dtype, **size)
   sgd = lambda: optax.sgd(0.1, momentum=0.9)  # noqa: E731
-  txs = [sgd(), averaging(sgd(), parallel.WORKER_AXES, 10**9),
-         averaging(sgd(), parallel.WORKER_AXES, 1)]
-  runners = [mfopt_runner(model, tx, x[None], y[None]) for tx in txs]
-  t_none, t_local, t_sync = _bench.time_interleaved(runners, warmup=warmup, reps=reps,
-                                                    iters=iters)
+  never = lambda: averaging(sgd(), parallel.WORKER_AXES, 10**9)  # noqa: E731
+  # The library's step (host-decided gates off CPU: make_train_step's default), and the same
+  # local step with the device-side gate (host_gates=False: the loop the host waits on).
+  runners = [mfopt_runner(model, sgd(), x[None], y[None]),
+             mfopt_runner(model, never(), x[None], y[None]),
+             mfopt_runner(model, averaging(sgd(), parallel.WORKER_AXES, 1), x[None], y[None]),
+             mfopt_runner(model, never(), x[None], y[None], host_gates=False)]
+  t_none, t_local, t_sync, t_device = _bench.time_interleaved(runners, warmup=warmup, reps=reps,
+                                                              iters=iters)
   label = f"{cfg['name']} batch {cfg['batch']} {dtype_name}"
   ratio = t_local.median / t_none.median
+  gates = "host-decided gates" if jax.default_backend() != "cpu" else "device-side gate (CPU default)"
   report.figure(f"{label} | periodic_averaging local step / no-communication step", ratio,
-                "x time", f"local {t_local.spread()}; no communication {t_none.spread()}")
+                "x time", f"library default ({gates}); local {t_local.spread()}; no "
+                f"communication {t_none.spread()}")
+  report.figure(f"{label} | periodic_averaging local step, device-side gate (host_gates=False) "
+                f"/ no-communication step", t_device.median / t_none.median, "x time",
+                f"local {t_device.spread()}")
   report.figure(f"{label} | periodic_averaging sync step / no-communication step",
                 t_sync.median / t_none.median, "x time",
                 f"sync {t_sync.spread()} (W=1 on one device: sync-branch compute only)")

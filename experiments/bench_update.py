@@ -176,7 +176,7 @@ def _count_param_sized(state: Any, num_params: int) -> int:
   return round(sizes / num_params)
 
 
-def build_step(tx, params, grads, worker_axes: bool):
+def build_step(tx, params, grads, worker_axes: bool, inner: int = 1):
   """``(state=(params, opt_state)) -> state`` jitted with the state donated, and the initial state.
 
   The step is ``mfopt.train.apply_transform``: ``tx.update`` + ``optax.apply_updates``, or,
@@ -186,25 +186,69 @@ def build_step(tx, params, grads, worker_axes: bool):
   from mfopt import parallel
 
   if not worker_axes:
-    step, init = _step_and_init(tx, False, None)
-    return step, (params, jax.jit(init)(params))
+    init = jax.jit(tx.init)(params)
+    step, _ = _step_and_init(tx, False, None, host_gate(tx, init), inner)
+    return step, (params, init)
 
   mesh = parallel.make_mesh(jax.devices()[:1])
-  step, init = _step_and_init(tx, True, mesh)
+  _, init = _step_and_init(tx, True, mesh)
   stack = lambda t: parallel.shard_workers(jax.tree.map(lambda x: x[None], t), mesh)  # noqa: E731
   p1, g1 = stack(params), stack(grads)
-  return step, (p1, jax.jit(init)(p1)), g1
+  s1 = jax.jit(init)(p1)
+  step, _ = _step_and_init(tx, True, mesh, host_gate(tx, s1), inner)
+  return step, (p1, s1), g1
 
 
-def _step_and_init(tx, worker_axes: bool, mesh):
+#: ``--gates``: "library" = as mfopt.train.make_train_step decides (host-decided gates off CPU),
+#: "device" = always the device-side gate (the loop; how every step ran before session 6),
+#: "host" = always host-decided (also on CPU).
+GATES = "library"
+WARMUP = 3
+
+
+def host_gate(tx, opt_state) -> bool | None:
+  """The gate the library's train step would compile for the timed (post-warm-up) steps of
+  ``tx``: ``None`` (device-side gate) on CPU, without a host schedule, or with
+  ``--gates device``; else the host schedule's decision after the warm-up calls (periodic
+  averaging's local step: shut; the hybrid's LARS phase: open)."""
+  schedule = getattr(tx.update, "host_schedule", None)
+  if (schedule is None or GATES == "device"
+      or (GATES == "library" and jax.default_backend() == "cpu")):
+    return None
+  h = schedule.read(opt_state)
+  for _ in range(WARMUP + 1):
+    gate, h = schedule.next(h)
+  return bool(gate)
+
+
+def _step_and_init(tx, worker_axes: bool, mesh, gate: bool | None = None, inner: int = 1):
   """The jitted step ``(state=(params, opt_state), grads) -> state`` (state donated) and the
-  matching ``init``: plain, or mapped over a worker axis of size 1 on ``mesh``."""
-  from mfopt import parallel, train
+  matching ``init``: plain, or mapped over a worker axis of size 1 on ``mesh``. ``gate``:
+  trace ``tx``'s gates shut/open (``mfopt.comm.static_gates``); ``None``: device-side.
+
+  ``inner`` > 1: ``inner`` updates per call in a ``lax.fori_loop`` (static trip count: no
+  host round trip on XLA:GPU). The gradients pass an ``optimization_barrier`` with the loop
+  index, so no gradient-only work (Adam's ``g*g``) is hoisted out of the loop: each
+  iteration is one full update, for mfopt and optax alike. This is the device time of an
+  update; one update per call also pays JAX's dispatch of every leaf buffer (~640 on the
+  ResNet-50 tree), which on a GPU is most of the call (BENCHMARKS.md, session 6)."""
+  import contextlib
+
+  from jax import lax
+
+  from mfopt import comm, parallel, train
+
+  def one(state, g):
+    p, s = state
+    with comm.static_gates(gate) if gate is not None else contextlib.nullcontext():
+      p, s, _ = train.apply_transform(tx, g, s, p)  # tx.update + optax.apply_updates for optax
+    return p, s
 
   def update(state, g):
-    p, s = state
-    p, s, _ = train.apply_transform(tx, g, s, p)  # tx.update + optax.apply_updates for optax
-    return p, s
+    if inner == 1:
+      return one(state, g)
+    return lax.fori_loop(
+        0, inner, lambda i, st: one(st, lax.optimization_barrier((g, i))[0]), state)
 
   if not worker_axes:
     return jax.jit(update, donate_argnums=0), tx.init
@@ -219,7 +263,9 @@ def _faults(t: _bench.Timing) -> str:
 
 def run_case(report: _bench.Report, shape_name: str, params: Any, name: str, mf_factory,
              ox_factory, ox_name: str, worker_axes: bool, *, warmup: int, reps: int,
-             iters: int) -> float | None:
+             iters: int, inner: int = 1) -> float | None:
+  """Times ``mf_factory()`` against ``ox_factory()``; returns the judged ratio (with
+  ``inner`` > 1, the device-time ratio of ``inner`` updates per call)."""
   tx_mf = mf_factory()
   if tx_mf is None:
     report.note(f"{shape_name} | {name}: not on main yet (skipped)")
@@ -239,6 +285,21 @@ def run_case(report: _bench.Report, shape_name: str, params: Any, name: str, mf_
     runners.append(_bench.Runner(fn, state, (g,)))
   t_mf, t_ox = _bench.time_interleaved(runners, warmup=warmup, reps=reps, iters=iters)
   ratio = t_mf.median / t_ox.median
+  if inner > 1:  # the device time: `inner` updates per call (see _step_and_init)
+    loop_runners = []
+    for tx in (tx_mf, tx_ox):
+      built = build_step(tx, jax.tree.map(jnp.copy, params), grads, worker_axes, inner)
+      loop_runners.append(_bench.Runner(built[0], built[1], (built[2] if worker_axes else grads,)))
+    l_mf, l_ox = _bench.time_interleaved(loop_runners, warmup=warmup, reps=reps, iters=1)
+    per_call = ratio
+    ratio = l_mf.median / l_ox.median
+    report.figure(
+        f"{shape_name} | {name} / {ox_name} ({inner} updates per call: device time)", ratio,
+        "x time", f"per update mfopt {l_mf.median / inner * 1e3:.3f} ms, optax "
+        f"{l_ox.median / inner * 1e3:.3f} ms (calls: mfopt {l_mf.spread()}; optax "
+        f"{l_ox.spread()}); one update per call: {per_call:.4f}x (dispatch included)",
+        shape=shape_name, transform=name, baseline=ox_name, ratio=ratio, inner=inner,
+        per_call_ratio=per_call, mfopt=l_mf.as_dict(), optax=l_ox.as_dict())
   s_ref = state_counts[1]
   bytes_per_param = 4 * (3 + 2 * s_ref)
   traffic = num_params * bytes_per_param
@@ -358,6 +419,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _bench.parse_args(argv, __doc__.splitlines()[0], lambda p: (
       p.add_argument("--flat", type=int, default=None, help="flat vector size (parameters)"),
       p.add_argument("--only", default=None, help="substring filter on transform names"),
+      p.add_argument("--inner", type=int, default=None,
+                     help="also time N updates per call in a fori_loop and judge that ratio "
+                          "(device time); default 20 for the tree on GPU, else 1 (off)"),
+      p.add_argument("--gates", choices=("library", "device", "host"), default="library",
+                     help="periodic averaging / hybrid gates: as the library's train step "
+                          "compiles them (host-decided off CPU), always device-side, or "
+                          "always host-decided"),
       p.add_argument("--platform", choices=("default", "gpu-aot"), default="default",
                      help="gpu-aot: compile for a compile-only H100 and compare structure "
                           "(needs the JAX CUDA plugin: bash scripts/gpu_aot.sh)")))
@@ -369,6 +437,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only: not cacheable
     return gpu_aot_structure(_bench.Report("bench_update", args), args)
   gpu = jax.default_backend() == "gpu"
+  global GATES
+  GATES = args.gates
+  if args.inner is not None and args.inner < 1:
+    raise SystemExit(f"bench_update: --inner must be >= 1, got {args.inner}")
   report = _bench.Report("bench_update", args)
   if args.quick:
     flat, width, warmup, reps, iters = 2**16, 4, 1, 1, 1
@@ -391,8 +463,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         continue
       if args.quick and shape_name != "flat" and name != "mf_sgd":
         continue  # CI: the ResNet-50 tree once (compiling 161-leaf updates is the cost)
+      inner = args.inner if args.inner is not None else (20 if gpu and shape_name != "flat"
+                                                         and not args.quick else 1)
       ratio = run_case(report, shape_name, params, name, mf_factory, ox_factory, ox_name,
-                       worker_axes, warmup=warmup, reps=reps, iters=iters)
+                       worker_axes, warmup=warmup, reps=reps, iters=iters, inner=inner)
       if ratio is not None:
         ratios[(shape_name, name)] = ratio
   if not args.only:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from mfopt import _checks
-from mfopt.comm import AxisName, gated, unbatched
+from mfopt.comm import AxisName, HostSchedule, gated, host_scalar, unbatched
 
 __all__ = [
     "AdaBoundState",
@@ -535,4 +535,17 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     new_updates = jax.tree.map(lambda a, m: pick(-a, m), ab_step, new_mu)
     return new_updates, HybridState(count=optax.safe_increment(count), mu=new_mu, nu=new_nu)
 
+  # The LARS-norm gate opens at the switch for good; the host replays that from the count
+  # (mfopt.comm.static_gates: on XLA:GPU the device-side gate blocks the host every step).
+  update_fn.host_schedule = HostSchedule(
+      read=lambda opt_state: host_scalar(_hybrid_state(opt_state).count),
+      next=lambda count: (count >= switch, count + 1))
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _hybrid_state(opt_state: Any) -> HybridState:
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, HybridState))
+           if isinstance(s, HybridState)]
+  if not found:
+    raise ValueError("no HybridState in opt_state (is this a hybrid_adabound_lars state?)")
+  return found[0]

@@ -59,8 +59,8 @@ import numpy as np
 import optax
 
 from mfopt import _checks
-from mfopt.comm import (AxisName, CollectiveKind, CommStats, gated, init_comm_stats,
-                        pmean_tree, states_of, tree_payload_bytes)
+from mfopt.comm import (AxisName, CollectiveKind, CommStats, HostSchedule, gated, host_scalar,
+                        init_comm_stats, pmean_tree, states_of, tree_payload_bytes)
 from mfopt.comm import unbatched as _unbatched
 
 __all__ = [
@@ -105,6 +105,11 @@ class PeriodController(NamedTuple):
     name: for reports.
     learning_rate: the schedule the controller reads (``None`` if it reads none);
       recorded in the sync trace.
+    host_period: ``(count, period) -> (period in force, period kept)``, in Python ints:
+      ``advance``'s period rule, so the host can predict each step's ``due`` from the state
+      read once (:class:`mfopt.comm.HostSchedule`); ``None``: not predictable, the train
+      step keeps the device-side gate. An adaptive controller (``uses_variance``) changes
+      the period only in ``on_sync``; the host re-reads the state after each sync.
   """
 
   init: Callable[[], PeriodState]
@@ -113,6 +118,7 @@ class PeriodController(NamedTuple):
   uses_variance: bool
   name: str
   learning_rate: Callable[[Any], Any] | None = None
+  host_period: Callable[[int, int], tuple[int, int]] | None = None
 
 
 def _init_period_state(p: int) -> PeriodState:
@@ -159,7 +165,7 @@ def constant_period(p: int) -> PeriodController:
     return _advance_with(state, state.period)
 
   return PeriodController(lambda: _init_period_state(p), advance, _restart_round, False,
-                          f"constant(p={p})")
+                          f"constant(p={p})", host_period=lambda count, period: (period, period))
 
 
 def scheduled_period(periods: tuple[int, ...], boundaries: tuple[int, ...]) -> PeriodController:
@@ -200,8 +206,13 @@ def scheduled_period(periods: tuple[int, ...], boundaries: tuple[int, ...]) -> P
     state, due = _advance_with(state, period)
     return state._replace(period=period), due
 
+  def host_period(count, period):
+    del period
+    now = periods[int(np.searchsorted(b_arr, count, side="right"))]
+    return now, now
+
   return PeriodController(lambda: _init_period_state(periods[0]), advance, _restart_round, False,
-                          f"scheduled({periods}, {boundaries})")
+                          f"scheduled({periods}, {boundaries})", host_period=host_period)
 
 
 def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int, p_init: int = 4,
@@ -281,7 +292,9 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
 
   return PeriodController(lambda: _init_period_state(p_init), advance, on_sync, True,
                           f"adpsgd(p_init={p_init}, K_s={sampling_steps}, warmup={warmup_steps})",
-                          schedule)
+                          schedule,
+                          host_period=lambda count, period: (
+                              1 if count < warmup_steps else period, period))
 
 
 # ----------------------------------------------------------------------------- transform
@@ -538,7 +551,31 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     return jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params), state
 
   update_fn.params_step = params_step
+  if controller.host_period is not None:
+    update_fn.host_schedule = _host_schedule(controller)
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _host_schedule(controller: PeriodController) -> HostSchedule:
+  """The sync decisions of ``controller`` replayed on the host (see :func:`mfopt.comm.static_gates`).
+
+  Mirrors ``advance``: ``cnt += 1``; due iff ``cnt >= period in force``; a sync resets
+  ``cnt`` (``on_sync``). ``tests/test_averaging.py`` checks it against the device's ``due``
+  over several rounds of every built-in controller.
+  """
+
+  def read(opt_state):
+    ctl = find_averaging_state(opt_state).controller
+    return tuple(host_scalar(x) for x in (ctl.count, ctl.cnt, ctl.period))
+
+  def next_(h):
+    count, cnt, period = h
+    now, period = controller.host_period(count, period)
+    cnt += 1
+    due = cnt >= now
+    return due, (count + 1, 0 if due else cnt, period)
+
+  return HostSchedule(read, next_, reread_after_open=controller.uses_variance)
 
 
 def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,

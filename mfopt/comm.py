@@ -18,7 +18,10 @@ integers, so they never overflow an int32 however long the run.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -130,6 +133,11 @@ def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = ()) -> Any:
   runs ``fn`` for every worker while any needs it and selects (still correct, not cheaper).
   ``fn`` must return a value of ``carry``'s structure, shapes and dtypes.
   """
+  static = _STATIC_GATE.get()
+  if static is not None:  # traced under static_gates: the host decided; no control flow
+    static.preds.append(jnp.asarray(pred))
+    with jax.named_scope(GATE_SCOPE):
+      return fn(carry, *operands) if static.open else carry
   trips = jnp.asarray(pred).astype(jnp.int32)
 
   def body(loop):
@@ -142,6 +150,68 @@ def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = ()) -> Any:
   with jax.named_scope(GATE_SCOPE):
     _, out = lax.while_loop(lambda loop: loop[0] < trips, body, (jnp.zeros([], jnp.int32), carry))
   return out
+
+
+class HostSchedule(NamedTuple):
+  """The host-side copy of a transform's gate decisions (:func:`static_gates`).
+
+  A transform whose :func:`gated` predicate the host can predict exposes one as
+  ``tx.update.host_schedule``; :func:`mfopt.train.make_train_step` then runs a step compiled
+  with the gate open or shut, chosen on the host, instead of the device-side loop.
+
+  Attributes:
+    read: ``opt_state -> h``: the schedule's host state, read from the transform's state
+      (one device-to-host transfer; worker 0 of a stacked state). Called on the first step
+      and whenever the caller passes a state that is not the last step's output.
+    next: ``h -> (open, h)``: whether the next update's gate opens, and the host state after.
+    reread_after_open: read the state again after a step whose gate opened (one transfer per
+      opening: an adaptive period changes only at a sync, from values only the device has).
+  """
+
+  read: Callable[[Any], Any]
+  next: Callable[[Any], tuple[bool, Any]]
+  reread_after_open: bool = False
+
+
+def host_scalar(x: Any) -> int:
+  """A Python int from an int scalar that is equal on every worker (worker 0 of a stacked
+  array; the first local shard of a multi-process one, so no process waits on another)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = x.addressable_shards[0].data
+  return int(np.asarray(jax.device_get(x)).reshape(-1)[0])
+
+
+class _StaticGate(NamedTuple):
+  open: bool
+  preds: list
+
+
+_STATIC_GATE: contextvars.ContextVar[_StaticGate | None] = contextvars.ContextVar(
+    "mfopt_static_gate", default=None)
+
+
+@contextlib.contextmanager
+def static_gates(open_: bool) -> Iterator[list]:
+  """Trace :func:`gated` calls with the gate decided by the host: ``fn`` runs iff ``open_``.
+
+  The measured reason (issue 8, BENCHMARKS.md, H100 + JAX 0.11.2): XLA:GPU runs a ``while``
+  (and a ``conditional``) whose trip count is data by copying the predicate to the host and
+  blocking the host on it, once per step. The host then stops queueing work until the
+  device has caught up, so the GPU idles while the rest of the step is launched: a periodic
+  averaging local step of ResNet-18 (bf16, batch 512) took 9.06 ms against 7.19 ms for the
+  same step without averaging (1.26x), and ``hybrid_adabound_lars``'s LARS phase on the
+  ResNet-50 tree 1.63x ``optax.lars``. A step compiled for "gate shut" is the
+  no-communication program; one for "gate open" runs the body unconditionally.
+
+  Yields the list of the traced predicates (device values): the caller turns them into a
+  mismatch count (``gate_mismatch`` in the train step's metrics) so a host schedule that
+  disagrees with the device is detected, never silently wrong.
+  """
+  token = _STATIC_GATE.set(_StaticGate(bool(open_), []))
+  try:
+    yield _STATIC_GATE.get().preds
+  finally:
+    _STATIC_GATE.reset(token)
 
 
 def init_comm_stats(payload_bytes: int, kind: CollectiveKind) -> CommStats:

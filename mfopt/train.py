@@ -175,8 +175,13 @@ def _fuse_norm(mesh, local_workers: int) -> bool:
 
 
 def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn,
-                   fuse_norm: bool = False):
-  """One worker's step in two phases: gradients (no communication) and the update."""
+                   fuse_norm: bool = False, gate: bool | None = None):
+  """One worker's step in two phases: gradients (no communication) and the update.
+
+  ``gate``: trace the transform's gates shut/open (:func:`mfopt.comm.static_gates`) and add
+  ``gate_mismatch`` (how many of its gates the device would have decided otherwise) to the
+  metrics; ``None``: device-side gates.
+  """
 
   def grad_phase(params, model_state, dynamic_scale, batch):
     def loss_of(p):
@@ -192,9 +197,18 @@ def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn,
     return loss, aux, new_model_state, grads
 
   def update_phase(params, old_model_state, new_model_state, opt_state, grads, loss, aux):
-    params, opt_state, norm = apply_transform(tx, grads, opt_state, params,
-                                              lambda u: tree_norm(u, fuse_norm))
-    metrics = {"loss": loss, **aux, "update_norm": norm}
+    norm_fn = lambda u: tree_norm(u, fuse_norm)  # noqa: E731
+    if gate is None:
+      params, opt_state, norm = apply_transform(tx, grads, opt_state, params, norm_fn)
+      extra = {}
+    else:
+      with comm_lib.static_gates(gate) as preds:
+        params, opt_state, norm = apply_transform(tx, grads, opt_state, params, norm_fn)
+      if not preds:
+        raise ValueError(f"host gates: the transform traced no mfopt.comm.gated call, so its "
+                         f"host_schedule has nothing to decide (tx.update={tx.update!r})")
+      extra = {"gate_mismatch": sum((jnp.asarray(p) != gate).astype(jnp.int32) for p in preds)}
+    metrics = {"loss": loss, **aux, "update_norm": norm, **extra}
     if precision_lib.loss_scale_of(opt_state) is not None:
       # overflow: BN statistics kept; loss scale in the metrics
       new_model_state, extra = precision_lib.finish_step(opt_state, new_model_state,
@@ -211,7 +225,7 @@ def _communicating_model(model) -> bool:
 
 def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_workers: int,
                     loss_fn: LossFn = classification_loss, donate: bool = True,
-                    lowering: str = "vmap"):
+                    lowering: str = "vmap", host_gates: bool | None = None):
   """Builds the worker-stacked train step ``(state, batch) -> (state, metrics)``.
 
   ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over workers.
@@ -254,28 +268,56 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
 
   All lowerings compute the same step (``tests/test_train.py`` compares them); the float
   rounding of the convolutions may differ.
+
+  ``host_gates``: for a transform with a ``tx.update.host_schedule`` (periodic averaging,
+  block momentum, ADPSGD, ``hybrid_adabound_lars``), compile the step twice, with its
+  :func:`mfopt.comm.gated` sync (or LARS norms) shut and open, and let the host pick one per
+  step from its copy of the schedule (:class:`HostGatedStep`). Same results (tested); a
+  local step is then exactly the no-communication program, and no step waits on the device
+  to decide. ``None`` (default): on for GPUs and other non-CPU backends, where the
+  device-side gate blocks the host every step (H100: 1.26x step time, BENCHMARKS.md target
+  3), off on CPU, where it costs nothing measurable and the second compile would.
+  ``metrics`` then also holds ``gate_mismatch`` (0 unless the host's schedule disagreed with
+  the device; :func:`fit` raises if it is not).
   """
-  kind, map_batch = _parse_lowering(lowering)
+  schedule = getattr(tx.update, "host_schedule", None)
+  if host_gates is None:
+    host_gates = schedule is not None and jax.default_backend() != "cpu"
+  elif host_gates and schedule is None:
+    raise ValueError(f"host_gates=True needs a transform with update.host_schedule (periodic "
+                     f"averaging, block momentum, ADPSGD, hybrid_adabound_lars), got "
+                     f"tx.update={tx.update!r}")
+  kind, _ = _parse_lowering(lowering)
   local = parallel.local_workers(num_workers, mesh)
-  if kind == "gemm":
-    if not _has_conv_impl(model):
-      raise ValueError(f"lowering='gemm' needs a model with a conv_impl field (CNN, ResNet), "
-                       f"got {type(model).__name__}")
-    model, kind = model.clone(conv_impl="gemm"), "vmap"
+  if kind == "gemm" and not _has_conv_impl(model):
+    raise ValueError(f"lowering='gemm' needs a model with a conv_impl field (CNN, ResNet), "
+                     f"got {type(model).__name__}")
   if kind == "map" and _communicating_model(model):
     raise ValueError(
         f"lowering={lowering!r} runs a device's workers one after another, so the model's "
         f"BatchNorm cannot communicate across them; got a model with "
         f"bn_axis_name={getattr(model, 'bn_axis_name')!r} (use lowering='vmap')")
+  if kind == "auto" and not (local == 1 or _communicating_model(model)):
+    return AutoLoweredStep({name: make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
+                                                  loss_fn=loss_fn, donate=donate,
+                                                  lowering=name, host_gates=host_gates)
+                            for name in _auto_candidates(local, _has_conv_impl(model))})
+  if host_gates:
+    return HostGatedStep({gate: _make_step(model, tx, mesh, num_workers, loss_fn, donate,
+                                           lowering, gate) for gate in (False, True)}, schedule)
+  return _make_step(model, tx, mesh, num_workers, loss_fn, donate, lowering, None)
+
+
+def _make_step(model, tx, mesh, num_workers: int, loss_fn: LossFn, donate: bool, lowering: str,
+               gate: bool | None):
+  """The jitted step of one lowering (not ``"auto"``); ``gate``: see :func:`_worker_phases`."""
+  kind, map_batch = _parse_lowering(lowering)
+  local = parallel.local_workers(num_workers, mesh)
+  if kind == "gemm":
+    model, kind = model.clone(conv_impl="gemm"), "vmap"
   if kind == "auto":
-    if local == 1 or _communicating_model(model):
-      kind = "vmap"
-    else:
-      return AutoLoweredStep({name: make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
-                                                    loss_fn=loss_fn, donate=donate,
-                                                    lowering=name)
-                              for name in _auto_candidates(local, _has_conv_impl(model))})
-  grad_phase, update_phase = _worker_phases(model, tx, loss_fn, _fuse_norm(mesh, local))
+    kind = "vmap"
+  grad_phase, update_phase = _worker_phases(model, tx, loss_fn, _fuse_norm(mesh, local), gate)
 
   def worker_step(params, model_state, opt_state, batch):
     dynamic_scale = precision_lib.loss_scale_of(opt_state)
@@ -310,6 +352,67 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
     return TrainState(params, model_state, opt_state), metrics
 
   return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+class HostGatedStep:
+  """A train step whose :func:`mfopt.comm.gated` decisions are made on the host.
+
+  Built by ``make_train_step(..., host_gates=True)`` (the default off CPU). It holds two
+  jitted steps, traced with the transform's gates shut (``steps[False]``: the local step,
+  no collective) and open (``steps[True]``), and a host copy of the schedule
+  (:class:`mfopt.comm.HostSchedule`) read from the state on the first call (one small
+  device-to-host transfer), again whenever the state passed in is not the one the last call
+  returned (e.g. a restored checkpoint), and after every open gate of an adaptive schedule
+  (ADPSGD: the period changes only at a sync). Each call then dispatches without waiting on
+  the device. The metrics' ``gate_mismatch`` counts the gates whose device-side predicate
+  disagreed with the host's choice; :func:`fit` raises if it is ever non-zero.
+
+  Attributes:
+    steps: ``{False: jitted local step, True: jitted gate-open step}``.
+    schedule: the transform's :class:`mfopt.comm.HostSchedule`.
+    opened: how many calls ran the open step.
+  """
+
+  def __init__(self, steps: Mapping[bool, Any], schedule: comm_lib.HostSchedule):
+    self.steps = dict(steps)
+    self.schedule = schedule
+    self.opened = 0
+    self._host = None
+    self._last = None
+
+  def next_gate(self, state: TrainState) -> bool:
+    """The gate of the step about to run on ``state`` (advances the host schedule)."""
+    if self._host is None or state is not self._last:
+      self._host = self.schedule.read(state.opt_state)
+    gate, self._host = self.schedule.next(self._host)
+    return bool(gate)
+
+  def _run(self, steps: Mapping[bool, Any], state: TrainState, batch):
+    gate = self.next_gate(state)
+    out = steps[gate](state, batch)
+    self.opened += gate
+    # An adaptive schedule is re-read from the output after an open gate (next call).
+    self._last = None if (gate and self.schedule.reread_after_open) else out[0]
+    return out
+
+  def __call__(self, state: TrainState, batch):
+    return self._run(self.steps, state, batch)
+
+  def lower(self, *args, **kwargs):
+    """Both steps lowered; ``.compile()`` gives a :class:`HostGatedStep` of compiled steps."""
+    return _HostGatedLowered(self, {g: s.lower(*args, **kwargs) for g, s in self.steps.items()})
+
+
+class _HostGatedLowered:
+  def __init__(self, owner: HostGatedStep, lowered: Mapping[bool, Any]):
+    self.owner, self.lowered = owner, dict(lowered)
+
+  def compile(self) -> HostGatedStep:
+    return HostGatedStep({g: low.compile() for g, low in self.lowered.items()},
+                         self.owner.schedule)
+
+  def as_text(self) -> str:
+    return "\n".join(self.lowered[g].as_text() for g in (False, True))
 
 
 class AutoLoweredStep:
@@ -536,7 +639,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
         keep_checkpoints: int = 2, run_info: Mapping[str, Any] | None = None,
         allow_mismatch: bool = False, checkpoint_interval_s: float | None = None,
-        lowering: str | None = None) -> FitResult:
+        lowering: str | None = None, host_gates: bool | None = None) -> FitResult:
   """Trains ``model`` with ``tx`` on ``num_workers`` workers and returns history and summary.
 
   Every worker reads its own deterministic stream of ``per_worker_batch``
@@ -587,6 +690,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       The lowering that ran (for ``"auto"``, the one chosen by timing, which counts in
       ``compile_s``) is the summary's ``lowering``. A resumed ``"auto"`` run times again and
       may choose differently (same step, different rounding).
+    host_gates: see :func:`make_train_step` (default: on off CPU for transforms with a host
+      schedule). A step whose gate the host predicted wrongly raises ``RuntimeError`` at the
+      next log.
 
   Returns:
     A :class:`FitResult`. ``summary`` holds the final train loss (mean over the
@@ -652,7 +758,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         return FitResult(history=history, summary=restored.meta["summary"], state=state)
 
   train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn,
-                               lowering=lowering)
+                               lowering=lowering, host_gates=host_gates)
   eval_fn = make_eval_fn(model)
 
   t0 = time.perf_counter()
@@ -672,6 +778,13 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     check_finite(fetched, step - len(fetched) + 1, detected_at=step,
                  checkpoint=ckpt.describe_last_good() if ckpt else "none (checkpointing off)")
     per_worker = {k: np.stack([m[k] for m in fetched]) for k in fetched[0]}  # (steps, W)
+    mismatch = per_worker.pop("gate_mismatch", None)
+    if mismatch is not None and mismatch.any():
+      bad = int(np.flatnonzero(mismatch.any(axis=-1))[0]) + step - len(fetched) + 1
+      raise RuntimeError(
+          f"host gates: at step {bad} the host's schedule ({type(tx).__name__} "
+          f"update.host_schedule) disagreed with the device's gate predicate; the step ran the "
+          f"wrong program. Pass host_gates=False to fit/make_train_step and report this.")
     row: dict[str, Any] = {
         "step": step, "epoch": step * global_batch / len(dataset.train),
         "samples": step * global_batch,
