@@ -92,6 +92,7 @@ def environment() -> dict[str, Any]:
       "num_devices": jax.device_count(),
       "host_cpus": os.cpu_count(),
       "python": platform.python_version(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
 
 
@@ -346,8 +347,10 @@ class Report:
       from mfopt import runner
       runner.enable_compilation_cache()
     self.env = environment()
-    self.command = " ".join(["python", "-m", f"experiments.{bench}",
-                             *map(shlex.quote, getattr(args, "argv", []))])
+    flags = os.environ.get("XLA_FLAGS", "")
+    self.command = " ".join([f"XLA_FLAGS={shlex.quote(flags)}"] * bool(flags)
+                            + ["python", "-m", f"experiments.{bench}",
+                               *map(shlex.quote, getattr(args, "argv", []))])
     print(f"# {bench} on {self.env['backend']} ({self.env['device_kind']} x"
           f"{self.env['num_devices']}), JAX {self.env['jax']}, {self.env['date_utc']}"
           f"{' [--quick: sizes for CI, timings meaningless]' if args.quick else ''}", flush=True)

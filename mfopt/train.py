@@ -380,19 +380,25 @@ class HostGatedStep:
     self._host = None
     self._last = None
 
+  def _decide(self, state: TrainState) -> tuple[bool, Any]:
+    host = self._host
+    if host is None or state is not self._last:
+      host = self.schedule.read(state.opt_state)
+    gate, host = self.schedule.next(host)
+    return bool(gate), host
+
   def next_gate(self, state: TrainState) -> bool:
-    """The gate of the step about to run on ``state`` (advances the host schedule)."""
-    if self._host is None or state is not self._last:
-      self._host = self.schedule.read(state.opt_state)
-    gate, self._host = self.schedule.next(self._host)
-    return bool(gate)
+    """The gate of the step that would run on ``state`` (a query: nothing advances)."""
+    return self._decide(state)[0]
 
   def _run(self, steps: Mapping[bool, Any], state: TrainState, batch):
-    gate = self.next_gate(state)
+    gate, host = self._decide(state)
     out = steps[gate](state, batch)
     self.opened += gate
-    # An adaptive schedule is re-read from the output after an open gate (next call).
-    self._last = None if (gate and self.schedule.reread_after_open) else out[0]
+    # The host copy now belongs to the output; an adaptive schedule is re-read from the
+    # output after an open gate (on the next call).
+    reread = gate and self.schedule.reread_after_open
+    self._host, self._last = (None, None) if reread else (host, out[0])
     return out
 
   def __call__(self, state: TrainState, batch):
