@@ -290,12 +290,19 @@ def run_case(report: _bench.Report, shape_name: str, params: Any, name: str, mf_
     for tx in (tx_mf, tx_ox):
       built = build_step(tx, jax.tree.map(jnp.copy, params), grads, worker_axes, inner)
       loop_runners.append(_bench.Runner(built[0], built[1], (built[2] if worker_axes else grads,)))
-    l_mf, l_ox = _bench.time_interleaved(loop_runners, warmup=warmup, reps=reps, iters=1)
+    # iters calls back to back per repetition (as above), so the host dispatches the next call
+    # while the device runs this one. With one call per repetition (session 6's H100 run) a
+    # call's host-side cost per donated buffer was not hidden: block momentum's local step,
+    # whose compiled loop equals periodic averaging's (deviceless XLA:GPU compile: 3,321
+    # launches per 20-update call, no copies), measured 1.114x against periodic's 1.012x:
+    # 1.16 ms more per call for 322 more buffers (BENCHMARKS.md, session 6).
+    l_mf, l_ox = _bench.time_interleaved(loop_runners, warmup=warmup, reps=reps, iters=iters)
     ratio = l_mf.median / l_ox.median
     report.figure(
         f"{shape_name} | {name} / {ox_name} ({inner} updates per call: device time)", ratio,
         "x time", f"per update mfopt {l_mf.median / inner * 1e3:.3f} ms, optax "
-        f"{l_ox.median / inner * 1e3:.3f} ms (calls: mfopt {l_mf.spread()}; optax "
+        f"{l_ox.median / inner * 1e3:.3f} ms ({iters} calls per repetition; calls: mfopt "
+        f"{l_mf.spread()}; optax "
         f"{l_ox.spread()}); one update per call: {per_call:.4f}x (dispatch included)",
         shape=shape_name, transform=name, baseline=ox_name, ratio=ratio, inner=inner,
         per_call_ratio=per_call, mfopt=l_mf.as_dict(), optax=l_ox.as_dict())

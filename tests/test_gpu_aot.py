@@ -204,3 +204,45 @@ def test_bench_update_gpu_aot_every_transform_moves_optax_bytes():
   hyb = [f for f in result["figures"] if f.get("transform") == "hybrid_adabound_lars[adabound phase]"]
   assert hyb and all(f["mfopt_structure"]["entry_bpp"] <= 28.2 for f in hyb), hyb
   assert all(f["mfopt_structure"]["branches_bpp"][0] >= 8.0 for f in hyb)  # norms: gated
+
+
+@needs_plugin
+def test_host_gated_steps_compiled_for_an_h100_have_no_gate_loop():
+  """XLA:GPU blocks the host on a gated loop's predicate every step (H100, session 6: a
+  local step 1.26x a no-communication step). The host-gated programs compiled for an H100:
+  the shut one has no loop and no all-reduce, and only 3 scalar fusions more than the step
+  without averaging (the counters; W=1 on one compile-only H100, as bench_gpu_hlo); the open
+  one all-reduces unconditionally (W=2 on two)."""
+  import optax
+
+  import mfopt
+  from mfopt import models, train
+  host_mesh = parallel.make_mesh(jax.devices()[:1])
+  model = models.get_model("cnn", features=(4, 8), num_classes=10, dtype=jnp.bfloat16)
+  x1 = np.zeros((1, 8, 8, 3), np.float32)
+  sgd = optax.sgd(0.1, momentum=0.9)
+
+  def compiled(tx, host_gates, gate=False, workers=1):
+    gpu_mesh = parallel.make_mesh(_gpu_aot.topology_devices(workers, "h100"))
+    batch = {"x": jax.ShapeDtypeStruct((workers, 4, 8, 8, 3), jnp.float32),
+             "y": jax.ShapeDtypeStruct((workers, 4), jnp.int32)}
+    state = train.init_train_state(model, tx, x1, num_workers=workers, mesh=host_mesh)
+    step = train.make_train_step(model, tx, mesh=gpu_mesh, num_workers=workers,
+                                 host_gates=host_gates)
+    step = step.steps[gate] if host_gates else step
+    text = step.lower(*_gpu_aot.abstract_on((state, batch), gpu_mesh)).compile().as_text()
+    return bench_gpu_hlo.program_structure(text), text
+
+  avg = lambda: mfopt.periodic_averaging(sgd, parallel.WORKER_AXES, 10**9)  # noqa: E731
+  none, _ = compiled(sgd, False)
+  _, device_text = compiled(avg(), False)
+  shut, shut_text = compiled(avg(), True, False)
+  _, open_text = compiled(avg(), True, True, workers=2)
+  assert any(_bench.hlo_is_gated_loop(line) for line in device_text.splitlines())
+  for text in (shut_text, open_text):
+    assert not any(_bench.hlo_is_gated_loop(line) for line in text.splitlines())
+  assert "all-reduce" not in shut_text
+  assert "all-reduce" in open_text
+  assert shut["launches_cheapest"] == none["launches_cheapest"] + 3, (
+      shut["ops_every_step"], none["ops_every_step"])
+  assert shut["copy_bytes"] == none["copy_bytes"]
