@@ -57,6 +57,30 @@ _GEMM = re.compile(r"custom_call_target=\"__cublas\$(?:lt\$matmul|gemm)[^\"]*\"|
                    r"calls=%?gemm_fusion|\"kind\":\"__triton_gemm\"")
 
 
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=")
+_OPERANDS = re.compile(r"%([\w.\-]+)")
+
+
+def entry_traffic(lines: Sequence[str]) -> tuple[int, int]:
+  """Bytes written and read by the kernels of ``ENTRY`` (loop bodies and branches left out):
+  per launched instruction its result's bytes, and the bytes of its operands defined in
+  ``ENTRY`` (parameters included). A model of memory traffic, the way XLA's cost analysis
+  counts it: it does not know what a kernel reads twice or skips, or what stays in cache."""
+  size: dict[str, int] = {}
+  written = read = 0
+  for line in lines:
+    m, n = _INSTR.match(line), _NAME.match(line)
+    if not m or not n:
+      continue
+    size[n.group("name")] = _bench.hlo_shape_bytes(m.group("shape"))
+    if m.group("op") in _FREE:
+      continue
+    written += size[n.group("name")]
+    args = line[m.end():].split(")", 1)[0]
+    read += sum(size.get(a, 0) for a in _OPERANDS.findall(args))
+  return written, read
+
+
 def program_structure(text: str) -> dict[str, Any]:
   """What an optimised HLO module launches, per top-level computation class.
 
@@ -123,7 +147,9 @@ def program_structure(text: str) -> dict[str, Any]:
         total += pick((0, path(body, pick, seen, trips)))
     return total
 
+  written, read = entry_traffic(comps.get(entry, []) if entry else [])
   return {"launches_every_step": sum(ops[False].values()),
+          "entry_bytes_written": written, "entry_bytes_read": read,
           "launches_cheapest": path(entry, min) if entry else 0,
           "launches_dearest": path(entry, max) if entry else 0,
           "launches_run": path(entry, min, trips=True) if entry else 0,
@@ -289,6 +315,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"{fp['launches_cheapest']} vs {one['launches_cheapest']}; fusions "
                 f"{fp['ops_every_step'].get('fusion', 0)} vs "
                 f"{one['ops_every_step'].get('fusion', 0)}")
+  report.figure("4a: fast path / one replica, bytes written by ENTRY's kernels",
+                fp["entry_bytes_written"] / one["entry_bytes_written"], "x",
+                f"written {fp['entry_bytes_written'] / 1e6:,.1f} vs "
+                f"{one['entry_bytes_written'] / 1e6:,.1f} MB, read "
+                f"{fp['entry_bytes_read'] / 1e6:,.1f} vs {one['entry_bytes_read'] / 1e6:,.1f} MB "
+                f"per step (result and operand shapes: a traffic model, not a measurement)")
   if "temp_bytes" in fp and "temp_bytes" in one:
     report.figure("4a: fast path / one replica, temp buffer", fp["temp_bytes"] / one["temp_bytes"],
                   "x", f"{fp['temp_bytes'] / 1e6:.1f} vs {one['temp_bytes'] / 1e6:.1f} MB")

@@ -111,6 +111,11 @@ def test_program_structure_counts_launches_per_path():
   # ... and the sync body's copy (24 B), which a local step does not run
   assert (s["copies"], s["copy_bytes"]) == (3, 24 + 16 + 24)
   assert s["copy_bytes_every_step"] == 24  # scalars' copies are left out of this one
+  # ENTRY's kernels (not loop bodies or branches): written fu 24 + fc 64*64*4 + cv's tuple
+  # (512 + u8[0]) + cp 24 + out 24; read fu<-p 24, fc<-q 512, cv<-q,k 512+72, cp<-fu 24,
+  # out<-sy,sy 48 (a while's result is defined in ENTRY; the loop itself is not a kernel)
+  assert s["entry_bytes_written"] == 24 + 16384 + 512 + 24 + 24
+  assert s["entry_bytes_read"] == 24 + 512 + 584 + 24 + 48
 
 
 def test_shape_bytes_sums_tuple_elements():
