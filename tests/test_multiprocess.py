@@ -51,8 +51,10 @@ def child_main(out, num_steps, algo="sync"):
   def on_log(row):
     print(f"STEP {row['step']}", flush=True)
 
+  # Periodic averaging with host-decided gates (the GPU default): each process replays the
+  # schedule from its own shards; the one-process reference uses the device-side gate.
   result = train.fit(**_setup(num_steps, algo), checkpoint_dir=pathlib.Path(out) / "ckpt",
-                     on_log=on_log)
+                     on_log=on_log, host_gates=True if algo == "avg" else None)
   params = train._to_host(result.state.params, parallel.make_mesh())
   if jax.process_index() == 0:
     leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
@@ -110,9 +112,11 @@ def test_two_processes_match_one_process_and_checkpoint_restores_on_one(tmp_path
 
 @pytest.mark.slow  # child processes
 def test_two_processes_run_periodic_averaging_like_one_process(tmp_path):
-  """The sync of periodic averaging is a gated while loop whose body all-reduces across the
-  two processes (gloo) on steps 3, 6 and 9 only: the same parameters as one process, and the
-  workers differ after step 10 (a local step), so not every step averaged."""
+  """Periodic averaging all-reduces across the two processes (gloo) on steps 3, 6 and 9
+  only, there with host-decided gates (``host_gates=True``: the sync program is picked on
+  each process's host), here in one process with the device-side gated loop: the same
+  parameters, and the workers differ after step 10 (a local step), so not every step
+  averaged."""
   got, _, reference = _two_processes_vs_one(tmp_path, "avg")
   assert max(float(np.ptp(g, axis=0).max()) for g in got) > 0  # worker-stacked, diverged
   assert mfopt.comm_totals(reference.state.opt_state)["all_reduces"] == NUM_STEPS // 3
