@@ -194,3 +194,18 @@ def test_static_gates_run_or_skip_the_body_and_record_the_predicate():
   # outside the context: the device-side loop decides
   out = comm.gated(jnp.asarray(False), lambda c, x: c + x, jnp.zeros(2), (jnp.ones(2),))
   assert np.asarray(out).tolist() == [0.0, 0.0]
+
+
+def test_fit_with_auto_lowering_and_host_gates_trains_like_the_device_gated_vmap_step():
+  """``lowering="auto"`` times host-gated candidates (each re-reads the schedule from the
+  state copy it is handed) and the chosen one continues from the caller's state."""
+  dataset = mfopt.data.load("digits")
+  model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
+  tx = mfopt.periodic_averaging(optax.sgd(0.1, momentum=0.9), mfopt.WORKER_AXES, 3)
+  kw = dict(model=model, tx=tx, dataset=dataset, num_workers=8, per_worker_batch=4,
+            num_steps=7, log_every=7, progress=False, mesh=parallel.make_mesh(jax.devices()[:2]))
+  auto = train.fit(lowering="auto", host_gates=True, **kw)
+  ref = train.fit(lowering="vmap", host_gates=False, **kw)
+  assert auto.summary["collectives"] == ref.summary["collectives"] == 2
+  for a, b in zip(jax.tree.leaves(auto.state.params), jax.tree.leaves(ref.state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
