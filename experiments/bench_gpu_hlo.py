@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   fc = record(f"{fastpath.LABEL} W={num_workers} B={batch} (copying update)", fast(False))
   loc = {lw: record(f"{lw} local W={num_workers} B={batch}",
                     stacked(sgd, num_workers, batch, lowering=lw))
-         for lw in ("vmap", "gemm", "map")}
+         for lw in ("vmap", "gemm", "map", "unroll")}
   # Target 4b's local algorithms: the averaging transforms with W workers on one device.
   local_avg = {
       name: record(f"{name} local (vmap) W={num_workers} B={batch}",

@@ -20,10 +20,12 @@ compute, fp32 parameters, SGD momentum 0.9, synthetic CIFAR-shaped data:
   after another with ``lax.map``; the update still ``vmap``-ed);
 * ``mixed local``: ``lowering="map:K"``, K workers ``vmap``-ed at a time and the W/K groups one
   after another (K the largest power of two <= sqrt(W); absent where that is 1);
+* ``unroll local``: ``lowering="unroll"``: the workers one after another as copies of one
+  worker's program in a straight line (no ``lax.map`` loop; up to ``UNROLL_MAX_WORKERS``);
 * ``gemm local``: ``lowering="gemm"``: ``vmap`` with the model's convolutions computed as
   patches times a matrix (``conv_impl="gemm"``), so per-worker weights give a batched GEMM
   instead of a grouped convolution;
-* ``auto local``: ``lowering="auto"``: the step times vmap, map, the mixed lowering and gemm on
+* ``auto local``: ``lowering="auto"``: the step times vmap, map, the mixed lowering, unroll and gemm on
   its first call (a warm-up call here) and keeps the fastest.
 
 Target 4b (local algorithms): ``auto local >= 0.97 x the best of vmap, lax.map, gemm and mixed
@@ -127,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sgd = optax.sgd(0.1, momentum=0.9)
     sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)
     candidates = train_lib._auto_candidates(num_workers)
-    mixed = candidates[2] if len(candidates) > 2 else None
+    mixed = next((c for c in candidates if c.startswith("map:")), None)
     # Named runners, timed interleaved in this order; figures and ratios look them up by name.
     runners = {
         "one replica @ W*B": plain_runner(model, sgd, x, y),
@@ -141,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "gemm local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
                                    lowering="gemm"),
     }
+    if "unroll" in candidates:  # auto times it up to train.UNROLL_MAX_WORKERS workers
+      runners["unroll local"] = mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
+                                             lowering="unroll")
     if mixed:
       runners[f"mixed local ({mixed})"] = mfopt_runner(model, sgd, xw, yw,
                                                        num_workers=num_workers, lowering=mixed)
@@ -172,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     variant="fast path cost", cost=costs)
     # The plain lowerings, keyed by the names lowering="auto" uses for its candidates.
     local = {"vmap": "vmap local", "map": "lax.map local", "gemm": "gemm local",
+             **({"unroll": "unroll local"} if "unroll local" in runners else {}),
              **({mixed: f"mixed local ({mixed})"} if mixed else {})}
     best_name = min(local, key=lambda n: timings[local[n]].median)
     best_t = timings[local[best_name]].median

@@ -89,13 +89,14 @@ def init_train_state(model, tx: optax.GradientTransformation, example_x: np.ndar
   return TrainState(params, model_state, opt_init(params))
 
 
-LOWERINGS = ("vmap", "map", "map:K", "gemm", "auto")
+LOWERINGS = ("vmap", "map", "map:K", "unroll", "gemm", "auto")
 
 
 def _parse_lowering(lowering: Any) -> tuple[str, int | None]:
-  """``"vmap"`` / ``"map"`` / ``"map:K"`` / ``"gemm"`` / ``"auto"`` -> (kind, lax.map batch size)."""
+  """``"vmap"`` / ``"map"`` / ``"map:K"`` / ``"unroll"`` / ``"gemm"`` / ``"auto"`` -> (kind,
+  lax.map batch size)."""
   if isinstance(lowering, str):
-    if lowering in ("vmap", "map", "gemm", "auto"):
+    if lowering in ("vmap", "map", "unroll", "gemm", "auto"):
       return lowering, None
     head, _, k = lowering.partition(":")
     if head == "map" and k.isdigit() and int(k) >= 1:
@@ -103,15 +104,22 @@ def _parse_lowering(lowering: Any) -> tuple[str, int | None]:
   raise ValueError(f"lowering must be one of {LOWERINGS} (K a positive int), got {lowering!r}")
 
 
+#: ``lowering="auto"`` times ``"unroll"`` up to this many workers per device: its program (and
+#: compile) grows with W (ResNet-18 at 16 x 256 for an H100: 77 s to compile on a 2-core VM,
+#: against 19 s for ``"map"``).
+UNROLL_MAX_WORKERS = 16
+
+
 def _auto_candidates(local: int, gemm: bool = False) -> list[str]:
   """What ``lowering="auto"`` times: ``vmap``, ``map`` and one mixed ``map:K`` (K workers
   ``vmap``-ed at a time, ``local / K`` such groups one after another), K the largest power of
-  two <= sqrt(local), when that is > 1 (4 -> 2, 8 -> 2, 16 -> 4, 32 -> 4); and ``gemm`` if
-  ``gemm`` (a model with a ``conv_impl`` field)."""
+  two <= sqrt(local), when that is > 1 (4 -> 2, 8 -> 2, 16 -> 4, 32 -> 4); ``unroll`` up to
+  :data:`UNROLL_MAX_WORKERS`; and ``gemm`` if ``gemm`` (a model with a ``conv_impl`` field)."""
   k = 1
   while (2 * k) ** 2 <= local:
     k *= 2
-  return ["vmap", "map"] + ([f"map:{k}"] if k > 1 else []) + (["gemm"] if gemm else [])
+  return (["vmap", "map"] + ([f"map:{k}"] if k > 1 else [])
+          + (["unroll"] if local <= UNROLL_MAX_WORKERS else []) + (["gemm"] if gemm else []))
 
 
 def _has_conv_impl(model) -> bool:
@@ -249,11 +257,18 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
     for a model whose BatchNorm communicates (``bn_axis_name`` set): raises.
   * ``"map:K"``: mixed; ``K`` workers ``vmap``-ed at a time, the groups one after another
     (``lax.map(..., batch_size=K)``).
+  * ``"unroll"``: one worker after another like ``"map"``, but as ``W / devices`` copies of the
+    worker's program in one straight-line program (a Python loop at trace time) instead of a
+    ``lax.map`` loop: no per-iteration slicing of the stacked arrays and no loop for XLA to
+    run one trip at a time, at the price of a compile that grows with ``W``. Compiled for an
+    H100 (ResNet-18, 16 workers x 256): 4,589 kernel launches per step against ``"map"``'s
+    6,724, and 28% fewer bytes written (BENCHMARKS.md, session 6); not yet timed on a GPU.
   * ``"gemm"``: ``vmap`` of a copy of the model whose convolutions are patches times a matrix
     (``conv_impl="gemm"``, :func:`mfopt.models.gemm_conv_general_dilated`): per-worker weights
     then meet the activations in a batched GEMM instead of a grouped convolution, at the
     memory cost of the patches. For models with a ``conv_impl`` field (CNN, ResNets).
-  * ``"auto"``: ``vmap``, ``map``, one ``map:K`` and (models with ``conv_impl``) ``gemm``
+  * ``"auto"``: ``vmap``, ``map``, one ``map:K``, ``unroll`` (up to
+    :data:`UNROLL_MAX_WORKERS` workers per device) and (models with ``conv_impl``) ``gemm``
     (:func:`_auto_candidates`) are compiled on the first call and timed on a copy of the state
     (2 warm-up steps each, then 5 interleaved timed rounds); the fastest runs from then on
     (issue 8, target 4b: never below the best lowering). The returned
@@ -292,7 +307,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   if kind == "gemm" and not _has_conv_impl(model):
     raise ValueError(f"lowering='gemm' needs a model with a conv_impl field (CNN, ResNet), "
                      f"got {type(model).__name__}")
-  if kind == "map" and _communicating_model(model):
+  if kind in ("map", "unroll") and _communicating_model(model):
     raise ValueError(
         f"lowering={lowering!r} runs a device's workers one after another, so the model's "
         f"BatchNorm cannot communicate across them; got a model with "
@@ -338,6 +353,9 @@ def _make_step(model, tx, mesh, num_workers: int, loss_fn: LossFn, donate: bool,
         # the LOCAL_AXIS collectives.
         out = grad_phase(*jax.tree.map(lambda a: a[0], args))
         loss, aux, new_model_state, grads = jax.tree.map(lambda a: a[None], out)
+      elif kind == "unroll":  # W copies of one worker's program, no loop
+        outs = [grad_phase(*jax.tree.map(lambda a, w=w: a[w], args)) for w in range(local)]
+        loss, aux, new_model_state, grads = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
       else:
         loss, aux, new_model_state, grads = jax.lax.map(lambda a: grad_phase(*a), args,
                                                         batch_size=map_batch)

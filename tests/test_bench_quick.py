@@ -96,7 +96,8 @@ def test_bench_virtual_workers_quick_runs():
   result = bench_virtual_workers.main(["--quick"])
   variants = {f["variant"] for f in _figures(result) if "variant" in f}
   assert variants == {"one replica @ W*B", "fast path", "vmap sync", "vmap local",
-                      "lax.map local", "auto local", "gemm local", "fast path cost"}
+                      "lax.map local", "auto local", "gemm local", "unroll local",
+                      "fast path cost"}
   # XLA's cost estimate: the fast path does one replica's work plus per-group BN statistics
   # (a few % of this tiny CNN), not W replicas' worth
   (cost,) = [f for f in _figures(result) if f.get("variant") == "fast path cost"]
@@ -105,5 +106,6 @@ def test_bench_virtual_workers_quick_runs():
   # the automatic lowering made its choice by timing its candidates (2 workers: no map:K)
   auto = [f for f in _figures(result) if f["name"].startswith("W=2 B=2 | auto local (chose ")]
   assert len(auto) == 1
-  assert re.search(r"\(chose (vmap|map|gemm)\)", auto[0]["name"]), auto[0]["name"]
-  assert all(f"{c} " in auto[0]["details"] for c in ("vmap", "map", "gemm")), auto[0]["details"]
+  assert re.search(r"\(chose (vmap|map|unroll|gemm)\)", auto[0]["name"]), auto[0]["name"]
+  assert all(f"{c} " in auto[0]["details"] for c in ("vmap", "map", "unroll", "gemm")), \
+      auto[0]["details"]

@@ -175,7 +175,7 @@ def test_map_lowering_equals_vmap_lowering_for_divergent_workers(lossy):
   init = lambda: train.init_train_state(model, tx, batches[0]["x"][0], num_workers=num_workers,  # noqa: E731
                                         mesh=mesh, seed=2)
   out = {}
-  for lowering in ("vmap", "map"):
+  for lowering in ("vmap", "map", "unroll"):
     step = train.make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
                                  lowering=lowering)
     state = init()
@@ -184,13 +184,15 @@ def test_map_lowering_equals_vmap_lowering_for_divergent_workers(lossy):
       if i == 2:  # before the sync: replicas differ
         spread = np.ptp(np.asarray(jax.tree.leaves(state.params)[0]), axis=0).max()
     out[lowering] = (jax.device_get(state), jax.device_get(metrics), spread)
-  (sv, mv, spread_v), (sm, mm, spread_m) = out["vmap"], out["map"]
-  assert spread_v > 1e-3 and spread_m > 1e-3  # the workers really diverged before the sync
-  for a, b in zip(jax.tree.leaves(sv), jax.tree.leaves(sm)):
-    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
-                               rtol=2e-5, atol=2e-6)
-  np.testing.assert_allclose(mv["loss"], mm["loss"], rtol=1e-5)
-  assert mfopt.comm_totals(sm.opt_state) == mfopt.comm_totals(sv.opt_state)
+  sv, mv, spread_v = out["vmap"]
+  for name in ("map", "unroll"):
+    sm, mm, spread_m = out[name]
+    assert spread_v > 1e-3 and spread_m > 1e-3  # the workers really diverged before the sync
+    for a, b in zip(jax.tree.leaves(sv), jax.tree.leaves(sm)):
+      np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                 rtol=2e-5, atol=2e-6, err_msg=name)
+    np.testing.assert_allclose(mv["loss"], mm["loss"], rtol=1e-5, err_msg=name)
+    assert mfopt.comm_totals(sm.opt_state) == mfopt.comm_totals(sv.opt_state)
 
 
 def test_map_lowering_has_no_grouped_convolution():
@@ -200,7 +202,7 @@ def test_map_lowering_has_no_grouped_convolution():
   b = _image_batch(np.random.default_rng(0), 4, 2)
   state = train.init_train_state(model, tx, b["x"][0], num_workers=4, mesh=mesh)
   texts, params = {}, {}
-  for lowering in ("vmap", "map", "map:2", "gemm"):
+  for lowering in ("vmap", "map", "map:2", "unroll", "gemm"):
     step = train.make_train_step(model, tx, mesh=mesh, num_workers=4, lowering=lowering,
                                  donate=False)
     batch = parallel.shard_workers(b, mesh)
@@ -210,9 +212,13 @@ def test_map_lowering_has_no_grouped_convolution():
   assert max(groups(texts["vmap"])) == 4  # vmap of per-worker weights: a 4-group convolution
   assert max(groups(texts["map"]), default=1) == 1
   assert max(groups(texts["map:2"])) == 2  # mixed: 2 workers vmap-ed at a time, twice
+  # unroll: 4 copies of one worker's program, no loop and no grouped convolution
+  assert max(groups(texts["unroll"]), default=1) == 1 and "while" not in texts["unroll"]
+  assert texts["unroll"].count("stablehlo.convolution") == 4 * texts["map"].count(
+      "stablehlo.convolution")
   # gemm: the convolution's weights meet the patches in a batched dot, no grouped convolution
   assert max(groups(texts["gemm"]), default=1) == 1 and "batching_dims = [0]" in texts["gemm"]
-  for name in ("map", "map:2", "gemm"):
+  for name in ("map", "map:2", "unroll", "gemm"):
     for x, y in zip(jax.tree.leaves(params["vmap"]), jax.tree.leaves(params[name])):
       np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6, err_msg=name)
 
@@ -228,8 +234,8 @@ def test_auto_lowering_times_both_and_leaves_the_callers_state_alone():
   assert isinstance(step, train.AutoLoweredStep) and step.choice is None
   chosen = step.choose(state, b)
   assert chosen == min(step.timings, key=step.timings.get)
-  # 4 workers on the device, a model with conv_impl: vmap, map, the mixed map:2 and gemm
-  assert set(step.timings) == {"vmap", "map", "map:2", "gemm"}
+  # 4 workers on the device, a model with conv_impl: vmap, map, the mixed map:2, unroll, gemm
+  assert set(step.timings) == {"vmap", "map", "map:2", "unroll", "gemm"}
   assert all(t > 0 for t in step.timings.values())
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state))):
     np.testing.assert_array_equal(x, y)  # timing ran on copies
@@ -293,10 +299,11 @@ def test_lowering_errors_name_the_argument():
   for bad in ("grouped", "map:0", "map:x", 3):
     with pytest.raises(ValueError, match=f"lowering must be one of .* got {bad!r}"):
       train.make_train_step(_model(), optax.sgd(0.1), mesh=mesh, num_workers=2, lowering=bad)
-  assert train._auto_candidates(2) == ["vmap", "map"]
-  assert train._auto_candidates(16) == ["vmap", "map", "map:4"]
-  assert train._auto_candidates(8) == ["vmap", "map", "map:2"]
-  assert train._auto_candidates(8, gemm=True) == ["vmap", "map", "map:2", "gemm"]
+  assert train._auto_candidates(2) == ["vmap", "map", "unroll"]
+  assert train._auto_candidates(16) == ["vmap", "map", "map:4", "unroll"]
+  assert train._auto_candidates(32) == ["vmap", "map", "map:4"]  # unroll: compile grows with W
+  assert train._auto_candidates(8) == ["vmap", "map", "map:2", "unroll"]
+  assert train._auto_candidates(8, gemm=True) == ["vmap", "map", "map:2", "unroll", "gemm"]
   with pytest.raises(ValueError, match="lowering='gemm' needs a model with a conv_impl field"):
     train.make_train_step(_model(), optax.sgd(0.1), mesh=mesh, num_workers=2, lowering="gemm")
   sync_bn = models.get_model("cnn", features=(4,), num_classes=5, use_bn=True,
