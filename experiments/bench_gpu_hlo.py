@@ -81,6 +81,24 @@ def entry_traffic(lines: Sequence[str]) -> tuple[int, int]:
   return written, read
 
 
+def run_traffic(comps: dict[str, list[str]], entry: str | None) -> tuple[int, int]:
+  """:func:`entry_traffic` of ``ENTRY`` plus each ``while`` body's, times its trip count
+  (XLA's ``known_trip_count``; once where unknown), recursively: what a local step's kernels
+  write and read (conditional branches and the gated sync loop are not run)."""
+
+  def visit(c: str, seen: frozenset) -> tuple[int, int]:
+    written, read = entry_traffic(comps.get(c, []))
+    for line in comps.get(c, []):
+      trips = _bench.hlo_trip_count(line) or 1
+      for body in _bench.hlo_loop_bodies(line):
+        if body not in seen:
+          w, r = visit(body, seen | {body})
+          written, read = written + trips * w, read + trips * r
+    return written, read
+
+  return visit(entry, frozenset({entry})) if entry else (0, 0)
+
+
 def program_structure(text: str) -> dict[str, Any]:
   """What an optimised HLO module launches, per top-level computation class.
 
@@ -148,8 +166,10 @@ def program_structure(text: str) -> dict[str, Any]:
     return total
 
   written, read = entry_traffic(comps.get(entry, []) if entry else [])
+  run_written, run_read = run_traffic(comps, entry)
   return {"launches_every_step": sum(ops[False].values()),
           "entry_bytes_written": written, "entry_bytes_read": read,
+          "bytes_written_run": run_written, "bytes_read_run": run_read,
           "launches_cheapest": path(entry, min) if entry else 0,
           "launches_dearest": path(entry, max) if entry else 0,
           "launches_run": path(entry, min, trips=True) if entry else 0,
@@ -231,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"+{row['launches_in_conditional']} in conditionals, dearest path "
                   f"{row['launches_dearest']}); {conv_summary(row['convs'])};"
                   f" {row['gemms']} gemm; {row['copies']} copies {row['copy_bytes'] / 1e6:.1f} MB;"
+                  f" traffic model with loop trips: written {row['bytes_written_run'] / 1e6:,.0f}"
+                  f" MB, read {row['bytes_read_run'] / 1e6:,.0f} MB;"
                   f" temp {row.get('temp_bytes', 0) / 1e6:.1f} MB", **row)
     return row
 

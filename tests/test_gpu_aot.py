@@ -116,6 +116,10 @@ def test_program_structure_counts_launches_per_path():
   # out<-sy,sy 48 (a while's result is defined in ENTRY; the loop itself is not a kernel)
   assert s["entry_bytes_written"] == 24 + 16384 + 512 + 24 + 24
   assert s["entry_bytes_read"] == 24 + 512 + 584 + 24 + 48
+  # with loop trips: the counted loop's fusion (f32[2,3] in and out) 5 times; the gated sync
+  # loop runs only its condition (a constant: no kernel) on a local step
+  assert s["bytes_written_run"] == s["entry_bytes_written"] + 5 * 24
+  assert s["bytes_read_run"] == s["entry_bytes_read"] + 5 * 24
 
 
 def test_shape_bytes_sums_tuple_elements():
