@@ -189,6 +189,31 @@ def hlo_shape_bytes(shape: str) -> int:
   return hlo_arrays_bytes(hlo_arrays(shape))
 
 
+#: One instruction line of an HLO computation: ``name = shape op(``, tuple shapes included.
+HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
+                       r"(?P<shape>\((?:[^()]|\([^()]*\))*\)|\S+)\s+(?P<op>[\w\-]+)\(")
+_HLO_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def hlo_kernel_traffic(lines: Sequence[str], free: set[str]) -> tuple[int, int]:
+  """Bytes written and read by the kernels of one HLO computation: per instruction whose op
+  is not in ``free``, its result's bytes, and the bytes of its operands defined in ``lines``
+  (parameters included). A model of memory traffic, the way XLA's cost analysis counts it: it
+  does not know what a kernel reads twice or skips, or what stays in cache."""
+  size: dict[str, int] = {}
+  written = read = 0
+  for line in lines:
+    m = HLO_INSTR.match(line)
+    if not m:
+      continue
+    size[m.group("name")] = hlo_shape_bytes(m.group("shape"))
+    if m.group("op") in free:
+      continue
+    written += size[m.group("name")]
+    read += sum(size.get(a, 0) for a in _HLO_OPERAND.findall(line[m.end():].split(")", 1)[0]))
+  return written, read
+
+
 def hlo_branches(line: str) -> list[str]:
   """The branch computations a ``conditional`` instruction line names (none for others)."""
   return _HLO_BRANCH.findall(line) + [b.strip().lstrip("%") for group in

@@ -48,8 +48,7 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "cond
          "while", "call", "after-all", "partition-id", "replica-id", "opt-barrier",
          "all-reduce-done", "all-gather-done", "collective-permute-done", "copy-done",
          "async-done", "async-update"}
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*"
-                    r"(?P<shape>\((?:[^()]|\([^()]*\))*\)|\S+)\s+(?P<op>[\w\-]+)\(")
+_INSTR = _bench.HLO_INSTR
 _CONV = re.compile(r"=\s*\(?(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\].*custom_call_target="
                    r"\"__cudnn\$conv(?P<kind>\w+)\"")
 _GROUPS = re.compile(r"feature_group_count=(\d+)")
@@ -57,28 +56,10 @@ _GEMM = re.compile(r"custom_call_target=\"__cublas\$(?:lt\$matmul|gemm)[^\"]*\"|
                    r"calls=%?gemm_fusion|\"kind\":\"__triton_gemm\"")
 
 
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=")
-_OPERANDS = re.compile(r"%([\w.\-]+)")
-
-
 def entry_traffic(lines: Sequence[str]) -> tuple[int, int]:
-  """Bytes written and read by the kernels of ``ENTRY`` (loop bodies and branches left out):
-  per launched instruction its result's bytes, and the bytes of its operands defined in
-  ``ENTRY`` (parameters included). A model of memory traffic, the way XLA's cost analysis
-  counts it: it does not know what a kernel reads twice or skips, or what stays in cache."""
-  size: dict[str, int] = {}
-  written = read = 0
-  for line in lines:
-    m, n = _INSTR.match(line), _NAME.match(line)
-    if not m or not n:
-      continue
-    size[n.group("name")] = _bench.hlo_shape_bytes(m.group("shape"))
-    if m.group("op") in _FREE:
-      continue
-    written += size[n.group("name")]
-    args = line[m.end():].split(")", 1)[0]
-    read += sum(size.get(a, 0) for a in _OPERANDS.findall(args))
-  return written, read
+  """Bytes written and read by the kernels of one computation's lines
+  (:func:`_bench.hlo_kernel_traffic`; loop bodies and branches are separate computations)."""
+  return _bench.hlo_kernel_traffic(lines, _FREE)
 
 
 def run_traffic(comps: dict[str, list[str]], entry: str | None) -> tuple[int, int]:

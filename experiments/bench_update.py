@@ -37,7 +37,6 @@ averaging within 1% (ratio <= 1.01) of the no-communication step.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -124,31 +123,19 @@ def _random_tree(shapes: Any, seed: int) -> Any:
       lambda s: jax.device_put((0.01 * rng.standard_normal(s.shape, np.float32))), shapes)
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "conditional", "while",
          "after-all", "partition-id", "replica-id"}
 
 
 def _traffic(lines: list[str]) -> tuple[int, list[list[str]]]:
-  sizes, total, branches = {}, 0, []
+  written, read = _bench.hlo_kernel_traffic(lines, _FREE)
+  branches = []
   for line in lines:
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    name, shape, op, rest = m.groups()
-    sizes[name] = _bench.hlo_shape_bytes(shape)
     if _bench.hlo_is_gated_loop(line):  # the sync loop: its body runs on sync steps only
       branches.append(_bench.hlo_gated_bodies(line))
-    if op == "conditional":
-      group = re.search(r"branch_computations=\{([^}]*)\}", rest)
-      names = ([b.strip().lstrip("%") for b in group.group(1).split(",")] if group else
-               re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest))
-      branches.append(names)
-    if op in _FREE:
-      continue
-    args = rest.split(")", 1)[0]
-    total += sizes[name] + sum(sizes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
-  return total, branches
+    elif _bench.hlo_branches(line):  # a conditional: one branch runs per step
+      branches.append(_bench.hlo_branches(line))
+  return written + read, branches
 
 
 def entry_traffic_bytes(hlo_text: str) -> tuple[int, list[int]]:
@@ -211,9 +198,11 @@ def host_gate(tx, opt_state) -> bool | None:
   ``tx``: ``None`` (device-side gate) on CPU, without a host schedule, or with
   ``--gates device``; else the host schedule's decision after the warm-up calls (periodic
   averaging's local step: shut; the hybrid's LARS phase: open)."""
-  schedule = getattr(tx.update, "host_schedule", None)
-  if (schedule is None or GATES == "device"
-      or (GATES == "library" and jax.default_backend() == "cpu")):
+  from mfopt import train
+  if getattr(tx.update, "host_schedule", None) is None:  # optax: no gate
+    return None
+  schedule = train.host_schedule(tx, {"library": None, "device": False, "host": True}[GATES])
+  if schedule is None:
     return None
   h = schedule.read(opt_state)
   for _ in range(WARMUP + 1):

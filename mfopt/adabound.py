@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from mfopt import _checks
-from mfopt.comm import AxisName, HostSchedule, gated, host_scalar, unbatched
+from mfopt.comm import AxisName, HostSchedule, gated, host_scalar, states_of, unbatched
 
 __all__ = [
     "AdaBoundState",
@@ -544,8 +544,7 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
 
 
 def _hybrid_state(opt_state: Any) -> HybridState:
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, HybridState))
-           if isinstance(s, HybridState)]
+  found = states_of(opt_state, HybridState)
   if not found:
     raise ValueError("no HybridState in opt_state (is this a hybrid_adabound_lars state?)")
   return found[0]

@@ -208,15 +208,16 @@ def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn,
     norm_fn = lambda u: tree_norm(u, fuse_norm)  # noqa: E731
     if gate is None:
       params, opt_state, norm = apply_transform(tx, grads, opt_state, params, norm_fn)
-      extra = {}
+      gate_metrics = {}
     else:
       with comm_lib.static_gates(gate) as preds:
         params, opt_state, norm = apply_transform(tx, grads, opt_state, params, norm_fn)
       if not preds:
         raise ValueError(f"host gates: the transform traced no mfopt.comm.gated call, so its "
                          f"host_schedule has nothing to decide (tx.update={tx.update!r})")
-      extra = {"gate_mismatch": sum((jnp.asarray(p) != gate).astype(jnp.int32) for p in preds)}
-    metrics = {"loss": loss, **aux, "update_norm": norm, **extra}
+      gate_metrics = {"gate_mismatch": sum((jnp.asarray(p) != gate).astype(jnp.int32)
+                                           for p in preds)}
+    metrics = {"loss": loss, **aux, "update_norm": norm, **gate_metrics}
     if precision_lib.loss_scale_of(opt_state) is not None:
       # overflow: BN statistics kept; loss scale in the metrics
       new_model_state, extra = precision_lib.finish_step(opt_state, new_model_state,
@@ -295,13 +296,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   ``metrics`` then also holds ``gate_mismatch`` (0 unless the host's schedule disagreed with
   the device; :func:`fit` raises if it is not).
   """
-  schedule = getattr(tx.update, "host_schedule", None)
-  if host_gates is None:
-    host_gates = schedule is not None and jax.default_backend() != "cpu"
-  elif host_gates and schedule is None:
-    raise ValueError(f"host_gates=True needs a transform with update.host_schedule (periodic "
-                     f"averaging, block momentum, ADPSGD, hybrid_adabound_lars), got "
-                     f"tx.update={tx.update!r}")
+  schedule = host_schedule(tx, host_gates)
   kind, _ = _parse_lowering(lowering)
   local = parallel.local_workers(num_workers, mesh)
   if kind == "gemm" and not _has_conv_impl(model):
@@ -317,10 +312,26 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
                                                   loss_fn=loss_fn, donate=donate,
                                                   lowering=name, host_gates=host_gates)
                             for name in _auto_candidates(local, _has_conv_impl(model))})
-  if host_gates:
+  if schedule is not None:
     return HostGatedStep({gate: _make_step(model, tx, mesh, num_workers, loss_fn, donate,
                                            lowering, gate) for gate in (False, True)}, schedule)
   return _make_step(model, tx, mesh, num_workers, loss_fn, donate, lowering, None)
+
+
+def host_schedule(tx: optax.GradientTransformation,
+                  host_gates: bool | None = None) -> comm_lib.HostSchedule | None:
+  """The :class:`mfopt.comm.HostSchedule` a train step of ``tx`` replays on the host, or
+  ``None`` for device-side gates. ``host_gates=None`` (the default of :func:`make_train_step`
+  and :func:`fit`): the transform's ``update.host_schedule`` off CPU, ``None`` on CPU;
+  ``True`` requires one; ``False``: ``None``."""
+  schedule = getattr(tx.update, "host_schedule", None)
+  if host_gates is None:
+    return schedule if jax.default_backend() != "cpu" else None
+  if host_gates and schedule is None:
+    raise ValueError(f"host_gates=True needs a transform with update.host_schedule (periodic "
+                     f"averaging, block momentum, ADPSGD, hybrid_adabound_lars), got "
+                     f"tx.update={tx.update!r}")
+  return schedule if host_gates else None
 
 
 def _make_step(model, tx, mesh, num_workers: int, loss_fn: LossFn, donate: bool, lowering: str,
@@ -409,18 +420,15 @@ class HostGatedStep:
     """The gate of the step that would run on ``state`` (a query: nothing advances)."""
     return self._decide(state)[0]
 
-  def _run(self, steps: Mapping[bool, Any], state: TrainState, batch):
+  def __call__(self, state: TrainState, batch):
     gate, host = self._decide(state)
-    out = steps[gate](state, batch)
+    out = self.steps[gate](state, batch)
     self.opened += gate
     # The host copy now belongs to the output; an adaptive schedule is re-read from the
     # output after an open gate (on the next call).
     reread = gate and self.schedule.reread_after_open
     self._host, self._last = (None, None) if reread else (host, out[0])
     return out
-
-  def __call__(self, state: TrainState, batch):
-    return self._run(self.steps, state, batch)
 
   def lower(self, *args, **kwargs):
     """Both steps lowered; ``.compile()`` gives a :class:`HostGatedStep` of compiled steps."""
@@ -434,9 +442,6 @@ class _HostGatedLowered:
   def compile(self) -> HostGatedStep:
     return HostGatedStep({g: low.compile() for g, low in self.lowered.items()},
                          self.owner.schedule)
-
-  def as_text(self) -> str:
-    return "\n".join(self.lowered[g].as_text() for g in (False, True))
 
 
 class AutoLoweredStep:
