@@ -195,13 +195,22 @@ HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
 _HLO_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
-def hlo_kernel_traffic(lines: Sequence[str], free: set[str]) -> tuple[int, int]:
-  """Bytes written and read by the kernels of one HLO computation: per instruction whose op
-  is not in ``free``, its result's bytes, and the bytes of its operands defined in ``lines``
-  (parameters included). A model of memory traffic, the way XLA's cost analysis counts it: it
-  does not know what a kernel reads twice or skips, or what stays in cache."""
+#: HLO ops that launch no kernel of their own on XLA:GPU (views, tuples, control flow, the
+#: "done" halves of async pairs): left out of the traffic model and the profile join.
+HLO_NOT_KERNELS = frozenset({
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "conditional", "while",
+    "call", "after-all", "partition-id", "replica-id", "opt-barrier", "all-reduce-done",
+    "all-gather-done", "collective-permute-done", "copy-done", "async-done", "async-update"})
+
+
+def hlo_instruction_traffic(lines: Sequence[str], free: set[str]) -> list[dict[str, Any]]:
+  """Per kernel of one HLO computation, ``{"name", "op", "line", "written", "read"}``: every
+  instruction whose op is not in ``free``, with its result's bytes (written) and the bytes of
+  its operands defined in ``lines`` (read; parameters included). A model of memory traffic,
+  the way XLA's cost analysis counts it: it does not know what a kernel reads twice or skips,
+  or what stays in cache."""
   size: dict[str, int] = {}
-  written = read = 0
+  out = []
   for line in lines:
     m = HLO_INSTR.match(line)
     if not m:
@@ -209,9 +218,18 @@ def hlo_kernel_traffic(lines: Sequence[str], free: set[str]) -> tuple[int, int]:
     size[m.group("name")] = hlo_shape_bytes(m.group("shape"))
     if m.group("op") in free:
       continue
-    written += size[m.group("name")]
-    read += sum(size.get(a, 0) for a in _HLO_OPERAND.findall(line[m.end():].split(")", 1)[0]))
-  return written, read
+    operands = _HLO_OPERAND.findall(line[m.end():].split(")", 1)[0])
+    out.append({"name": m.group("name"), "op": m.group("op"), "line": line,
+                "written": size[m.group("name")],
+                "read": sum(size.get(a, 0) for a in operands)})
+  return out
+
+
+def hlo_kernel_traffic(lines: Sequence[str], free: set[str]) -> tuple[int, int]:
+  """Bytes written and read by the kernels of one HLO computation: the sums of
+  :func:`hlo_instruction_traffic`."""
+  rows = hlo_instruction_traffic(lines, free)
+  return sum(r["written"] for r in rows), sum(r["read"] for r in rows)
 
 
 def hlo_branches(line: str) -> list[str]:

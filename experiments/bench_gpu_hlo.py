@@ -44,10 +44,7 @@ from experiments import _bench, _gpu_aot
 
 # Instructions that launch nothing (views, tuples, parameters) or are control flow whose
 # bodies are counted where they are.
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "conditional",
-         "while", "call", "after-all", "partition-id", "replica-id", "opt-barrier",
-         "all-reduce-done", "all-gather-done", "collective-permute-done", "copy-done",
-         "async-done", "async-update"}
+_FREE = _bench.HLO_NOT_KERNELS
 _INSTR = _bench.HLO_INSTR
 _CONV = re.compile(r"=\s*\(?(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\].*custom_call_target="
                    r"\"__cudnn\$conv(?P<kind>\w+)\"")

@@ -75,6 +75,16 @@ def configs(quick: bool, gpu: bool) -> tuple[dict[str, Any], list[tuple[int, int
   return dict(width=8, image=16), [(4, 8), (8, 4), (16, 2), (32, 1)]
 
 
+def build_model(quick: bool, model_cfg: dict[str, Any], dtype) -> tuple[Any, str]:
+  """The benchmarked model and its name: ResNet-18 at ``model_cfg["width"]``, or with
+  ``quick`` a small CNN with BN (compiles in a fraction of ResNet-18's time: CI)."""
+  from mfopt import models
+  if quick:
+    return models.get_model("cnn", features=(4, 8), num_classes=10, dtype=dtype), "CNN (4, 8)"
+  return (models.get_model("resnet18", num_classes=10, width=model_cfg["width"], dtype=dtype),
+          f"ResNet-18 width {model_cfg['width']}")
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
   """``"16x64,16x256"`` -> ``[(16, 64), (16, 256)]`` (W x per-worker batch)."""
   shapes = []
@@ -100,7 +110,7 @@ def _extra_args(parser) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _bench.parse_args(argv, __doc__.splitlines()[0], _extra_args)
   import mfopt
-  from mfopt import fastpath, models, parallel
+  from mfopt import fastpath, parallel
   from mfopt import train as train_lib
 
   gpu = jax.default_backend() == "gpu"
@@ -111,11 +121,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if args.shapes is not None:
     shapes = args.shapes
   dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
-  if args.quick:  # CI: a small CNN with BN compiles in a fraction of ResNet-18's time
-    model = models.get_model("cnn", features=(4, 8), num_classes=10, dtype=dtype)
-  else:
-    model = models.get_model("resnet18", num_classes=10, width=model_cfg["width"], dtype=dtype)
-  model_name = "CNN (4, 8)" if args.quick else f"ResNet-18 width {model_cfg['width']}"
+  model, model_name = build_model(args.quick, model_cfg, dtype)
   report.note(f"{model_name}, {model_cfg['image']}x{model_cfg['image']}, "
               f"{args.dtype}; one device; harness: jit, donated state, {warmup} warm-up, {reps} "
               f"interleaved reps x {iters} steps; "

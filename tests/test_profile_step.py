@@ -1,0 +1,147 @@
+"""``experiments.profile_step``: the trace parsing, the HLO join and the per-step arithmetic.
+
+References: hand-built traces in the GPU's trace-event layout (a device process with Stream
+threads and the derived "XLA Ops"/"XLA Modules" lines, whose events must not be counted
+twice), a real XLA:CPU trace of a program whose kernels and bytes are known, and closed forms.
+"""
+
+import gzip
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import _bench, profile_step
+
+GPU_LINES = {
+    "fusion.7": ('  %fusion.7 = bf16[64,32]{1,0} fusion(bf16[64,32]{1,0} %p0), kind=kLoop, '
+                 'calls=%fused_add'),
+    "reduce_fusion": ('  %reduce_fusion = f32[32]{0} fusion(bf16[64,32]{1,0} %fusion.7), '
+                      'kind=kInput, calls=%fused_reduce'),
+    "custom-call.3": ('  %custom-call.3 = (bf16[64,32]{1,0}, u8[0]{0}) custom-call(bf16[64,32]{1,0} '
+                      '%fusion.7, bf16[32,32]{1,0} %p1), custom_call_target="__cudnn$convForward"'),
+    "all-reduce-start": ('  %all-reduce-start = f32[32]{0} all-reduce-start(f32[32]{0} '
+                         '%reduce_fusion), replica_groups={}, to_apply=%add'),
+    "gemm": ('  %gemm = bf16[64,32]{1,0} custom-call(bf16[64,32]{1,0} %fusion.7, bf16[32,32]{1,0} '
+             '%p1), custom_call_target="__cublas$gemm"'),
+    "copy.1": '  %copy.1 = bf16[32,64]{0,1} copy(bf16[64,32]{1,0} %fusion.7)',
+}
+
+
+def test_categories_of_gpu_instructions():
+  got = {name: profile_step.categorize(_bench.HLO_INSTR.match(line).group("op"), line)
+         for name, line in GPU_LINES.items()}
+  assert got == {"fusion.7": "elementwise fusion", "reduce_fusion": "reduction fusion",
+                 "custom-call.3": "convolution", "all-reduce-start": "collective",
+                 "gemm": "matmul", "copy.1": "copy/transpose"}
+
+
+def test_union_of_intervals_closed_form():
+  assert profile_step.union_seconds([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)
+  assert profile_step.union_seconds([]) == 0.0
+
+
+def _gpu_trace(steps: int) -> list[dict]:
+  """A trace in the layout XLA:GPU's profiler writes: per step, three kernels on a Stream
+  thread (one of them a memcpy without an HLO op), their copies on the derived "XLA Ops"
+  line, one "XLA Modules" event; plus a host process whose events must be ignored."""
+  ev = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 9, "tid": 20, "name": "thread_name",
+         "args": {"name": "Stream #20(Compute)"}},
+        {"ph": "M", "pid": 9, "tid": 1, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 9, "tid": 2, "name": "thread_name", "args": {"name": "XLA Modules"}}]
+  for s in range(steps):
+    t0 = 1000.0 * s
+    kernels = [("loop_add_fusion", "fusion.7", t0, 10.0),
+               ("sm90_xmma_fprop", "custom-call.3", t0 + 12.0, 30.0),
+               ("MemcpyD2D", None, t0 + 50.0, 5.0)]
+    for name, hop, ts, dur in kernels:
+      args = {"hlo_module": "jit_step", **({"hlo_op": hop} if hop else {})}
+      ev.append({"ph": "X", "pid": 9, "tid": 20, "ts": ts, "dur": dur, "name": name,
+                 "args": args})
+      if hop:
+        ev.append({"ph": "X", "pid": 9, "tid": 1, "ts": ts, "dur": dur, "name": hop,
+                   "args": {"hlo_module": "jit_step"}})
+    ev.append({"ph": "X", "pid": 9, "tid": 2, "ts": t0, "dur": 55.0, "name": "jit_step(1)",
+               "args": {}})
+    ev.append({"ph": "X", "pid": 1, "tid": 5, "ts": t0, "dur": 400.0, "name": "PjitFunction",
+               "args": {"hlo_op": "fusion.7"}})
+  return ev
+
+
+def test_gpu_trace_kernels_and_per_step_figures(tmp_path):
+  steps = 3
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"displayTimeUnit": "ns", "traceEvents": _gpu_trace(steps)}, f)
+  where, kernels, runs = profile_step.device_events(profile_step.load_trace(str(tmp_path)),
+                                                    "jit_step")
+  assert (where, len(kernels), runs) == ("gpu", 3 * steps, steps)
+  _, index = profile_step.hlo_index("HloModule jit_step\n\nENTRY %main () -> bf16[64,32] {\n"
+                                    + "\n".join(GPU_LINES.values()) + "\n}\n")
+  got = profile_step.summarize(kernels, index, steps)
+  assert got["kernel_s_per_step"] == pytest.approx(45e-6)
+  assert got["busy_s_per_step"] == pytest.approx(45e-6)
+  # span: from the first kernel of step 0 to the end of the last memcpy, over 3 steps
+  assert got["span_s_per_step"] == pytest.approx((2000 + 55) * 1e-6 / steps)
+  conv = got["categories"]["convolution"]
+  # cuDNN conv: writes bf16[64,32] + u8[0], reads bf16[64,32] + the unknown %p1 (0 bytes)
+  assert conv["written_per_step"] == 64 * 32 * 2 and conv["read_per_step"] == 64 * 32 * 2
+  assert conv["GBps"] == pytest.approx(2 * 64 * 32 * 2 / 30e-6 / 1e9)
+  assert got["categories"]["unmatched: MemcpyD2D"]["launches_per_step"] == 1
+  assert [r["hlo_op"] for r in got["top"]] == ["custom-call.3", "fusion.7", "MemcpyD2D"]
+  # another module's kernels are not this program's
+  assert profile_step.device_events(_gpu_trace(1), "jit_other")[1] == []
+
+
+def test_cpu_trace_joins_every_kernel_with_its_instruction(tmp_path):
+  """A real trace: the dot and the fused elementwise ops of a known program, every event
+  matched to an instruction of the compiled module, one execution seen per step."""
+  n = 256
+
+  def step(state, w):
+    return jnp.tanh(state @ w) * 0.5 + state
+
+  fn = jax.jit(step, donate_argnums=0)
+  x = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
+  w = jax.device_put(jnp.eye(n, dtype=jnp.float32) * 0.01, jax.devices()[0])
+  runner = _bench.Runner(fn, x, (w,))
+  steps = 4
+  prof = profile_step.profile_runner(runner, steps, str(tmp_path))
+  assert prof["where"] == "cpu" and prof["executions_seen"] == steps
+  assert prof["kernels"] >= 2 * steps
+  assert not [c for c in prof["categories"] if c.startswith("unmatched")], prof["categories"]
+  assert "matmul" in prof["categories"]
+  mm = prof["categories"]["matmul"]
+  assert mm["launches_per_step"] == 1
+  # the dot reads two f32[n, n] and writes one (the traffic model, by hand)
+  assert mm["read_per_step"] == 2 * 4 * n * n and mm["written_per_step"] == 4 * n * n
+  assert 0 < prof["busy_s_per_step"] <= prof["span_s_per_step"] + 1e-9
+  assert prof["kernel_s_per_step"] <= prof["traced_wall_s_per_step"] * 1.5
+
+
+def test_quick_run_fast_path_has_one_replicas_convolutions():
+  """The fast path runs one replica's convolutions (same launches; no grouped ones): the
+  profile's join shows it, and the comparison figures name the reference."""
+  result = profile_step.main(["--quick", "--programs", "one,fast"])
+  profs = {f["program"]: f["profile"] for f in result["figures"] if "profile" in f}
+  assert set(profs) == {"one", "fast"}
+  for p in profs.values():
+    assert p["kernels"] > 0 and p["executions_seen"] == p["steps"]
+    assert not [c for c in p["categories"] if c.startswith("unmatched")], p["categories"]
+  convs = [profs[k]["categories"]["convolution"]["launches_per_step"] for k in ("one", "fast")]
+  assert convs[0] == convs[1] > 0
+  names = [f["name"] for f in result["figures"] if "name" in f]
+  assert "W=2 B=2 | fast - one | busy time" in names
+
+
+def test_bad_programs_are_named():
+  with pytest.raises(SystemExit, match="--programs must be a comma list.*'one,bogus'"):
+    profile_step.main(["--quick", "--programs", "one,bogus"])
+  with pytest.raises(SystemExit, match="--steps must be positive, got -1"):
+    profile_step.main(["--quick", "--steps", "-1"])
+  np.testing.assert_equal(profile_step.parse_programs("one, map"), ["one", "map"])
