@@ -68,6 +68,10 @@ def _hybrid_lars_phase():
   return hybrid(num_workers=8, steps_per_epoch=1, warmup_epochs=1)
 
 
+#: Marks a pair kept as the "before" of a library change: reported, not judged.
+BEFORE = "(tree anchor: before flat_anchor)"
+
+
 def pairs() -> list[tuple[str, Callable[[], Any], Callable[[], Any], str, bool]]:
   """``(name, mfopt factory, optax factory, optax name, needs worker axes)``.
 
@@ -103,6 +107,11 @@ def pairs() -> list[tuple[str, Callable[[], Any], Callable[[], Any], str, bool]]
        "optax.sgd(momentum=0.9) (no communication)", True),
       ("block_momentum local step",
        mk("block_momentum", sgd_m(), parallel.WORKER_AXES, NEVER), sgd_m,
+       "optax.sgd(momentum=0.9) (no communication)", True),
+      # The design before flat_anchor (one anchor and one outer-momentum array per leaf),
+      # timed in the same run as the baseline of that change; not a target row.
+      (f"block_momentum local step {BEFORE}",
+       mk("block_momentum", sgd_m(), parallel.WORKER_AXES, NEVER, flat_anchor=False), sgd_m,
        "optax.sgd(momentum=0.9) (no communication)", True),
   ]
 
@@ -467,6 +476,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if not args.only:
     sync_step_cost(report, shapes["flat"], warmup=warmup, reps=reps, iters=iters)
   for (shape_name, name), ratio in ratios.items():
+    if name.endswith(BEFORE):
+      continue
     report.target(f"update cost {shape_name} {name} (mfopt/optax)", ratio, "<=", 1.03,
                   applies=not args.quick, why_not="quick mode")
     if name == "periodic_averaging local step":

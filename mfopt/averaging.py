@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 from mfopt import _checks
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, HostSchedule, gated, host_scalar,
@@ -368,7 +369,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
                        outer: optax.GradientTransformation | None = None, *,
                        average_inner_state: bool = False, comm_dtype: Any = None,
                        sync_variance: bool | None = None, track_variance: bool = False,
-                       trace_length: int = 0) -> optax.GradientTransformation:
+                       trace_length: int = 0,
+                       flat_anchor: bool | None = False) -> optax.GradientTransformation:
   r"""Local steps with ``inner``; averaging of the parameters when the controller says so.
 
   Per worker ``i`` at step ``k``: :math:`w_{k+1,i} = w_{k,i} + \mathrm{inner}(g_{k,i})`;
@@ -399,6 +401,16 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       extra all-reduces per step (counted apart, see
       :class:`AveragingDiagnostics`); ``V_t`` (eq. 11) goes into the trace.
     trace_length: per-sync records kept in the state (ring buffer; 0 = none).
+    flat_anchor: hold the anchor and ``outer``'s state as one flat vector each
+      (``jax.flatten_util.ravel_pytree``, the idea of ``optax.flatten``) instead of one
+      array per parameter leaf. A step then passes 2 arrays instead of 2 x leaves through
+      its donated state; the runtime's cost per buffer is what made block momentum's local
+      step 1.11x optax's on a ResNet-50-shaped tree (BENCHMARKS.md, target 1). The sync
+      pays one concatenation and one split of the parameters. ``outer`` then sees one
+      vector, so use it only with an elementwise ``outer`` (SGD, momentum, Nesterov, Adam),
+      not a per-layer one (LARS). ``True`` needs the parameters' floating leaves to share
+      one dtype (a ``ValueError`` names them otherwise); ``None``: flat where they do.
+      No effect without an anchor (no ``outer`` and no ``comm_dtype``).
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`PeriodicAveragingState`. Its
@@ -431,10 +443,24 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   compute_s = controller.uses_variance if sync_variance is None else bool(sync_variance)
   if controller.uses_variance and not compute_s:
     raise ValueError(f"sync_variance=False but the controller {controller.name} needs S_k")
+  if flat_anchor not in (None, True, False):
+    raise ValueError(f"flat_anchor must be True, False or None, got {flat_anchor!r}")
   keep_anchor = outer is not None or comm_dtype is not None
   outer_tx = outer if outer is not None else optax.identity()
   communicates = axis_name is not None
   nan = jnp.asarray(jnp.nan, jnp.float32)
+
+  def is_flat(params) -> bool:
+    """Whether the anchor is one flat vector: decided from the parameters' dtypes alone, so
+    ``init`` and ``update`` agree without a flag in the state."""
+    if not keep_anchor or flat_anchor is False:
+      return False
+    dtypes = {jnp.result_type(x) for x in jax.tree.leaves(params)}
+    uniform = len(dtypes) == 1 and jnp.issubdtype(next(iter(dtypes)), jnp.floating)
+    if flat_anchor and not uniform:
+      raise ValueError("flat_anchor=True needs parameters of one floating dtype, got "
+                       f"{sorted(map(str, dtypes))}; pass flat_anchor=None or False")
+    return uniform
 
   def init_fn(params):
     inner_state = inner.init(params)
@@ -452,10 +478,14 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         trace_sync_variance=jnp.full([t], jnp.nan, jnp.float32) if t else (),
         trace_mean_variance=jnp.full([t], jnp.nan, jnp.float32) if t else (),
         trace_lr=jnp.full([t], jnp.nan, jnp.float32) if t else ())
+    if is_flat(params):
+      anchor = ravel_pytree(params)[0]
+    else:
+      anchor = jax.tree.map(jnp.asarray, params) if keep_anchor else ()
     return PeriodicAveragingState(
         count=jnp.zeros([], jnp.int32), inner_state=inner_state,
-        outer_state=outer_tx.init(params),
-        anchor=jax.tree.map(jnp.asarray, params) if keep_anchor else (),
+        outer_state=outer_tx.init(anchor if keep_anchor else params),
+        anchor=anchor,
         controller=controller.init(),
         param_comm=init_comm_stats(payload if communicates else 0, CollectiveKind.ALL_REDUCE),
         scalar_comm=init_comm_stats(4 if (communicates and compute_s) else 0,
@@ -494,8 +524,12 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # averaging at all; block momentum 756 -> 411 (BENCHMARKS.md, target 3). XLA:CPU
     # allocates a conditional's results afresh at every execution (16,386 page faults per
     # step on 2^24 parameters); the loop's carry it does not (2).
+    flat = is_flat(params)
+
     def sync_body(carry):
       local, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
+      if flat:  # the same arithmetic on one vector; back to the tree once, at the end
+        local, unravel = ravel_pytree(local)
       if comm_dtype is not None:
         delta = jax.tree.map(jnp.subtract, local, anchor)
         mean = jax.tree.map(jnp.add, anchor, pmean_tree(delta, axis_name, comm_dtype))
@@ -518,6 +552,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         new_params = mean
       if keep_anchor:
         anchor = new_params
+      if flat:
+        new_params = unravel(new_params)  # (a tree of one dtype: is_flat)
       steps_since = ctl.cnt
       ctl = controller.on_sync(ctl, k, s_k)
       if communicates:
@@ -600,7 +636,9 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
     period: ``K`` as an int or a :class:`PeriodController`.
     momentum: ``mu`` in [0, 1).
     nesterov: Nesterov form of the block momentum (optax's).
-    **kwargs: passed to :func:`periodic_averaging` (``comm_dtype``, diagnostics).
+    **kwargs: passed to :func:`periodic_averaging` (``comm_dtype``, diagnostics,
+      ``flat_anchor``: default ``None`` here, so the anchor and the block momentum are one
+      flat vector each wherever the parameters share one dtype).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -612,6 +650,7 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
   if not 0.0 <= momentum < 1.0:
     raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
   outer = optax.sgd(1.0, momentum=float(momentum), nesterov=nesterov)
+  kwargs.setdefault("flat_anchor", None)  # the outer step is elementwise: flat where it can be
   return periodic_averaging(inner, axis_name, period, outer=outer, **kwargs)
 
 

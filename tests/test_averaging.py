@@ -208,6 +208,48 @@ def test_outer_sgd_momentum_is_mavg_and_momentum_zero_is_periodic_averaging():
   _close(got_pa, np_mavg(6, 0.0))
 
 
+@pytest.mark.parametrize("make", [
+    lambda **kw: mfopt.block_momentum(optax.sgd(schedule), mfopt.WORKER_AXES, 6, momentum=0.6,
+                                      **kw),
+    lambda **kw: mfopt.block_momentum(optax.sgd(schedule), mfopt.WORKER_AXES, 5, momentum=0.8,
+                                      nesterov=True, comm_dtype=jnp.bfloat16, **kw),
+    lambda **kw: mfopt.periodic_averaging(optax.sgd(schedule), mfopt.WORKER_AXES, 4,
+                                          comm_dtype=jnp.bfloat16, **kw),
+], ids=["block_momentum", "nesterov_bf16_exchange", "periodic_bf16_exchange"])
+def test_flat_anchor_equals_the_tree_anchor(make):
+  """The anchor and the outer momentum as one flat vector per worker (block momentum's
+  default where the parameters share a dtype) give the tree layout's parameters, and the
+  state holds 2 arrays where the tree layout holds 2 per parameter leaf."""
+  got_flat, state_flat = run_jax(make(flat_anchor=True), steps=60)
+  got_tree, state_tree = run_jax(make(flat_anchor=False), steps=60)
+  np.testing.assert_allclose(got_flat, got_tree, rtol=1e-6, atol=1e-6)
+  flat = averaging.find_averaging_state(state_flat)
+  tree = averaging.find_averaging_state(state_tree)
+  assert flat.anchor.shape == (W, D) and set(tree.anchor) == {"a", "b"}  # (workers, params)
+  np.testing.assert_allclose(flat.anchor, got_flat, rtol=1e-6)  # the anchor is the last sync's
+  assert (len(jax.tree.leaves((flat.anchor, flat.outer_state)))
+          < len(jax.tree.leaves((tree.anchor, tree.outer_state))))
+
+
+def test_flat_anchor_default_and_errors():
+  """block_momentum is flat where the parameters share one floating dtype and keeps the tree
+  where they do not; ``flat_anchor=True`` then names the dtypes."""
+  same = {"a": jnp.zeros(3), "b": jnp.ones((2, 2))}
+  mixed = {"a": jnp.zeros(3), "b": jnp.ones((2, 2), jnp.bfloat16)}
+  tx = mfopt.block_momentum(optax.sgd(0.1), None, 4)
+  assert tx.init(same).anchor.shape == (7,)
+  assert set(tx.init(mixed).anchor) == {"a", "b"}
+  u, s = tx.update(mixed, tx.init(mixed), mixed)  # the tree path still runs
+  assert u["b"].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"flat_anchor=True needs parameters of one floating "
+                                       r"dtype, got \['bfloat16', 'float32'\]"):
+    mfopt.block_momentum(optax.sgd(0.1), None, 4, flat_anchor=True).init(mixed)
+  with pytest.raises(ValueError, match=r"flat_anchor must be True, False or None, got 'yes'"):
+    mfopt.periodic_averaging(optax.sgd(0.1), None, 4, flat_anchor="yes")
+  # no anchor (no outer, no comm_dtype): nothing to flatten
+  assert mfopt.periodic_averaging(optax.sgd(0.1), None, 4, flat_anchor=True).init(mixed).anchor == ()
+
+
 def test_average_inner_state_averages_momentum_at_sync():
   p = 4
   tx = mfopt.periodic_averaging(optax.sgd(schedule, momentum=0.9), mfopt.WORKER_AXES, p,
