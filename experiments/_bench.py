@@ -203,12 +203,46 @@ HLO_NOT_KERNELS = frozenset({
     "all-gather-done", "collective-permute-done", "copy-done", "async-done", "async-update"})
 
 
-def hlo_instruction_traffic(lines: Sequence[str], free: set[str]) -> list[dict[str, Any]]:
+_HLO_PARAM_NO = re.compile(r"\bparameter\((\d+)\)")
+_SLICES = ("slice", "dynamic-slice")
+
+
+def _sliced_operand_bytes(fused: Sequence[str]) -> dict[int, int]:
+  """``{parameter number: bytes}`` for the parameters of a fused computation that are only
+  read through ``slice``/``dynamic-slice``: the bytes of those slices, which is what the
+  kernel reads of that operand (``jax.flatten_util``'s unravel is one slice per leaf of a
+  flat vector; counting the whole vector per slice would overcount it by the leaf count)."""
+  params, shapes, users = {}, {}, {}
+  for line in fused:
+    m = HLO_INSTR.match(line)
+    if not m:
+      continue
+    name, op = m.group("name"), m.group("op")
+    shapes[name] = hlo_shape_bytes(m.group("shape"))
+    if op == "parameter":
+      number = _HLO_PARAM_NO.search(line)
+      if number:
+        params[name] = int(number.group(1))
+      continue
+    for operand in set(_HLO_OPERAND.findall(line[m.end():].split(")", 1)[0])):
+      users.setdefault(operand, []).append((name, op))
+  out = {}
+  for name, number in params.items():
+    use = users.get(name, [])
+    if use and all(op in _SLICES for _, op in use):
+      out[number] = min(shapes[name], sum(shapes[u] for u, _ in use))
+  return out
+
+
+def hlo_instruction_traffic(lines: Sequence[str], free: set[str] | frozenset[str],
+                            comps: dict[str, list[str]] | None = None) -> list[dict[str, Any]]:
   """Per kernel of one HLO computation, ``{"name", "op", "line", "written", "read"}``: every
   instruction whose op is not in ``free``, with its result's bytes (written) and the bytes of
   its operands defined in ``lines`` (read; parameters included). A model of memory traffic,
   the way XLA's cost analysis counts it: it does not know what a kernel reads twice or skips,
-  or what stays in cache."""
+  or what stays in cache. Two exceptions where the operand is known to be read only in part:
+  a ``slice`` reads its result's bytes, and with ``comps`` (the module's computations) a
+  fusion reads of an operand that it only slices the slices' bytes."""
   size: dict[str, int] = {}
   out = []
   for line in lines:
@@ -219,16 +253,25 @@ def hlo_instruction_traffic(lines: Sequence[str], free: set[str]) -> list[dict[s
     if m.group("op") in free:
       continue
     operands = _HLO_OPERAND.findall(line[m.end():].split(")", 1)[0])
+    read = [size.get(a, 0) for a in operands]
+    if m.group("op") in _SLICES and read:
+      read[0] = min(read[0], size[m.group("name")])
+    elif m.group("op") == "fusion" and comps:
+      called = _HLO_CALL.search(line)
+      for number, sliced in _sliced_operand_bytes(comps.get(called.group(1), []) if called
+                                                   else []).items():
+        if number < len(read):
+          read[number] = min(read[number], sliced)
     out.append({"name": m.group("name"), "op": m.group("op"), "line": line,
-                "written": size[m.group("name")],
-                "read": sum(size.get(a, 0) for a in operands)})
+                "written": size[m.group("name")], "read": sum(read)})
   return out
 
 
-def hlo_kernel_traffic(lines: Sequence[str], free: set[str]) -> tuple[int, int]:
+def hlo_kernel_traffic(lines: Sequence[str], free: set[str] | frozenset[str],
+                       comps: dict[str, list[str]] | None = None) -> tuple[int, int]:
   """Bytes written and read by the kernels of one HLO computation: the sums of
   :func:`hlo_instruction_traffic`."""
-  rows = hlo_instruction_traffic(lines, free)
+  rows = hlo_instruction_traffic(lines, free, comps)
   return sum(r["written"] for r in rows), sum(r["read"] for r in rows)
 
 

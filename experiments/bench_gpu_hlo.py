@@ -53,10 +53,12 @@ _GEMM = re.compile(r"custom_call_target=\"__cublas\$(?:lt\$matmul|gemm)[^\"]*\"|
                    r"calls=%?gemm_fusion|\"kind\":\"__triton_gemm\"")
 
 
-def entry_traffic(lines: Sequence[str]) -> tuple[int, int]:
+def entry_traffic(lines: Sequence[str], comps: dict[str, list[str]] | None = None
+                  ) -> tuple[int, int]:
   """Bytes written and read by the kernels of one computation's lines
-  (:func:`_bench.hlo_kernel_traffic`; loop bodies and branches are separate computations)."""
-  return _bench.hlo_kernel_traffic(lines, _FREE)
+  (:func:`_bench.hlo_kernel_traffic`; loop bodies and branches are separate computations;
+  ``comps``, the module's computations, lets a fusion that slices an operand read its slices)."""
+  return _bench.hlo_kernel_traffic(lines, _FREE, comps)
 
 
 def run_traffic(comps: dict[str, list[str]], entry: str | None) -> tuple[int, int]:
@@ -65,7 +67,7 @@ def run_traffic(comps: dict[str, list[str]], entry: str | None) -> tuple[int, in
   write and read (conditional branches and the gated sync loop are not run)."""
 
   def visit(c: str, seen: frozenset) -> tuple[int, int]:
-    written, read = entry_traffic(comps.get(c, []))
+    written, read = entry_traffic(comps.get(c, []), comps)
     for line in comps.get(c, []):
       trips = _bench.hlo_trip_count(line) or 1
       for body in _bench.hlo_loop_bodies(line):
@@ -143,7 +145,7 @@ def program_structure(text: str) -> dict[str, Any]:
         total += pick((0, path(body, pick, seen, trips)))
     return total
 
-  written, read = entry_traffic(comps.get(entry, []) if entry else [])
+  written, read = entry_traffic(comps.get(entry, []) if entry else [], comps)
   run_written, run_read = run_traffic(comps, entry)
   return {"launches_every_step": sum(ops[False].values()),
           "entry_bytes_written": written, "entry_bytes_read": read,

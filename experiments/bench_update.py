@@ -136,8 +136,8 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "cond
          "after-all", "partition-id", "replica-id"}
 
 
-def _traffic(lines: list[str]) -> tuple[int, list[list[str]]]:
-  written, read = _bench.hlo_kernel_traffic(lines, _FREE)
+def _traffic(lines: list[str], comps: dict[str, list[str]]) -> tuple[int, list[list[str]]]:
+  written, read = _bench.hlo_kernel_traffic(lines, _FREE, comps)
   branches = []
   for line in lines:
     if _bench.hlo_is_gated_loop(line):  # the sync loop: its body runs on sync steps only
@@ -162,8 +162,8 @@ def entry_traffic_bytes(hlo_text: str) -> tuple[int, list[int]]:
     ``(entry_bytes, [bytes of each conditional branch or sync-loop body, in HLO order])``.
   """
   comps, entry = _bench.hlo_computations(hlo_text)
-  total, branches = _traffic(comps.get(entry, []))
-  per_branch = [_traffic(comps.get(b, []))[0] for group in branches for b in group]
+  total, branches = _traffic(comps.get(entry, []), comps)
+  per_branch = [_traffic(comps.get(b, []), comps)[0] for group in branches for b in group]
   return total, per_branch
 
 

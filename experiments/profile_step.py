@@ -104,7 +104,7 @@ def hlo_index(text: str) -> tuple[str | None, dict[str, dict[str, Any]]]:
          for name, lines in comps.items()}
   index = {}
   for lines in comps.values():
-    for row in _bench.hlo_instruction_traffic(lines, _bench.HLO_NOT_KERNELS):
+    for row in _bench.hlo_instruction_traffic(lines, _bench.HLO_NOT_KERNELS, comps):
       called = _CALLS.search(row["line"]) if row["op"] == "fusion" else None
       fused = ops.get(called.group(1), set()) if called else set()
       index[row["name"]] = {"op": row["op"],

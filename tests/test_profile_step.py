@@ -145,3 +145,48 @@ def test_bad_programs_are_named():
   with pytest.raises(SystemExit, match="--steps must be positive, got -1"):
     profile_step.main(["--quick", "--steps", "-1"])
   np.testing.assert_equal(profile_step.parse_programs("one, map"), ["one", "map"])
+
+
+SLICED = """\
+HloModule sliced
+
+%fused_split (p0: f32[100], p1: f32[10]) -> (f32[10], f32[30]) {
+  %p0 = f32[100]{0} parameter(0)
+  %p1 = f32[10]{0} parameter(1)
+  %s1 = f32[10]{0} slice(%p0), slice={[0:10]}
+  %s2 = f32[30]{0} slice(%p0), slice={[10:40]}
+  %a = f32[10]{0} add(%s1, %p1)
+  ROOT %t = (f32[10]{0}, f32[30]{0}) tuple(%a, %s2)
+}
+
+%fused_mixed (p0: f32[100]) -> f32[10] {
+  %p0 = f32[100]{0} parameter(0)
+  %s = f32[10]{0} slice(%p0), slice={[0:10]}
+  %r = f32[10]{0} slice(%p0), slice={[10:20]}
+  %n = f32[] reduce(%p0, %s), dimensions={0}
+  ROOT %m = f32[10]{0} add(%s, %r)
+}
+
+ENTRY %main (v: f32[100], w: f32[10]) -> f32[10] {
+  %v = f32[100]{0} parameter(0)
+  %w = f32[10]{0} parameter(1)
+  %f = (f32[10]{0}, f32[30]{0}) fusion(%v, %w), kind=kLoop, calls=%fused_split
+  %g = f32[10]{0} fusion(%v), kind=kLoop, calls=%fused_mixed
+  ROOT %s = f32[5]{0} slice(%w), slice={[0:5]}
+}
+"""
+
+
+def test_traffic_model_counts_what_slices_read():
+  """A fusion that only slices an operand reads the slices (10 + 30 floats of 100), one that
+  also reads it whole reads all of it; a bare slice reads its result's bytes. Hand-counted."""
+  comps, entry = _bench.hlo_computations(SLICED)
+  rows = {r["name"]: r for r in _bench.hlo_instruction_traffic(comps[entry],
+                                                                _bench.HLO_NOT_KERNELS, comps)}
+  assert rows["f"]["read"] == 4 * (10 + 30) + 4 * 10 and rows["f"]["written"] == 4 * 40
+  assert rows["g"]["read"] == 4 * 100
+  assert rows["s"]["read"] == rows["s"]["written"] == 4 * 5
+  # without the computations the model cannot look inside: whole operands
+  plain = {r["name"]: r for r in _bench.hlo_instruction_traffic(comps[entry],
+                                                                 _bench.HLO_NOT_KERNELS)}
+  assert plain["f"]["read"] == 4 * 100 + 4 * 10
