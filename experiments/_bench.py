@@ -478,7 +478,10 @@ class Report:
     judged = [t for t in self.targets if t["applies"]]
     passed = all(t["passed"] for t in judged)
     verdict = "PASS" if passed else "FAIL"
-    print(f"RESULT {self.bench}: {verdict} ({sum(t['passed'] for t in judged)}/{len(judged)} "
-          f"targets met{', quick mode: timings not meaningful' if self.args.quick else ''})",
-          flush=True)
+    quick = ", quick mode: timings not meaningful" if self.args.quick else ""
+    if not self.targets:  # a profile: figures only
+      print(f"RESULT {self.bench}: DONE (figures only, no targets{quick})", flush=True)
+    else:
+      print(f"RESULT {self.bench}: {verdict} ({sum(t['passed'] for t in judged)}/{len(judged)} "
+            f"targets met{quick})", flush=True)
     return self._write(complete=True, passed=passed)

@@ -61,6 +61,9 @@ def section(result: dict[str, Any], *, figures: bool = False, source: str = "") 
     lines += ["", f"Result: {sum(t['passed'] for t in judged)}/{len(judged)} targets met."]
   else:
     lines.append("No targets in this run.")
+  if result.get("bench") == "profile_step":
+    from experiments import profile_step
+    lines += profile_step.markdown(result)
   if figures:
     figs = [f for f in result.get("figures", []) if "name" in f]
     if figs:

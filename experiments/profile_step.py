@@ -272,6 +272,40 @@ def parse_programs(text: str) -> list[str]:
   return names
 
 
+def markdown(result: dict[str, Any]) -> list[str]:
+  """A profile run (``main``'s result or its JSON) as Markdown: per shape, one column per
+  program and one row per figure (ms per step) and per kernel category (ms, launches)."""
+  by_shape: dict[str, dict[str, dict[str, Any]]] = {}
+  for f in result.get("figures", []):
+    if "profile" in f:
+      by_shape.setdefault(f["shape"], {})[f["program"]] = f["profile"]
+  lines = []
+  for shape, profs in by_shape.items():
+    names = list(profs)
+    ref = profs[names[0]]
+    cats = sorted({c for p in profs.values() for c in p["categories"]},
+                  key=lambda c: -ref["categories"].get(c, {}).get("s_per_step", 0.0))
+    ms = lambda v: f"{v * 1e3:.3f}"  # noqa: E731
+    rows = [("untraced step (median)", [ms(p["untraced"]["median_s"]) for p in profs.values()]),
+            ("traced step (wall)", [ms(p["traced_wall_s_per_step"]) for p in profs.values()]),
+            ("device span", [ms(p["span_s_per_step"]) for p in profs.values()]),
+            ("busy (union of kernels)", [ms(p["busy_s_per_step"]) for p in profs.values()]),
+            ("idle (span - busy)", [ms(p["span_s_per_step"] - p["busy_s_per_step"])
+                                    for p in profs.values()]),
+            ("kernels", [f"{p['kernels'] / p['steps']:.0f}" for p in profs.values()])]
+    for c in cats:
+      cells = []
+      for p in profs.values():
+        got = p["categories"].get(c)
+        cells.append("-" if got is None else
+                     f"{ms(got['s_per_step'])} ({got['launches_per_step']:.0f})")
+      rows.append((c, cells))
+    lines += ["", f"{shape}, ms per step (a category: ms (launches)); reference {names[0]}:", "",
+              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+  return lines
+
+
 def _extra_args(parser) -> None:
   from experiments.bench_virtual_workers import parse_shapes
   parser.add_argument("--programs", default="one,fast",

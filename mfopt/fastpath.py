@@ -15,15 +15,20 @@ one worker), with the loss
 whose gradient is exactly :math:`\frac1W\sum_w g_w`, the all-reduced gradient of
 ``sync_gradients``. The running BN statistics stay per worker (``W`` small vectors).
 
-How. The per-group BatchNorm is obtained without touching the models: the model is
-applied under ``jax.vmap`` over the group axis with the parameters *unbatched*
-(closed over) and the batch reshaped ``(W*B, ...) -> (W, B, ...)`` (the worker-stacked
-batch already has that shape). JAX's batching rule for a convolution or matmul whose
-weights are unbatched folds the group axis into the batch dimension, so the compiled
-program runs one convolution over all ``W*B`` examples -- not the grouped convolution
-that ``vmap`` over per-worker *weights* produces (ARCHITECTURE.md, "Virtual workers")
--- while the BN reductions are taken per group. One gradient, one optimizer update per
-device instead of ``W``.
+How. For mfopt's models (those with a ``bn_groups`` field: the CNN and the ResNets) the
+model runs on the flat batch of ``W*B`` examples as ``model.clone(bn_groups=W)``: every
+BatchNorm is a :class:`mfopt.models.GroupBatchNorm`, whose running statistics ``(W, C)`` are
+the per-worker statistics as they are stored anyway, and whose hand-written VJP keeps every
+large tensor 4-D. For any other model the per-group BatchNorm is obtained without touching
+it: the model is applied under ``jax.vmap`` over the group axis with the parameters
+*unbatched* (closed over) and the batch ``(W, B, ...)``. JAX's batching rule for a
+convolution or matmul whose weights are unbatched folds the group axis into the batch
+dimension, so that program too runs one convolution over all ``W*B`` examples -- not the
+grouped convolution that ``vmap`` over per-worker *weights* produces (ARCHITECTURE.md,
+"Virtual workers") -- but XLA:GPU then writes extra activation-sized tensors around the
+5-D per-group reductions (deviceless H100 compile, ResNet-18 16 x 64: 7,054 MB written per
+step, against 6,391 MB for one replica; see ``group_bn`` below for the grouped BN's figure).
+One gradient, one optimizer update per device instead of ``W``.
 
 Several devices. With ``D`` devices each device runs one replica on its ``W/D``
 groups, and the gradient is averaged over the ``D`` replicas by
@@ -149,9 +154,27 @@ def init_train_state(model, inner: optax.GradientTransformation, example_x, *, n
       opt_state=parallel.shard_workers(parallel.stack_workers(host[2], local_devices), mesh))
 
 
+def _grouped_model(model, groups: int, group_bn: bool | None):
+  """``model.clone(bn_groups=groups)`` where the fast path runs the model on the flat batch,
+  else ``None`` (the ``vmap``-over-groups path)."""
+  if group_bn not in (None, True, False):
+    raise ValueError(f"group_bn must be True, False or None, got {group_bn!r}")
+  has_field = "bn_groups" in getattr(type(model), "__dataclass_fields__", {})
+  if group_bn and not has_field:
+    raise ValueError(f"group_bn=True needs a model with a bn_groups field (mfopt's CNN and "
+                     f"ResNets), got {type(model).__name__}")
+  if group_bn is False or not has_field:
+    return None
+  if model.bn_groups != 1:
+    raise ValueError(f"fast path: give the model with bn_groups=1 (one worker's model); the "
+                     f"fast path sets the groups itself, got bn_groups={model.bn_groups}")
+  return model.clone(bn_groups=groups) if groups > 1 else model
+
+
 def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_workers: int,
                     loss_fn: train_lib.LossFn = train_lib.classification_loss,
-                    comm_dtype: Any = None, donate: bool = True, update_in_place: bool = True):
+                    comm_dtype: Any = None, donate: bool = True, update_in_place: bool = True,
+                    group_bn: bool | None = None):
   """Jitted ``(FastPathState, batch) -> (FastPathState, metrics)``: synchronous SGD, fast.
 
   Equals :func:`mfopt.train.make_train_step` with
@@ -174,6 +197,10 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
       equal on one core). On XLA:GPU the in-place step is 407 kernel launches against 429
       (deviceless H100 compilation, ResNet-18 16x64; BENCHMARKS.md, target 4). The two
       compute the same numbers.
+    group_bn: run the model on the flat batch with :class:`mfopt.models.GroupBatchNorm`
+      (``model.clone(bn_groups=W/D)``; see the module docstring). ``None`` (default): where
+      the model has a ``bn_groups`` field; ``False``: the ``vmap``-over-groups path (any model;
+      the two agree to float rounding, ``tests/test_fastpath.py``).
 
   Returns:
     The jitted step. ``batch`` is ``{"x": (W, B, ...), "y": (W, B, ...)}`` sharded over
@@ -181,7 +208,8 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
     ``update_norm`` is the one replica's, repeated per worker), left on device.
   """
   _check_model(model)
-  parallel.local_workers(num_workers, mesh)  # validates before tracing
+  groups_per_device = parallel.local_workers(num_workers, mesh)  # validates before tracing
+  grouped = _grouped_model(model, groups_per_device, group_bn)
   tx = sync_transform(inner, mesh, comm_dtype)
   fuse_norm = train_lib._fuse_norm(mesh, 1)  # one replica per device
 
@@ -200,6 +228,16 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
     groups = batch["x"].shape[0]
 
     def loss_of(p):
+      if grouped is not None:  # one replica on the flat batch, BN statistics per group
+        x = batch["x"].reshape((-1,) + batch["x"].shape[2:])
+        ms = model_state if groups > 1 else jax.tree.map(lambda a: a[0], model_state)
+        logits, new_model_state = models_lib.apply_model(grouped, p, ms, x, train=True)
+        if groups == 1:  # flax's BN (W = D): its statistics are (C,), stored as (1, C)
+          new_model_state = jax.tree.map(lambda a: a[None], new_model_state)
+        logits = logits.reshape((groups, -1) + logits.shape[1:])
+        losses, aux = jax.vmap(loss_fn)(logits, batch["y"])
+        return jnp.mean(losses), (losses, aux, new_model_state)
+
       def one_group(ms, x, y):  # p is closed over (unbatched): no grouped convolutions
         logits, new_ms = models_lib.apply_model(model, p, ms, x, train=True)
         loss, aux = loss_fn(logits, y)

@@ -9,6 +9,9 @@
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 4x256,8x128"
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 16x64 --fastpath-variants"
 #       (decides fastpath's update_in_place default on GPU: BENCHMARKS.md, target 4)
+#   bash scripts/gpu_bench.sh "$OUT" "profile_step:--programs one,fast --shapes 16x64"
+#       (a kernel-by-kernel profile of target 4a's gap; "--programs one,unroll,map --shapes
+#       16x256" for the 4b stretch: BENCHMARKS.md, "Session 7")
 #   BENCH_ARGS=--quick PYTHON=.venv/bin/python bash scripts/gpu_bench.sh /tmp/x   # smoke test
 #
 # Writes OUTDIR/<bench>.json (every figure as data) and OUTDIR/<bench>.log (the FIG/TARGET

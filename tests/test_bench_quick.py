@@ -98,11 +98,12 @@ def test_bench_virtual_workers_quick_runs():
   assert variants == {"one replica @ W*B", "fast path", "vmap sync", "vmap local",
                       "lax.map local", "auto local", "gemm local", "unroll local",
                       "fast path cost"}
-  # XLA's cost estimate: the fast path does one replica's work plus per-group BN statistics
-  # (a few % of this tiny CNN), not W replicas' worth
+  # XLA's cost estimate: the fast path does one replica's work, not W replicas' worth. Its
+  # GroupBatchNorm's hand-written backward pass takes fewer flops than autodiff through flax's
+  # BatchNorm (one replica's step): about 0.91x on this tiny CNN, where BN is a large share.
   (cost,) = [f for f in _figures(result) if f.get("variant") == "fast path cost"]
   plain, fast = cost["cost"]
-  assert 1.0 <= fast["flops"] / plain["flops"] < 1.1
+  assert 0.8 <= fast["flops"] / plain["flops"] < 1.1
   # the automatic lowering made its choice by timing its candidates (2 workers: no map:K)
   auto = [f for f in _figures(result) if f["name"].startswith("W=2 B=2 | auto local (chose ")]
   assert len(auto) == 1

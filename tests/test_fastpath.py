@@ -38,7 +38,7 @@ def _batches(num_workers, steps, seed=0):
 MODEL = models.get_model("cnn", features=(4, 8), num_classes=3)
 
 
-def _run(num_devices, num_workers):
+def _run(num_devices, num_workers, group_bn=None):
   mesh = mfopt.make_mesh(jax.devices()[:num_devices])
   inner = optax.sgd(LR, momentum=0.9)
   batches = _batches(num_workers, STEPS)
@@ -48,7 +48,8 @@ def _run(num_devices, num_workers):
   ref_step = train_lib.make_train_step(MODEL, ref_tx, mesh=mesh, num_workers=num_workers)
   fast_state = fastpath.init_train_state(MODEL, inner, batches[0]["x"][0],
                                          num_workers=num_workers, mesh=mesh)
-  fast_step = fastpath.make_train_step(MODEL, inner, mesh=mesh, num_workers=num_workers)
+  fast_step = fastpath.make_train_step(MODEL, inner, mesh=mesh, num_workers=num_workers,
+                                       group_bn=group_bn)
   ref_metrics, fast_metrics = [], []
   for batch in batches:
     sharded = parallel.shard_workers(batch, mesh)
@@ -62,13 +63,15 @@ def _run(num_devices, num_workers):
               fast_metrics=fast_metrics, hlo=hlo)
 
 
-# (devices, workers): all workers on one device; two workers on each of 8 devices.
-CASES = [(1, 4), (8, 16)]
+# (devices, workers, group_bn): all workers on one device; two workers on each of 8 devices;
+# one worker per device (flax's BN on the flat batch); the vmap-over-groups path (group_bn=False).
+CASES = [(1, 4, None), (8, 16, None), (8, 8, None), (1, 4, False)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"D{d}-W{w}" for d, w in CASES])
+@pytest.fixture(scope="module", params=CASES,
+                ids=[f"D{d}-W{w}" + ("-vmap" if g is False else "") for d, w, g in CASES])
 def run(request):
-  return request.param, _run(*request.param)
+  return request.param[:2], _run(*request.param)
 
 
 def _assert_tree_close(a, b, **tol):
@@ -179,6 +182,26 @@ def test_to_train_state_matches_worker_stacked_layout(run):
   state = fastpath.to_train_state(r["fast_state"], num_workers=num_workers, mesh=r["mesh"])
   _assert_tree_close(jax.device_get(state.params), r["ref"].params, rtol=2e-5, atol=2e-6)
   assert jax.tree.structure(state.opt_state) == jax.tree.structure(r["ref"].opt_state)
+
+
+def test_group_bn_runs_the_model_on_the_flat_batch():
+  """The default path (mfopt's models) has no 5-D activation tensor: the model runs on the
+  (W*B, ...) batch with GroupBatchNorm; group_bn=False keeps the vmap over groups."""
+  mesh = mfopt.make_mesh(jax.devices()[:1])
+  inner = optax.sgd(LR)
+  batch = parallel.shard_workers(_batches(4, 1)[0], mesh)
+  state = fastpath.init_train_state(MODEL, inner, batch["x"][0], num_workers=4, mesh=mesh)
+  five_d = re.compile(r"tensor<4x4x8x8x4x")  # (W, B, H, W, C): the first conv's output
+  flat = fastpath.make_train_step(MODEL, inner, mesh=mesh, num_workers=4)
+  vmapped = fastpath.make_train_step(MODEL, inner, mesh=mesh, num_workers=4, group_bn=False)
+  assert not five_d.search(flat.lower(state, batch).as_text())
+  assert five_d.search(vmapped.lower(state, batch).as_text())
+  with pytest.raises(ValueError, match="group_bn=True needs a model with a bn_groups field"):
+    fastpath.make_train_step(models.get_model("mlp", hidden=(4,), num_classes=3), inner,
+                             mesh=mesh, num_workers=4, group_bn=True)
+  with pytest.raises(ValueError, match="got bn_groups=2"):
+    fastpath.make_train_step(models.get_model("cnn", features=(4,), num_classes=3, bn_groups=2),
+                             inner, mesh=mesh, num_workers=4)
 
 
 def test_rejects_synchronised_bn():

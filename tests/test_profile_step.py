@@ -137,6 +137,11 @@ def test_quick_run_fast_path_has_one_replicas_convolutions():
   assert convs[0] == convs[1] > 0
   names = [f["name"] for f in result["figures"] if "name" in f]
   assert "W=2 B=2 | fast - one | busy time" in names
+  # the Markdown table (bench_tables prints it for a profile run): one column per program
+  table = profile_step.markdown(result)
+  assert "| | one | fast |" in table
+  (conv_row,) = [r for r in table if r.startswith("| convolution |")]
+  assert conv_row.count(f"({convs[0]:.0f})") == 2, conv_row
 
 
 def test_bad_programs_are_named():
