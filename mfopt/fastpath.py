@@ -16,7 +16,8 @@ whose gradient is exactly :math:`\frac1W\sum_w g_w`, the all-reduced gradient of
 ``sync_gradients``. The running BN statistics stay per worker (``W`` small vectors).
 
 How. For mfopt's models (those with a ``bn_groups`` field: the CNN and the ResNets) the
-model runs on the flat batch of ``W*B`` examples as ``model.clone(bn_groups=W)``: every
+model runs on the flat batch of ``W*B`` examples as ``model.clone(bn_groups=W)`` (``W/D``
+per device with ``D`` devices): every
 BatchNorm is a :class:`mfopt.models.GroupBatchNorm`, whose running statistics ``(W, C)`` are
 the per-worker statistics as they are stored anyway, and whose hand-written VJP keeps every
 large tensor 4-D. For any other model the per-group BatchNorm is obtained without touching
@@ -27,7 +28,8 @@ dimension, so that program too runs one convolution over all ``W*B`` examples --
 grouped convolution that ``vmap`` over per-worker *weights* produces (ARCHITECTURE.md,
 "Virtual workers") -- but XLA:GPU then writes extra activation-sized tensors around the
 5-D per-group reductions (deviceless H100 compile, ResNet-18 16 x 64: 7,054 MB written per
-step, against 6,391 MB for one replica; see ``group_bn`` below for the grouped BN's figure).
+step, against 6,391 MB for one replica with flax's BN and 6,060 MB with GroupBatchNorm;
+BENCHMARKS.md, "Session 7").
 One gradient, one optimizer update per device instead of ``W``.
 
 Several devices. With ``D`` devices each device runs one replica on its ``W/D``
