@@ -332,7 +332,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"{fv['bytes_read_run'] / 1e6:,.0f} vs {one['bytes_read_run'] / 1e6:,.0f} MB; "
                 f"launches {fv['launches_run']} vs {one['launches_run']}")
   report.target("4a: the fast path writes no more than one replica (+1%; traffic model)",
-                fp["bytes_written_run"] / one["bytes_written_run"], "<=", 1.01)
+                fp["bytes_written_run"] / one["bytes_written_run"], "<=", 1.01,
+                applies=not args.quick,
+                why_not="quick: the tiny CNN's per-group statistics weigh on its tiny activations")
   if "temp_bytes" in fp and "temp_bytes" in one:
     report.figure("4a: fast path / one replica, temp buffer", fp["temp_bytes"] / one["temp_bytes"],
                   "x", f"{fp['temp_bytes'] / 1e6:.1f} vs {one['temp_bytes'] / 1e6:.1f} MB")
