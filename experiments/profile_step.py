@@ -20,9 +20,12 @@ one replica) and target 4b's stretch (16 x 256 local workers at >= 0.75 x one re
    modelled bytes and achieved GB/s; then the top kernels; then each program's difference to
    the first (the reference), category by category.
 
-XLA:GPU runs op by op while a profiler is active (command buffers are off by default during
-profiling), so traced steps can be slower than untraced ones; both are reported, and the
-categories explain the traced time. The trace and the join are tested on the CPU
+Inside a CUDA graph (an XLA:GPU command buffer) every kernel reports the graph's name instead
+of its instruction, so this bench turns command buffers off (``XLA_FLAGS`` gets
+``--xla_gpu_enable_command_buffer=``, explicitly empty, unless it sets that flag already;
+``--keep-command-buffers`` leaves it alone). Its untraced times are therefore of the
+op-by-op program; ``bench_virtual_workers`` times the default one. Kernels that still report
+a command buffer are counted under ``unmatched: command_buffer...`` and named in a note. The trace and the join are tested on the CPU
 (``tests/test_profile_step.py``) and on a GPU-format trace built in the test.
 
 Commands::
@@ -62,6 +65,8 @@ PROGRAMS = ("one", "fast", "vmap", "map", "unroll", "gemm")
 _DERIVED_LINES = {"XLA Modules", "XLA Ops", "Steps", "Framework Ops", "Framework Name Scope",
                   "Source code", "TensorFlow Name Scope", "TensorFlow Ops", "XLA TraceMe"}
 _GPU_PROCESS = re.compile(r"/device:GPU:\d+")
+#: Turns XLA:GPU command buffers (CUDA graphs) off, so every kernel names its instruction.
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 _HLO_MODULE = re.compile(r"^HloModule\s+([\w.\-]+)", re.M)
 _FUSION_KIND = re.compile(r"\bkind=(k\w+)")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -316,6 +321,9 @@ def _extra_args(parser) -> None:
   parser.add_argument("--steps", type=int, default=None,
                       help="traced steps per program (default 5; 2 with --quick)")
   parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+  parser.add_argument("--keep-command-buffers", action="store_true",
+                      help="do not add --xla_gpu_enable_command_buffer= to XLA_FLAGS (kernels "
+                           "inside CUDA graphs then report the graph, not their instruction)")
   parser.add_argument("--trace-dir", default=None,
                       help="keep the raw traces here (one subfolder per program and shape; "
                            "open them in Perfetto or XProf); default: a deleted temp folder")
@@ -336,6 +344,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   steps = args.steps if args.steps is not None else (2 if args.quick else 5)
   if steps <= 0:
     raise SystemExit(f"--steps must be positive, got {steps}")
+  flags = os.environ.get("XLA_FLAGS", "")
+  if not args.keep_command_buffers and "xla_gpu_enable_command_buffer" not in flags:
+    # Read when the backend starts (below, in Report): a process whose backend already runs
+    # (a test) keeps its flags; XLA:CPU has no command buffers to turn off.
+    os.environ["XLA_FLAGS"] = f"{flags} {NO_COMMAND_BUFFERS}".strip()
   from experiments.bench_train_step import synthetic
   from experiments.bench_virtual_workers import build_model, configs
 
@@ -376,6 +389,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if not prof["kernels"]:
           report.note(f"{shape} | {name}: the trace has no kernel events of module "
                       f"{prof['module']} (is CUPTI available?)")
+        graphs = [c for c in prof["categories"] if c.startswith("unmatched: command_buffer")]
+        if graphs:
+          report.note(f"{shape} | {name}: {len(graphs)} CUDA graph(s) in the trace, their "
+                      "kernels unattributed: run without --keep-command-buffers and without "
+                      "xla_gpu_enable_command_buffer in XLA_FLAGS")
         for cat, c in prof["categories"].items():
           report.figure(f"{shape} | {name} | {cat}", c["s_per_step"] * 1e3, "ms/step",
                         _fmt_cat(c))

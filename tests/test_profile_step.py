@@ -124,10 +124,23 @@ def test_cpu_trace_joins_every_kernel_with_its_instruction(tmp_path):
   assert prof["kernel_s_per_step"] <= prof["traced_wall_s_per_step"] * 1.5
 
 
-def test_quick_run_fast_path_has_one_replicas_convolutions():
+def test_kernels_inside_a_cuda_graph_are_reported_unattributed():
+  """A kernel inside an XLA:GPU command buffer names the graph, not its instruction."""
+  event = {"ph": "X", "ts": 0.0, "dur": 7.0, "name": "sm90_kernel",
+           "args": {"hlo_op": "command_buffer.2", "hlo_module": "jit_step"}}
+  got = profile_step.summarize([event], {"fusion.7": {"category": "elementwise fusion",
+                                                      "written": 1, "read": 1}}, 1)
+  assert list(got["categories"]) == ["unmatched: command_buffer.2"]
+
+
+def test_quick_run_fast_path_has_one_replicas_convolutions(monkeypatch):
   """The fast path runs one replica's convolutions (same launches; no grouped ones): the
-  profile's join shows it, and the comparison figures name the reference."""
+  profile's join shows it, and the comparison figures name the reference. The run turns
+  XLA:GPU's command buffers off for later backends (this process's CPU one is running)."""
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # (restored after the test)
   result = profile_step.main(["--quick", "--programs", "one,fast"])
+  import os
+  assert os.environ["XLA_FLAGS"] == profile_step.NO_COMMAND_BUFFERS
   profs = {f["program"]: f["profile"] for f in result["figures"] if "profile" in f}
   assert set(profs) == {"one", "fast"}
   for p in profs.values():
