@@ -101,9 +101,15 @@ def configs(quick: bool, gpu: bool) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  args = _bench.parse_args(argv, __doc__.splitlines()[0], lambda p: p.add_argument(
-      "--periodic-only", action="store_true",
-      help="only target 3 (periodic averaging's local and sync steps vs no communication)"))
+  def extra(p):
+    p.add_argument("--periodic-only", action="store_true",
+                   help="only target 3 (periodic averaging's local and sync steps vs no "
+                        "communication)")
+    p.add_argument("--bn-variants", action="store_true",
+                   help="also time the library's step with the models' bn_impl='mfopt' "
+                        "(GroupBatchNorm with one group: a hand-written BN backward pass)")
+
+  args = _bench.parse_args(argv, __doc__.splitlines()[0], extra)
   import mfopt
   from mfopt import models, parallel
 
@@ -124,7 +130,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       sgd = optax.sgd(0.1, momentum=0.9)
       sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)
       runners = [mfopt_runner(model, sync, x[None], y[None]), plain_runner(model, sgd, x, y)]
-      t_mf, t_plain = _bench.time_interleaved(runners, warmup=warmup, reps=reps, iters=iters)
+      if args.bn_variants:
+        runners.append(mfopt_runner(model.clone(bn_impl="mfopt"), sync, x[None], y[None]))
+      t_mf, t_plain, *t_bn = _bench.time_interleaved(runners, warmup=warmup, reps=reps,
+                                                     iters=iters)
       ratio = t_plain.median / t_mf.median  # images/s ratio mfopt / plain
       label = (f"{cfg['name']} width {cfg['width']} {cfg['image']}x{cfg['image']} "
                f"batch {cfg['batch']} {dtype_name}")
@@ -134,6 +143,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     config=cfg, dtype=dtype_name, mfopt=t_mf.as_dict(),
                     plain=t_plain.as_dict(), ratio=ratio)
       results.append((label, ratio))
+      if t_bn:  # reported, not judged: the library's default BN is flax's
+        report.figure(f"{label} | mfopt sync step with bn_impl='mfopt' / plain flax+optax "
+                      "(images/s)", t_plain.median / t_bn[0].median, "x",
+                      f"{cfg['batch'] / t_bn[0].median:,.1f} img/s ({t_bn[0].spread()}); "
+                      f"against the library's default step: "
+                      f"{t_mf.median / t_bn[0].median:.3f}x", config=cfg, dtype=dtype_name,
+                      bn_impl="mfopt", timing=t_bn[0].as_dict())
       step_time[dtype_name] = (t_mf.median, t_plain.median)
     mp = step_time["bf16"][1] / step_time["fp32"][1]
     report.figure(f"{cfg['name']} width {cfg['width']} batch {cfg['batch']} | bf16 / fp32 step "

@@ -96,6 +96,7 @@ __all__ = [
     "gemm_conv_general_dilated",
     "GroupBatchNorm",
     "group_batch_norm",
+    "BN_IMPLS",
 ]
 
 BN_MOMENTUM = 0.9
@@ -107,6 +108,11 @@ conv_kernel_init = nn.initializers.variance_scaling(2.0, "fan_in", "normal")
 #: How CNN / ResNet convolutions are computed: ``"xla"`` (``lax.conv_general_dilated``) or
 #: ``"gemm"`` (:func:`gemm_conv_general_dilated`). Same parameters, same function.
 CONV_IMPLS = ("xla", "gemm")
+
+#: How CNN / ResNet BatchNorms are computed: ``"flax"`` (``nn.BatchNorm``, the default) or
+#: ``"mfopt"`` (:class:`GroupBatchNorm` with one group: the same parameters, statistics and
+#: function, with a hand-written backward pass).
+BN_IMPLS = ("flax", "mfopt")
 
 
 def gemm_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
@@ -216,7 +222,8 @@ def _check_float_dtype(owner: str, dtype: Any) -> None:
     raise ValueError(f"{owner}: dtype must be a floating dtype, got {dtype!r}")
 
 
-def _check_bn(owner: str, momentum: Any, axis_name: Any, groups: Any = 1) -> None:
+def _check_bn(owner: str, momentum: Any, axis_name: Any, groups: Any = 1,
+              impl: Any = "flax") -> None:
   if not (isinstance(momentum, (int, float)) and 0.0 <= momentum < 1.0):
     raise ValueError(f"{owner}: bn_momentum must be in [0, 1), got {momentum!r}")
   _checks.positive_int("bn_groups", groups, owner=owner)
@@ -224,6 +231,11 @@ def _check_bn(owner: str, momentum: Any, axis_name: Any, groups: Any = 1) -> Non
     raise ValueError(f"{owner}: bn_groups={groups} (statistics per group of the batch) and "
                      f"bn_axis_name={axis_name!r} (statistics over all workers) exclude each "
                      "other")
+  if impl not in BN_IMPLS:
+    raise ValueError(f"{owner}: bn_impl must be one of {BN_IMPLS}, got {impl!r}")
+  if impl == "mfopt" and axis_name is not None:
+    raise ValueError(f"{owner}: bn_impl='mfopt' has no synchronised BN; got "
+                     f"bn_axis_name={axis_name!r} (use bn_impl='flax')")
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   if axis_name is not None and not all(isinstance(n, str) and n for n in names):
     raise ValueError(
@@ -240,10 +252,11 @@ def _num_spatial_dims(owner: str, x: jax.Array) -> int:
 
 
 def _batch_norm(train: bool, momentum: float, axis_name: AxisName, dtype: Dtype,
-                groups: int = 1) -> ModuleDef:
+                groups: int = 1, impl: str = "flax") -> ModuleDef:
   """The one BatchNorm configuration used by every model here (see module docstring):
-  flax's ``nn.BatchNorm``, or with ``groups > 1`` :class:`GroupBatchNorm`."""
-  if groups > 1:
+  flax's ``nn.BatchNorm``, or :class:`GroupBatchNorm` with ``groups > 1`` or
+  ``impl="mfopt"``."""
+  if groups > 1 or impl == "mfopt":
     return functools.partial(GroupBatchNorm, groups=groups, use_running_average=not train,
                              momentum=momentum, epsilon=BN_EPSILON, dtype=dtype)
   return functools.partial(
@@ -362,6 +375,9 @@ class GroupBatchNorm(nn.Module):
   flax's arithmetic (float32 statistics, biased one-pass variance, momentum average). In
   evaluation mode each group is normalised with its own running statistics. Training mode
   runs :func:`group_batch_norm`. Models build it through ``bn_groups`` (CNN, ResNets).
+
+  With ``groups=1`` the statistics are ``(C,)``, flax's layout, so it is a drop-in for
+  ``nn.BatchNorm`` with a hand-written backward pass (models: ``bn_impl="mfopt"``).
   """
 
   groups: int
@@ -381,18 +397,20 @@ class GroupBatchNorm(nn.Module):
     c = x.shape[-1]
     scale = self.param("scale", self.scale_init, (c,), self.param_dtype)
     bias = self.param("bias", self.bias_init, (c,), self.param_dtype)
-    ra_mean = self.variable("batch_stats", "mean", jnp.zeros, (self.groups, c), jnp.float32)
-    ra_var = self.variable("batch_stats", "var", jnp.ones, (self.groups, c), jnp.float32)
+    shape = (self.groups, c) if self.groups > 1 else (c,)  # one group: flax's layout
+    ra_mean = self.variable("batch_stats", "mean", jnp.zeros, shape, jnp.float32)
+    ra_var = self.variable("batch_stats", "var", jnp.ones, shape, jnp.float32)
     x = x.astype(self.dtype or x.dtype)
     if self.use_running_average:
-      y = ((x.astype(jnp.float32) - _per_example(ra_mean.value, x))
-           * _per_example(lax.rsqrt(ra_var.value + self.epsilon) * scale, x) + bias)
+      mean, var = (v.reshape(self.groups, c) for v in (ra_mean.value, ra_var.value))
+      y = ((x.astype(jnp.float32) - _per_example(mean, x))
+           * _per_example(lax.rsqrt(var + self.epsilon) * scale, x) + bias)
       return y.astype(x.dtype)
     y, mean, var = group_batch_norm(x, scale, bias, self.epsilon, self.groups)
     if not self.is_initializing():
       m = self.momentum
-      ra_mean.value = m * ra_mean.value + (1 - m) * lax.stop_gradient(mean)
-      ra_var.value = m * ra_var.value + (1 - m) * lax.stop_gradient(var)
+      ra_mean.value = m * ra_mean.value + (1 - m) * lax.stop_gradient(mean).reshape(shape)
+      ra_var.value = m * ra_var.value + (1 - m) * lax.stop_gradient(var).reshape(shape)
     return y
 
 
@@ -450,7 +468,10 @@ class CNN(nn.Module):
     bn_momentum: BN running-average momentum.
     conv_impl: ``"xla"`` or ``"gemm"`` (:data:`CONV_IMPLS`; same parameters and function).
     bn_groups: BN statistics per group of ``N / bn_groups`` consecutive examples
-      (:class:`GroupBatchNorm`, running statistics ``(bn_groups, C)``); 1: flax's BN.
+      (:class:`GroupBatchNorm`, running statistics ``(bn_groups, C)``); 1: one group.
+    bn_impl: with one group, ``"flax"`` (``nn.BatchNorm``) or ``"mfopt"``
+      (:class:`GroupBatchNorm`: the same variables and function, a hand-written backward
+      pass; :data:`BN_IMPLS`).
   """
 
   features: Sequence[int] = (32, 64)
@@ -461,19 +482,21 @@ class CNN(nn.Module):
   bn_momentum: float = BN_MOMENTUM
   conv_impl: str = "xla"
   bn_groups: int = 1
+  bn_impl: str = "flax"
 
   def __post_init__(self):
     _check_positive_ints("CNN", "features", self.features, allow_empty=False)
     _checks.positive_int("num_classes", self.num_classes, owner="CNN")
     _check_float_dtype("CNN", self.dtype)
-    _check_bn("CNN", self.bn_momentum, self.bn_axis_name, self.bn_groups)
+    _check_bn("CNN", self.bn_momentum, self.bn_axis_name, self.bn_groups, self.bn_impl)
     _conv_fn("CNN", self.conv_impl)
     super().__post_init__()
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     nd = _num_spatial_dims("CNN", x)
-    norm = _batch_norm(train, self.bn_momentum, self.bn_axis_name, self.dtype, self.bn_groups)
+    norm = _batch_norm(train, self.bn_momentum, self.bn_axis_name, self.dtype, self.bn_groups,
+                       self.bn_impl)
     for i, f in enumerate(self.features):
       x = nn.Conv(f, (3,) * nd, padding="SAME", use_bias=not self.use_bn,
                   kernel_init=conv_kernel_init, dtype=self.dtype, param_dtype=jnp.float32,
@@ -569,7 +592,10 @@ class ResNet(nn.Module):
     bn_momentum: BN running-average momentum.
     conv_impl: ``"xla"`` or ``"gemm"`` (:data:`CONV_IMPLS`; same parameters and function).
     bn_groups: BN statistics per group of ``N / bn_groups`` consecutive examples
-      (:class:`GroupBatchNorm`, running statistics ``(bn_groups, C)``); 1: flax's BN.
+      (:class:`GroupBatchNorm`, running statistics ``(bn_groups, C)``); 1: one group.
+    bn_impl: with one group, ``"flax"`` (``nn.BatchNorm``) or ``"mfopt"``
+      (:class:`GroupBatchNorm`: the same variables and function, a hand-written backward
+      pass; :data:`BN_IMPLS`).
   """
 
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
@@ -582,6 +608,7 @@ class ResNet(nn.Module):
   bn_momentum: float = BN_MOMENTUM
   conv_impl: str = "xla"
   bn_groups: int = 1
+  bn_impl: str = "flax"
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -594,7 +621,7 @@ class ResNet(nn.Module):
     _checks.positive_int("num_classes", self.num_classes, owner=owner)
     _checks.positive_int("width", self.width, owner=owner)
     _check_float_dtype(owner, self.dtype)
-    _check_bn(owner, self.bn_momentum, self.bn_axis_name, self.bn_groups)
+    _check_bn(owner, self.bn_momentum, self.bn_axis_name, self.bn_groups, self.bn_impl)
     _conv_fn(owner, self.conv_impl)
     super().__post_init__()
 
@@ -604,7 +631,8 @@ class ResNet(nn.Module):
     conv = functools.partial(nn.Conv, use_bias=False, kernel_init=conv_kernel_init,
                              dtype=self.dtype, param_dtype=jnp.float32,
                              conv_general_dilated=_conv_fn(type(self).__name__, self.conv_impl))
-    norm = _batch_norm(train, self.bn_momentum, self.bn_axis_name, self.dtype, self.bn_groups)
+    norm = _batch_norm(train, self.bn_momentum, self.bn_axis_name, self.dtype, self.bn_groups,
+                       self.bn_impl)
 
     if self.stem == "imagenet":
       x = conv(self.width, (7,) * nd, (2,) * nd, padding=[(3, 3)] * nd, name="stem_conv")(x)

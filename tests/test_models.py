@@ -475,6 +475,7 @@ def _flax_bn_per_group(x, scale, bias, groups, momentum=0.9):
     ((9, 4), 3, jnp.float32),           # no spatial axis (3 examples per group)
     ((8, 4, 4, 8), 8, jnp.float32),     # one example per group
     ((12, 5, 5, 6), 4, jnp.bfloat16),   # bf16 compute, float32 statistics
+    ((6, 5, 5, 6), 1, jnp.float32),     # one group: bn_impl="mfopt"
 ])
 def test_group_batch_norm_equals_flax_batchnorm_per_group(shape, groups, dtype):
   """Values, running statistics and gradients (x, scale, bias) of the hand-written VJP against
@@ -548,11 +549,42 @@ def test_resnet_with_bn_groups_is_the_per_group_model():
   np.testing.assert_allclose(eval_g, eval_v, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["cnn", "resnet18"])
+def test_bn_impl_mfopt_is_flax_batchnorm_with_a_hand_written_backward(name):
+  """bn_impl="mfopt" (GroupBatchNorm, one group) is a drop-in for flax's BatchNorm: the same
+  parameter and statistics trees, and the same logits, new statistics and gradients in
+  training mode, and the same logits in evaluation mode."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(8, 8, 8, 3)) + 2.0, jnp.float32)
+  kw = dict(num_classes=5, width=4) if name == "resnet18" else dict(features=(4, 8),
+                                                                       num_classes=5)
+  flax_model = models.get_model(name, **kw)
+  mine = models.get_model(name, bn_impl="mfopt", **kw)
+  params, state = models.init_model(flax_model, jax.random.PRNGKey(0), x)
+  params2, state2 = models.init_model(mine, jax.random.PRNGKey(0), x)
+  assert jax.tree.structure(params) == jax.tree.structure(params2)
+  assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, state2)
+
+  def run(model):
+    def loss(p):
+      logits, new = models.apply_model(model, p, state, x, train=True)
+      return jnp.mean(logits ** 2), (logits, new)
+    (_, (logits, new)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return logits, new, grads, models.apply_model(model, params, new, x, train=False)[0]
+
+  for a, b in zip(jax.tree.leaves(run(flax_model)), jax.tree.leaves(run(mine))):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5 * float(jnp.abs(a).max()) + 1e-7)
+
+
 def test_bn_groups_validation():
   with pytest.raises(ValueError, match=r"bn_groups must be a positive integer, got 0"):
     models.get_model("cnn", bn_groups=0)
   with pytest.raises(ValueError, match=r"bn_groups=2 .* bn_axis_name='w' .* exclude each other"):
     models.get_model("resnet18", bn_groups=2, bn_axis_name="w")
+  with pytest.raises(ValueError, match=r"bn_impl must be one of \('flax', 'mfopt'\), got 'x'"):
+    models.get_model("cnn", bn_impl="x")
+  with pytest.raises(ValueError, match=r"bn_impl='mfopt' has no synchronised BN"):
+    models.get_model("cnn", bn_impl="mfopt", bn_axis_name="w")
   model = models.get_model("cnn", features=(4,), num_classes=3, bn_groups=3)
   with pytest.raises(ValueError, match=r"multiple of groups=3, got input shape \(4, 8, 8, 4\)"):
     models.init_model(model, jax.random.PRNGKey(0), jnp.zeros((4, 8, 8, 1)))
