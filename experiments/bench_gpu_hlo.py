@@ -25,9 +25,12 @@ same steps ``bench_virtual_workers`` and ``bench_train_step`` time):
   convolutions as the one replica (same count, same batch, no feature groups);
 * the fast path's in-place update (default) vs ``update_in_place=False``;
 * target 4b: the local (divergent-replica) lowerings ``vmap`` (grouped convolutions),
-  ``gemm`` (batched matrix products, no convolution) and ``map`` (a loop of ``W`` replicas);
+  ``gemm`` (batched matrix products, no convolution), ``map`` (a loop of ``W`` replicas) and
+  ``unroll`` (the ``W`` replicas in a straight line), the last also with ``bn_impl="mfopt"``;
 * target 3: a periodic-averaging (and block-momentum) local step vs a step with no
-  communication: the same work outside the gated sync loop;
+  communication: the same work outside the gated sync loop; and the host-gated step's shut
+  program (what a GPU runs by default, ``mfopt.train.HostGatedStep``): the no-communication
+  step's bytes, plus the scalar counter kernels;
 * target 4b with the local algorithms: the averaging transforms' local step with W workers on
   the device vs plain local SGD (``vmap``);
 * target 5: bf16 vs fp32 compute of the one-replica step: the convolutions run in bf16.
@@ -258,10 +261,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return step.lower(*_gpu_aot.abstract_on((state, worker_batch(num_workers, batch)),
                                             gpu_mesh)).compile()
 
-  def stacked(tx, w, b, lowering="vmap", dtype=jnp.bfloat16, bn_impl="flax"):
+  def stacked(tx, w, b, lowering="vmap", dtype=jnp.bfloat16, bn_impl="flax", host_gates=False):
+    # host_gates=False: the device-side gate (this process's backend is the CPU, so that is
+    # make_train_step's default here); True: the shut program of the host-gated step, which is
+    # what a real GPU runs for a local step (train.host_schedule's default off CPU).
     model = make(dtype).clone(bn_impl=bn_impl)
     state = train_lib.init_train_state(model, tx, x1, num_workers=w, mesh=host_mesh)
-    step = train_lib.make_train_step(model, tx, mesh=gpu_mesh, num_workers=w, lowering=lowering)
+    step = train_lib.make_train_step(model, tx, mesh=gpu_mesh, num_workers=w, lowering=lowering,
+                                     host_gates=host_gates)
+    if host_gates:
+      step = step.steps[False]
     return step.lower(*_gpu_aot.abstract_on((state, worker_batch(w, b)), gpu_mesh)).compile()
 
   def key(convs):
@@ -290,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   loc = {lw: record(f"{lw} local W={num_workers} B={batch}",
                     stacked(sgd, num_workers, batch, lowering=lw))
          for lw in ("vmap", "gemm", "map", "unroll")}
+  unroll_bn = record(f"unroll local W={num_workers} B={batch}, bn_impl='mfopt'",
+                     stacked(sgd, num_workers, batch, lowering="unroll", bn_impl="mfopt"))
   # Target 4b's local algorithms: the averaging transforms with W workers on one device.
   local_avg = {
       name: record(f"{name} local (vmap) W={num_workers} B={batch}",
@@ -300,13 +311,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   none = record(f"no communication W=1 @ {half}", stacked(sgd, 1, half))
   none_bn = record(f"no communication W=1 @ {half}, bn_impl='mfopt'",
                    stacked(sgd, 1, half, bn_impl="mfopt"))
+  averagers = (("periodic_averaging", mfopt.periodic_averaging),
+               ("block_momentum", mfopt.block_momentum))
   local_steps = {
-      "periodic_averaging": record(
-          f"periodic_averaging local W=1 @ {half}",
-          stacked(mfopt.periodic_averaging(sgd, parallel.WORKER_AXES, 10**9), 1, half)),
-      "block_momentum": record(
-          f"block_momentum local W=1 @ {half}",
-          stacked(mfopt.block_momentum(sgd, parallel.WORKER_AXES, 10**9), 1, half))}
+      tname: record(f"{tname} local W=1 @ {half}",
+                    stacked(avg(sgd, parallel.WORKER_AXES, 10**9), 1, half))
+      for tname, avg in averagers}
+  # What a GPU runs by default (host-decided gates): the shut program, with no loop at all.
+  host_local = {
+      tname: record(f"{tname} local W=1 @ {half}, host-decided gate (shut program)",
+                    stacked(avg(sgd, parallel.WORKER_AXES, 10**9), 1, half, host_gates=True))
+      for tname, avg in averagers}
   fp32 = record(f"one replica @ {half} fp32", plain(jnp.float32, half))
   bf16 = record(f"one replica @ {half} bf16", plain(jnp.bfloat16, half))
 
@@ -363,6 +378,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   report.target("4b: the gemm lowering runs no convolution", float(not loc["gemm"]["convs"]
                                                                    and loc["gemm"]["gemms"] > 0),
                 ">=", 1.0)
+  report.figure("4b: unroll local with bn_impl='mfopt' / with flax BatchNorm, bytes written",
+                unroll_bn["bytes_written_run"] / loc["unroll"]["bytes_written_run"], "x",
+                f"written {unroll_bn['bytes_written_run'] / 1e6:,.0f} vs "
+                f"{loc['unroll']['bytes_written_run'] / 1e6:,.0f} MB, read "
+                f"{unroll_bn['bytes_read_run'] / 1e6:,.0f} vs "
+                f"{loc['unroll']['bytes_read_run'] / 1e6:,.0f} MB; launches "
+                f"{unroll_bn['launches_run']} vs {loc['unroll']['launches_run']} (one replica "
+                f"@ W*B: written {one['bytes_written_run'] / 1e6:,.0f} MB, launches "
+                f"{one['launches_run']})")
   report.figure("4b: map local, convolutions (one replica per loop iteration)",
                 len(loc["map"]["convs"]), "convs", conv_summary(loc["map"]["convs"]))
   # A local step skips the sync loop's body (W=1 on one device: XLA reduces the all-reduce of
@@ -383,6 +407,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   1.0)
     report.target(f"3: {tname} runs the no-communication step's convolutions every step",
                   float(key(avg["convs"]) == key(none["convs"])), ">=", 1.0)
+  for tname, avg in host_local.items():
+    extra = avg["launches_run"] - none["launches_run"]
+    report.figure(f"3: {tname} local step, host-decided gate / no-communication step, bytes "
+                  "moved", (avg["bytes_written_run"] + avg["bytes_read_run"])
+                  / (none["bytes_written_run"] + none["bytes_read_run"]), "x",
+                  f"written {avg['bytes_written_run'] / 1e6:,.1f} vs "
+                  f"{none['bytes_written_run'] / 1e6:,.1f} MB, read "
+                  f"{avg['bytes_read_run'] / 1e6:,.1f} vs {none['bytes_read_run'] / 1e6:,.1f} MB; "
+                  f"launches {avg['launches_run']} vs {none['launches_run']} ({extra:+d}: "
+                  f"every step {avg['ops_every_step']} vs {none['ops_every_step']})",
+                  extra_launches=extra)
+    report.target(f"3: {tname} local step, host-decided gate: the no-communication step's bytes "
+                  "(traffic model, +0.1%)", (avg["bytes_written_run"] + avg["bytes_read_run"])
+                  / (none["bytes_written_run"] + none["bytes_read_run"]), "<=", 1.001)
   for tname, row in local_avg.items():
     report.figure(f"4b: {tname} local step / vmap local SGD step (W={num_workers}), kernels run",
                   row["launches_run"] / loc["vmap"]["launches_run"], "x",

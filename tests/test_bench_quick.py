@@ -9,6 +9,8 @@ the benchmark's MLP computed here by hand.
 import math
 import re
 
+import pytest
+
 from experiments import bench_comm, bench_train_step, bench_update, bench_virtual_workers
 
 # MLP 784-64-10 of bench_comm: (784*64 + 64) + (64*10 + 10) float32 parameters.
@@ -95,9 +97,14 @@ def test_bench_train_step_compares_like_with_like():
 def test_bench_virtual_workers_quick_runs():
   result = bench_virtual_workers.main(["--quick"])
   variants = {f["variant"] for f in _figures(result) if "variant" in f}
-  assert variants == {"one replica @ W*B", "fast path", "vmap sync", "vmap local",
-                      "lax.map local", "auto local", "gemm local", "unroll local",
-                      "fast path cost"}
+  assert variants == {"one replica @ W*B", "one replica @ B", "fast path", "vmap sync",
+                      "vmap local", "lax.map local", "auto local", "gemm local", "unroll local",
+                      "fast path cost", "sequential reference"}
+  # the sequential reference is t(one @ W*B) / (W x t(one @ B)), from the timed medians
+  timing = {f["variant"]: f["timing"]["median_s"] for f in _figures(result) if "timing" in f}
+  (seq,) = [f for f in _figures(result) if f.get("variant") == "sequential reference"]
+  assert seq["value"] == pytest.approx(
+      timing["one replica @ W*B"] / (2 * timing["one replica @ B"]), rel=1e-9)
   # XLA's cost estimate: the fast path does one replica's work, not W replicas' worth. Its
   # GroupBatchNorm's hand-written backward pass takes fewer flops than autodiff through flax's
   # BatchNorm (one replica's step): about 0.91x on this tiny CNN, where BN is a large share.
