@@ -407,6 +407,19 @@ class Runner:
     return seconds
 
 
+def with_compiler_options(runner: Runner, options: dict[str, Any]) -> Runner:
+  """``runner`` with its jitted function compiled under XLA ``options`` (``DebugOptions`` fields
+  passed as ``jax.stages.Lowered.compile(compiler_options=...)``), so that a flag XLA_FLAGS would
+  set for the whole process is compared side by side in one run. The runner's state moves to
+  the new runner (build a fresh runner for it)."""
+  lower = getattr(runner.fn, "lower", None)
+  if lower is None:
+    raise ValueError(f"with_compiler_options needs a jitted function (with .lower), got "
+                     f"runner.fn={runner.fn!r}")
+  compiled = lower(runner.state, *runner.args).compile(compiler_options=dict(options))
+  return Runner(compiled, runner.state, runner.args, runner.out_state)
+
+
 def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int,
                      iters: int) -> list[Timing]:
   """Warm up every runner, then time them round-robin ``reps`` times."""

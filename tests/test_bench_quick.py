@@ -117,3 +117,51 @@ def test_bench_virtual_workers_quick_runs():
   assert re.search(r"\(chose (vmap|map|unroll|gemm)\)", auto[0]["name"]), auto[0]["name"]
   assert all(f"{c} " in auto[0]["details"] for c in ("vmap", "map", "unroll", "gemm")), \
       auto[0]["details"]
+
+
+def test_with_compiler_options_compiles_under_the_option_and_keeps_the_state():
+  """A runner recompiled with XLA options runs that program: with the fusion passes off the
+  entry holds one fusion per elementwise op instead of one fusion for all, and the result is
+  the same function of the threaded state."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from experiments import _bench
+  f = jax.jit(lambda s, a: (jnp.sin(s) * a + 1.0) * 2.0, donate_argnums=0)
+  default = _bench.Runner(f, jnp.ones(64), (jnp.float32(3.0),))
+  flagged = _bench.with_compiler_options(
+      _bench.Runner(f, jnp.ones(64), (jnp.float32(3.0),)),
+      {"xla_disable_hlo_passes": "fusion,cpu-fusion,loop-fusion"})
+  fusions = lambda text: len(re.findall(r"= \S+ fusion\(", text))  # noqa: E731
+  assert fusions(f.lower(default.state, *default.args).compile().as_text()) == 1
+  assert fusions(flagged.fn.as_text()) > 1
+  default.call(2)
+  flagged.call(2)
+  want = (np.sin((np.sin(1.0) * 3 + 1) * 2) * 3 + 1) * 2
+  np.testing.assert_allclose(flagged.state, np.full(64, want), rtol=1e-5)
+  np.testing.assert_allclose(default.state, flagged.state, rtol=1e-6)
+  with pytest.raises(ValueError, match="runner.fn="):
+    _bench.with_compiler_options(_bench.Runner(lambda s: s, 0), {})
+
+
+def test_parse_option_types_values_for_xla():
+  assert bench_virtual_workers.parse_option("a_flag=true") == ("a_flag", True)
+  assert bench_virtual_workers.parse_option("n = -3") == ("n", -3)
+  assert bench_virtual_workers.parse_option("mode=CONCURRENT") == ("mode", "CONCURRENT")
+  with pytest.raises(Exception, match="NAME=VALUE"):
+    bench_virtual_workers.parse_option("mode")
+
+
+def test_bench_virtual_workers_stretch_only_times_the_stretch_runners_and_their_variants():
+  result = bench_virtual_workers.main(["--quick", "--stretch-only", "--bn-variants"])
+  names = {f["name"].split(" | ", 1)[1] for f in _figures(result) if "timing" in f}
+  assert names == {"one replica @ W*B", "one replica @ B", "lax.map local", "unroll local",
+                   "lax.map local (bn_impl='mfopt')", "unroll local (bn_impl='mfopt')"}
+  # no fast path and no auto: their targets are not listed; the best local counts the variants
+  assert not any(t["name"].startswith(("4a", "4b: auto")) for t in result["targets"])
+  timing = {f["name"].split(" | ", 1)[1]: f["timing"]["median_s"] for f in _figures(result)
+            if "timing" in f}
+  (best,) = [f for f in _figures(result) if "best local lowering" in f["name"]]
+  assert best["value"] == pytest.approx(
+      timing["one replica @ W*B"] / min(v for k, v in timing.items() if "local" in k), rel=1e-9)
