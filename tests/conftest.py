@@ -19,3 +19,46 @@ from mfopt.runner import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.environ.get("MFOPT_JAX_CACHE")
                          or pathlib.Path(__file__).resolve().parents[1] / ".jax_cache")
+
+
+# The CI budgets (the project's rules, wall-clock on the 2-core CI machine) per category of
+# test. The summary below sums each category's test time (setup + call + teardown) so a run
+# shows where it stands; it fails nothing (timings on shared machines vary).
+CI_BUDGETS_S = {"unit": 8 * 60, "--quick smoke runs": 6 * 60, "notebooks": 4 * 60,
+                "multi-process": 2 * 60}
+
+
+def budget_category(nodeid: str) -> str:
+  """The CI budget category of a test id: by file, and ``quick`` in a test's name marks a
+  ``--quick`` smoke run in a mixed file."""
+  path, _, name = nodeid.partition("::")
+  file = path.rsplit("/", 1)[-1]
+  if file == "test_notebooks.py":
+    return "notebooks"
+  if file == "test_multiprocess.py":
+    return "multi-process"
+  if file.startswith("test_experiments_") or file == "test_bench_quick.py" or "quick" in name:
+    return "--quick smoke runs"
+  return "unit"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  import collections
+  seconds, tests = collections.Counter(), collections.Counter()
+  for reports in terminalreporter.stats.values():
+    for r in reports:
+      if getattr(r, "when", None) in ("setup", "call", "teardown") and hasattr(r, "duration"):
+        seconds[budget_category(r.nodeid)] += r.duration
+        tests[budget_category(r.nodeid)] += r.when == "call"
+  if not tests:
+    return
+  try:
+    workers = max(int(getattr(config.option, "numprocesses", None) or 1), 1)
+  except (TypeError, ValueError):  # -n auto / logical
+    workers = os.cpu_count() or 1
+  terminalreporter.section("test time per CI budget category")
+  for name, budget in CI_BUDGETS_S.items():
+    terminalreporter.write_line(
+        f"{name}: {tests[name]} tests, {seconds[name]:.0f} s of test time, "
+        f"~{seconds[name] / workers:.0f} s wall on {workers} worker(s) if spread evenly "
+        f"(budget {budget // 60} min wall-clock)")
