@@ -10,9 +10,10 @@
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 16x64 --fastpath-variants"
 #       (decides fastpath's update_in_place default on GPU: BENCHMARKS.md, target 4)
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 16x256 --stretch-only \
-#       --bn-variants --compiler-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
-#       (the 4b stretch alone: unroll, lax.map, their GroupBatchNorm and CUDA-graph variants,
-#       and the sequential reference; BENCHMARKS.md, "Session 8")
+#       --bn-variants"   (the 4b stretch alone: unroll, lax.map, their GroupBatchNorm
+#       variants and the sequential reference; add "--compiler-option
+#       xla_gpu_command_buffer_scheduling_mode=CONCURRENT" in a call of its own:
+#       BENCHMARKS.md, "Session 8")
 #   bash scripts/gpu_bench.sh "$OUT" "profile_step:--programs one,fast --shapes 16x64"
 #       (a kernel-by-kernel profile of target 4a's gap; "--programs one,unroll,map --shapes
 #       16x256" for the 4b stretch: BENCHMARKS.md, "Session 7")
