@@ -420,12 +420,20 @@ def with_compiler_options(runner: Runner, options: dict[str, Any]) -> Runner:
   return Runner(compiled, runner.state, runner.args, runner.out_state)
 
 
-def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int,
-                     iters: int) -> list[Timing]:
-  """Warm up every runner, then time them round-robin ``reps`` times."""
-  for r in runners:
+def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int, iters: int,
+                     on_warm: Callable[[int, float], None] | None = None) -> list[Timing]:
+  """Warm up every runner, then time them round-robin ``reps`` times.
+
+  ``on_warm(i, seconds)`` is called after runner ``i``'s warm-up (its compile and ``warmup``
+  calls). A bench reports its figures only after all the timing, so these calls are what a
+  run stopped by a time limit still tells (e.g. which compile took the time).
+  """
+  for i, r in enumerate(runners):
+    t0 = time.perf_counter()
     for _ in range(warmup):
       r.call(1)
+    if on_warm is not None:
+      on_warm(i, time.perf_counter() - t0)
   samples = [[] for _ in runners]
   faults = [[] for _ in runners]
   for _ in range(reps):

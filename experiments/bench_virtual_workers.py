@@ -241,8 +241,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       for name, runner in compiled.items():
         flagged[name] = name + tag
         runners[flagged[name]] = runner
-    timings = dict(zip(runners, _bench.time_interleaved(list(runners.values()), warmup=warmup,
-                                                        reps=reps, iters=iters)))
+    names = list(runners)
+    timings = dict(zip(runners, _bench.time_interleaved(
+        list(runners.values()), warmup=warmup, reps=reps, iters=iters,
+        on_warm=lambda i, sec: report.note(f"W={num_workers} B={batch} | {names[i]}: compiled "
+                                           f"and warmed up in {sec:.1f} s"))))
     images = num_workers * batch
     ref = timings["one replica @ W*B"].median
     for name, t in timings.items():
