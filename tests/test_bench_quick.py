@@ -160,6 +160,9 @@ def test_bench_virtual_workers_stretch_only_times_the_stretch_runners_and_their_
   notes = [f["note"] for f in result["figures"] if "note" in f]
   assert any("no_such_xla_option=1] not compiled" in n for n in notes), notes
   names = {f["name"].split(" | ", 1)[1] for f in _figures(result) if "timing" in f}
+  # every runner's compile + warm-up time is noted as it finishes (before any figure)
+  warmed = {n.split(" | ")[1].split(": compiled")[0] for n in notes if "warmed up in" in n}
+  assert warmed == names, (warmed, names)
   assert names == {"one replica @ W*B", "one replica @ B", "lax.map local", "unroll local",
                    "lax.map local (bn_impl='mfopt')", "unroll local (bn_impl='mfopt')"}
   # no fast path and no auto: their targets are not listed; the best local counts the variants
