@@ -188,52 +188,48 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     candidates = train_lib._auto_candidates(num_workers)
     mixed = next((c for c in candidates if c.startswith("map:")), None)
     # Named runners, timed interleaved in this order; figures and ratios look them up by name.
-    runners = {
-        "one replica @ W*B": plain_runner(model, sgd, x, y),
-        "one replica @ B": plain_runner(model, sgd, x[:batch], y[:batch]),
-        fastpath.LABEL: fast_runner(model, sgd, xw, yw),
-        "vmap sync": mfopt_runner(model, sync, xw, yw, num_workers=num_workers),
-        "vmap local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers),
-        "lax.map local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
-                                      lowering="map"),
-        "auto local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
-                                   lowering="auto"),
-        "gemm local": mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
-                                   lowering="gemm"),
+    # Builders, so that what --stretch-only drops is never initialised, and a --compiler-option
+    # variant is a fresh copy of the same runner.
+    def local_step(lowering, m=model):
+      return lambda: mfopt_runner(m, sgd, xw, yw, num_workers=num_workers, lowering=lowering)
+
+    builders = {
+        "one replica @ W*B": lambda: plain_runner(model, sgd, x, y),
+        "one replica @ B": lambda: plain_runner(model, sgd, x[:batch], y[:batch]),
+        fastpath.LABEL: lambda: fast_runner(model, sgd, xw, yw),
+        "vmap sync": lambda: mfopt_runner(model, sync, xw, yw, num_workers=num_workers),
+        "vmap local": local_step("vmap"),
+        "lax.map local": local_step("map"),
+        "auto local": local_step("auto"),
+        "gemm local": local_step("gemm"),
     }
     if "unroll" in candidates:  # auto times it up to train.UNROLL_MAX_WORKERS workers
-      runners["unroll local"] = mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
-                                             lowering="unroll")
+      builders["unroll local"] = local_step("unroll")
     if mixed:
-      runners[f"mixed local ({mixed})"] = mfopt_runner(model, sgd, xw, yw,
-                                                       num_workers=num_workers, lowering=mixed)
-    if args.stretch_only:  # built lazily by jit: dropping a runner here costs no compile
-      runners = {k: v for k, v in runners.items() if k in STRETCH_RUNNERS}
+      builders[f"mixed local ({mixed})"] = local_step(mixed)
+    if args.stretch_only:
+      builders = {k: b for k, b in builders.items() if k in STRETCH_RUNNERS}
     copying = f"{fastpath.LABEL} (copying update)"
     vmapped = f"{fastpath.LABEL} (vmap over BN groups)"
     if args.fastpath_variants and not args.stretch_only:
-      runners[copying] = fast_runner(model, sgd, xw, yw, update_in_place=False)
-      runners[vmapped] = fast_runner(model, sgd, xw, yw, group_bn=False)
+      builders[copying] = lambda: fast_runner(model, sgd, xw, yw, update_in_place=False)
+      builders[vmapped] = lambda: fast_runner(model, sgd, xw, yw, group_bn=False)
     bn_pairs = {}  # flax-BN runner name -> the same lowering with bn_impl="mfopt"
     if args.bn_variants:
       group_model = model.clone(bn_impl="mfopt")
       for name, lw in (("unroll local", "unroll"), ("lax.map local", "map")):
-        if name in runners:
+        if name in builders:
           bn_pairs[name] = f"{name} (bn_impl='mfopt')"
-          runners[bn_pairs[name]] = mfopt_runner(group_model, sgd, xw, yw,
-                                                 num_workers=num_workers, lowering=lw)
+          builders[bn_pairs[name]] = local_step(lw, group_model)
+    runners = {name: build() for name, build in builders.items()}
     options = dict(args.compiler_option)
     tag = " [" + ", ".join(f"{k}={v}" for k, v in options.items()) + "]"
     flagged = {}  # default-compiled runner name -> the same program compiled with `options`
     if options:
-      fresh = {"one replica @ W*B": lambda: plain_runner(model, sgd, x, y),
-               "unroll local": lambda: mfopt_runner(model, sgd, xw, yw, num_workers=num_workers,
-                                                    lowering="unroll"),
-               "lax.map local": lambda: mfopt_runner(model, sgd, xw, yw,
-                                                     num_workers=num_workers, lowering="map")}
       try:  # an option this JAX/XLA does not know must not cost the rest of a device call
-        compiled = {name: _bench.with_compiler_options(build(), options)
-                    for name, build in fresh.items() if name in runners}
+        compiled = {name: _bench.with_compiler_options(builders[name](), options)
+                    for name in ("one replica @ W*B", "unroll local", "lax.map local")
+                    if name in builders}
       except Exception as e:  # noqa: BLE001 (XLA raises its own error types)
         report.note(f"W={num_workers} B={batch}: --compiler-option{tag} not compiled, its "
                     f"variants skipped: {type(e).__name__}: {str(e)[:300]}")
@@ -267,8 +263,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     "> 1: GroupBatchNorm (one group per replica) is faster; with it "
                     f"{ref / timings[other].median:.3f}x one replica", num_workers=num_workers,
                     per_worker_batch=batch, variant="bn_impl speed-up")
+    ref_flag = timings[flagged["one replica @ W*B"]].median if flagged else None
     for name, other in flagged.items():
-      ref_flag = timings[flagged["one replica @ W*B"]].median
       report.figure(f"W={num_workers} B={batch} | {name}:{tag} / default compile",
                     timings[name].median / timings[other].median, "x",
                     f"> 1: the option makes it faster; with it {ref / timings[other].median:.3f}x "
@@ -293,9 +289,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # auto is judged against the lowerings it chooses among (same model); the best local
     # figure (the stretch) also counts the bn_impl='mfopt' variants (--bn-variants): the same
     # lowerings with another BatchNorm, a model choice the user makes.
-    variants = {**local, **{f"{lw} bn_impl='mfopt'": bn_pairs[name] for lw, name in
-                            (("unroll", "unroll local"), ("map", "lax.map local"))
-                            if name in bn_pairs}}
+    variants = {**local, **{f"{kind} bn_impl='mfopt'": bn_pairs[name]
+                            for kind, name in local.items() if name in bn_pairs}}
     plain_t = min(timings[local[n]].median for n in local)
     best_name = min(variants, key=lambda n: timings[variants[n]].median)
     best_t = timings[variants[best_name]].median
