@@ -130,6 +130,43 @@ def load_trace(trace_dir: str) -> list[dict[str, Any]]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def _line_names(events: Sequence[dict[str, Any]]
+                ) -> tuple[dict[Any, str], dict[tuple[Any, Any], str]]:
+  """``({pid: process name}, {(pid, tid): thread name})`` from a trace's metadata events."""
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e.get("pid")] = e.get("args", {}).get("name", "")
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", "")
+  return procs, threads
+
+
+def trace_lines(events: Sequence[dict[str, Any]], top: int = 16) -> list[dict[str, Any]]:
+  """A census of a trace's lines (process, thread), most events first: per line the number of
+  complete events, their summed duration (s), the ``args`` keys they carry and one event's
+  name. Kept in the JSON so that a trace whose layout :func:`device_events` misreads (e.g. the
+  first real CUPTI trace, or a JAX version that renames its lines) can be understood from the
+  fetched results alone, without another device call for the raw trace."""
+  procs, threads = _line_names(events)
+  count: collections.Counter = collections.Counter()
+  dur: collections.Counter = collections.Counter()
+  keys: dict[tuple[Any, Any], set[str]] = collections.defaultdict(set)
+  example: dict[tuple[Any, Any], str] = {}
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    line = (e.get("pid"), e.get("tid"))
+    count[line] += 1
+    dur[line] += float(e.get("dur", 0.0)) * 1e-6
+    keys[line].update(e.get("args", {}))
+    example.setdefault(line, str(e.get("name", ""))[:80])
+  return [{"process": procs.get(pid, str(pid)), "thread": threads.get((pid, tid), str(tid)),
+           "events": n, "s": dur[(pid, tid)], "arg_keys": sorted(keys[(pid, tid)])[:12],
+           "example": example[(pid, tid)]}
+          for (pid, tid), n in count.most_common(top)]
+
+
 def device_events(events: Sequence[dict[str, Any]], module: str | None = None
                   ) -> tuple[str, list[dict[str, Any]], int | None]:
   """``(where, kernel events, executions)`` of a trace.
@@ -142,12 +179,7 @@ def device_events(events: Sequence[dict[str, Any]], module: str | None = None
   body's); ``executions`` counts distinct ``run_id``. With ``module``, only events whose
   ``args.hlo_module`` is that module (where the trace names it) are kept.
   """
-  procs, threads = {}, {}
-  for e in events:
-    if e.get("ph") == "M" and e.get("name") == "process_name":
-      procs[e.get("pid")] = e.get("args", {}).get("name", "")
-    elif e.get("ph") == "M" and e.get("name") == "thread_name":
-      threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", "")
+  procs, threads = _line_names(events)
   gpus = {p for p, n in procs.items() if _GPU_PROCESS.search(n)}
 
   def in_module(e):
@@ -246,10 +278,11 @@ def profile_runner(runner: _bench.Runner, steps: int, trace_dir: str) -> dict[st
     t0 = time.perf_counter()
     runner.call(steps)
     wall = (time.perf_counter() - t0) / steps
-  where, kernels, runs = device_events(load_trace(trace_dir), module)
+  events = load_trace(trace_dir)
+  where, kernels, runs = device_events(events, module)
   out = summarize(kernels, index, steps)
   out.update(where=where, module=module, traced_wall_s_per_step=wall, executions_seen=runs,
-             hlo_kernels=len(index))
+             hlo_kernels=len(index), lines=trace_lines(events))
   return out
 
 
@@ -386,9 +419,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       f"span {prof['span_s_per_step'] * 1e3:.3f} ms, busy "
                       f"{prof['busy_s_per_step'] * 1e3:.3f} ms, executions seen "
                       f"{prof['executions_seen']}", shape=shape, program=name, profile=prof)
-        if not prof["kernels"]:
-          report.note(f"{shape} | {name}: the trace has no kernel events of module "
-                      f"{prof['module']} (is CUPTI available?)")
+        unmatched = sum(c["s_per_step"] for k, c in prof["categories"].items()
+                        if k.startswith("unmatched"))
+        if not prof["kernels"] or unmatched > 0.5 * prof["kernel_s_per_step"]:
+          lines = "; ".join(f"{ln['process']} / {ln['thread']}: {ln['events']} events, "
+                            f"args {ln['arg_keys']}" for ln in prof["lines"][:6])
+          report.note(f"{shape} | {name}: "
+                      + (f"the trace has no kernel events of module {prof['module']} (is "
+                         "CUPTI available?)" if not prof["kernels"] else
+                         f"{unmatched / prof['kernel_s_per_step']:.0%} of kernel time is not "
+                         "matched to an HLO instruction")
+                      + f". Its busiest lines (all in the JSON's profile.lines): {lines}")
         graphs = [c for c in prof["categories"] if c.startswith("unmatched: command_buffer")]
         if graphs:
           report.note(f"{shape} | {name}: {len(graphs)} CUDA graph(s) in the trace, their "

@@ -98,6 +98,25 @@ def test_gpu_trace_kernels_and_per_step_figures(tmp_path):
   assert profile_step.device_events(_gpu_trace(1), "jit_other")[1] == []
 
 
+def test_trace_line_census_counts_every_line():
+  """The census kept in the JSON (for a trace layout the parser misreads): every line's
+  events, summed duration and argument keys, busiest first, counted by hand from _gpu_trace."""
+  steps = 3
+  lines = profile_step.trace_lines(_gpu_trace(steps))
+  got = {(ln["process"], ln["thread"]): ln for ln in lines}
+  assert [(ln["process"], ln["thread"], ln["events"]) for ln in lines] == [
+      ("/device:GPU:0", "Stream #20(Compute)", 3 * steps),
+      ("/device:GPU:0", "XLA Ops", 2 * steps),
+      ("/device:GPU:0", "XLA Modules", steps),
+      ("/host:CPU", "5", steps)]  # a thread without a name is named by its tid
+  stream = got[("/device:GPU:0", "Stream #20(Compute)")]
+  assert stream["s"] == pytest.approx(steps * (10 + 30 + 5) * 1e-6)
+  assert stream["arg_keys"] == ["hlo_module", "hlo_op"]
+  assert stream["example"] == "loop_add_fusion"
+  assert got[("/device:GPU:0", "XLA Modules")]["arg_keys"] == []
+  assert len(profile_step.trace_lines(_gpu_trace(steps), top=2)) == 2
+
+
 def test_cpu_trace_joins_every_kernel_with_its_instruction(tmp_path):
   """A real trace: the dot and the fused elementwise ops of a known program, every event
   matched to an instruction of the compiled module, one execution seen per step."""
@@ -145,6 +164,7 @@ def test_quick_run_fast_path_has_one_replicas_convolutions(monkeypatch):
   assert set(profs) == {"one", "fast"}
   for p in profs.values():
     assert p["kernels"] > 0 and p["executions_seen"] == p["steps"]
+    assert p["lines"] and p["lines"][0]["events"] >= p["kernels"] / len(p["lines"])
     assert not [c for c in p["categories"] if c.startswith("unmatched")], p["categories"]
   convs = [profs[k]["categories"]["convolution"]["launches_per_step"] for k in ("one", "fast")]
   assert convs[0] == convs[1] > 0
