@@ -421,26 +421,42 @@ def with_compiler_options(runner: Runner, options: dict[str, Any]) -> Runner:
 
 
 def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int, iters: int,
-                     on_warm: Callable[[int, float], None] | None = None) -> list[Timing]:
+                     on_warm: Callable[[int, float], None] | None = None,
+                     on_error: Callable[[int, Exception], None] | None = None
+                     ) -> list[Timing | None]:
   """Warm up every runner, then time them round-robin ``reps`` times.
 
   ``on_warm(i, seconds)`` is called after runner ``i``'s warm-up (its compile and ``warmup``
   calls). A bench reports its figures only after all the timing, so these calls are what a
   run stopped by a time limit still tells (e.g. which compile took the time).
+
+  ``on_error(i, exception)``, when given, is called instead of raising when runner ``i``'s
+  compile or warm-up fails (an XLA compile error, device memory exhausted): that runner is
+  dropped and its entry in the result is ``None``, so one failing program does not cost a GPU
+  call the timings of all the others. Without it, the error propagates.
   """
+  alive = []
   for i, r in enumerate(runners):
     t0 = time.perf_counter()
-    for _ in range(warmup):
-      r.call(1)
+    try:
+      for _ in range(warmup):
+        r.call(1)
+    except Exception as e:  # noqa: BLE001 (XLA raises its own error types)
+      if on_error is None:
+        raise
+      on_error(i, e)
+      continue
+    alive.append(i)
     if on_warm is not None:
       on_warm(i, time.perf_counter() - t0)
-  samples = [[] for _ in runners]
-  faults = [[] for _ in runners]
+  samples: dict[int, list[float]] = {i: [] for i in alive}
+  faults: dict[int, list[int | None]] = {i: [] for i in alive}
   for _ in range(reps):
-    for i, r in enumerate(runners):
-      samples[i].append(r.call(iters))
-      faults[i].append(r.last_faults)
-  return [Timing(s, None if None in f else f) for s, f in zip(samples, faults)]
+    for i in alive:
+      samples[i].append(runners[i].call(iters))
+      faults[i].append(runners[i].last_faults)
+  return [Timing(samples[i], None if None in faults[i] else faults[i]) if i in samples
+          else None for i in range(len(runners))]
 
 
 class Report:

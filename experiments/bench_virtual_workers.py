@@ -221,7 +221,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if name in builders:
           bn_pairs[name] = f"{name} (bn_impl='mfopt')"
           builders[bn_pairs[name]] = local_step(lw, group_model)
-    runners = {name: build() for name, build in builders.items()}
+    shape = f"W={num_workers} B={batch}"
+
+    def failed(name, e):  # one program failing must not cost a device call the others
+      report.note(f"{shape} | {name}: failed, left out: {type(e).__name__}: "
+                  f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+
+    runners = {}
+    for name, build in builders.items():
+      try:
+        runners[name] = build()
+      except Exception as e:  # noqa: BLE001 (XLA raises its own error types)
+        failed(name, e)
     options = dict(args.compiler_option)
     tag = " [" + ", ".join(f"{k}={v}" for k, v in options.items()) + "]"
     flagged = {}  # default-compiled runner name -> the same program compiled with `options`
@@ -238,18 +249,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         flagged[name] = name + tag
         runners[flagged[name]] = runner
     names = list(runners)
-    timings = dict(zip(runners, _bench.time_interleaved(
+    timed = _bench.time_interleaved(
         list(runners.values()), warmup=warmup, reps=reps, iters=iters,
-        on_warm=lambda i, sec: report.note(f"W={num_workers} B={batch} | {names[i]}: compiled "
-                                           f"and warmed up in {sec:.1f} s"))))
+        on_warm=lambda i, sec: report.note(f"{shape} | {names[i]}: compiled and warmed up in "
+                                           f"{sec:.1f} s"),
+        on_error=lambda i, e: failed(names[i], e))
+    timings = {name: t for name, t in zip(names, timed) if t is not None}
     images = num_workers * batch
+    if "one replica @ W*B" not in timings:
+      report.note(f"{shape}: no reference (one replica @ W*B failed): no figures for this shape")
+      continue
     ref = timings["one replica @ W*B"].median
     for name, t in timings.items():
       report.figure(f"W={num_workers} B={batch} | {name}", images / t.median, "img/s",
                     f"{ref / t.median:.3f}x one replica; {t.spread()}", num_workers=num_workers,
                     per_worker_batch=batch, variant=name.split(" (")[0], timing=t.as_dict())
     fast = ref / timings[fastpath.LABEL].median if fastpath.LABEL in timings else None
-    if copying in timings:
+    if {copying, vmapped, fastpath.LABEL} <= set(timings):
       report.figure(f"W={num_workers} B={batch} | fast path in place / copying update",
                     timings[copying].median / timings[fastpath.LABEL].median, "x",
                     "> 1: the in-place update (the default) is faster")
@@ -258,13 +274,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     "> 1: GroupBatchNorm on the flat batch (the default) is faster; "
                     f"vmap over groups: {ref / timings[vmapped].median:.3f}x one replica")
     for name, other in bn_pairs.items():
+      if not {name, other} <= set(timings):
+        continue
       report.figure(f"W={num_workers} B={batch} | {name}: bn_impl='mfopt' / flax BatchNorm",
                     timings[name].median / timings[other].median, "x",
                     "> 1: GroupBatchNorm (one group per replica) is faster; with it "
                     f"{ref / timings[other].median:.3f}x one replica", num_workers=num_workers,
                     per_worker_batch=batch, variant="bn_impl speed-up")
-    ref_flag = timings[flagged["one replica @ W*B"]].median if flagged else None
+    flagged = {k: v for k, v in flagged.items() if {k, v} <= set(timings)}
+    ref_flag = (timings[flagged["one replica @ W*B"]].median
+                if "one replica @ W*B" in flagged else None)
     for name, other in flagged.items():
+      if ref_flag is None:
+        break
       report.figure(f"W={num_workers} B={batch} | {name}:{tag} / default compile",
                     timings[name].median / timings[other].median, "x",
                     f"> 1: the option makes it faster; with it {ref / timings[other].median:.3f}x "
@@ -272,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"replica compiled with it too", num_workers=num_workers,
                     per_worker_batch=batch, variant="compiler option speed-up")
     costs = [_bench.compiled_cost(r.fn, r.state, *r.args)
-             for r in (runners["one replica @ W*B"], runners.get(fastpath.LABEL)) if r]
+             for r in (runners["one replica @ W*B"],
+                       runners[fastpath.LABEL] if fastpath.LABEL in timings else None) if r]
     # the fast path's extra work over one replica: per-group BN only
     if len(costs) == 2 and None not in costs:
       report.figure(f"W={num_workers} B={batch} | fast path / one replica, XLA cost estimate",
@@ -285,12 +308,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # The plain lowerings, keyed by the names lowering="auto" uses for its candidates.
     local = {"vmap": "vmap local", "map": "lax.map local", "gemm": "gemm local",
              "unroll": "unroll local", **({mixed: f"mixed local ({mixed})"} if mixed else {})}
-    local = {k: v for k, v in local.items() if v in runners}
+    local = {k: v for k, v in local.items() if v in timings}
     # auto is judged against the lowerings it chooses among (same model); the best local
     # figure (the stretch) also counts the bn_impl='mfopt' variants (--bn-variants): the same
     # lowerings with another BatchNorm, a model choice the user makes.
     variants = {**local, **{f"{kind} bn_impl='mfopt'": bn_pairs[name]
-                            for kind, name in local.items() if name in bn_pairs}}
+                            for kind, name in local.items()
+                            if name in bn_pairs and bn_pairs[name] in timings}}
+    if not local:
+      report.note(f"{shape}: every local lowering failed: no local figures for this shape")
+      targets.append((num_workers, batch, fast, None, None))
+      continue
     plain_t = min(timings[local[n]].median for n in local)
     best_name = min(variants, key=lambda n: timings[variants[n]].median)
     best_t = timings[variants[best_name]].median
@@ -301,15 +329,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # (each with its own update) against one step at W*B. A reference, not a strict bound (the
     # lowerings update all W replicas in one vmapped update), but it separates the cost of a
     # small batch per step from the cost of the lowering.
-    seq = timings["one replica @ B"].median * num_workers
-    report.figure(f"W={num_workers} B={batch} | sequential reference: one replica @ W*B / "
-                  f"(W x one replica @ B)", ref / seq, "x",
-                  f"W x one replica @ B = {seq * 1e3:.2f} ms vs {ref * 1e3:.2f} ms at W*B; the "
-                  f"best local lowering reaches {seq / best_t:.3f}x of it",
-                  num_workers=num_workers, per_worker_batch=batch,
-                  variant="sequential reference")
+    seq = (timings["one replica @ B"].median * num_workers if "one replica @ B" in timings
+           else None)
+    if seq is not None:
+      report.figure(f"W={num_workers} B={batch} | sequential reference: one replica @ W*B / "
+                    f"(W x one replica @ B)", ref / seq, "x",
+                    f"W x one replica @ B = {seq * 1e3:.2f} ms vs {ref * 1e3:.2f} ms at W*B; "
+                    f"the best local lowering reaches {seq / best_t:.3f}x of it",
+                    num_workers=num_workers, per_worker_batch=batch,
+                    variant="sequential reference")
     auto = None
-    if "auto local" in runners:
+    if "auto local" in timings:
       auto_step = runners["auto local"].fn
       auto = plain_t / timings["auto local"].median
       chosen = auto_step.choice
@@ -329,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if fast is not None:
       report.target(f"4a: fast path / one replica, W={num_workers} B={batch}", fast, ">=", 0.97,
                     applies=not args.quick, why_not="quick mode")
-    if (num_workers, batch) == (16, 256):
+    if (num_workers, batch) == (16, 256) and best_local is not None:
       report.target("4b stretch: best local lowering / one replica, 16x256", best_local, ">=",
                     0.75, applies=gpu and not args.quick, why_not="GPU target")
   return report.finish()

@@ -402,9 +402,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     xw = x.reshape(num_workers, batch, *x.shape[1:])
     yw = y.reshape(num_workers, batch)
     runners = _runners(names, model, xw, yw)
-    timings = dict(zip(runners, _bench.time_interleaved(list(runners.values()), warmup=1,
-                                                        reps=reps, iters=1)))
     shape = f"W={num_workers} B={batch}"
+    order = list(runners)
+    timed = _bench.time_interleaved(
+        list(runners.values()), warmup=1, reps=reps, iters=1,
+        on_error=lambda i, e: report.note(f"{shape} | {order[i]}: failed, left out: "
+                                          f"{type(e).__name__}: {str(e)[:300]}"))
+    timings = {n: t for n, t in zip(order, timed) if t is not None}
+    runners = {n: r for n, r in runners.items() if n in timings}
     with tempfile.TemporaryDirectory() as tmp:
       for name, runner in runners.items():
         where = os.path.join(args.trace_dir or tmp, f"{name}_{num_workers}x{batch}")
@@ -441,8 +446,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for row in prof["top"][:8]:
           report.figure(f"{shape} | {name} | top kernel {row['hlo_op']} ({row['category']})",
                         row["s_per_step"] * 1e3, "ms/step", _fmt_cat(row))
+    if names[0] not in runners:
+      continue  # no reference to compare with (its failure is noted above)
     ref = profiles[(shape, names[0])]
     for name in names[1:]:
+      if name not in runners:
+        continue
       prof = profiles[(shape, name)]
       gap = prof["busy_s_per_step"] - ref["busy_s_per_step"]
       report.figure(f"{shape} | {name} - {names[0]} | busy time", gap * 1e3, "ms/step",

@@ -172,3 +172,65 @@ def test_bench_virtual_workers_stretch_only_times_the_stretch_runners_and_their_
   (best,) = [f for f in _figures(result) if "best local lowering" in f["name"]]
   assert best["value"] == pytest.approx(
       timing["one replica @ W*B"] / min(v for k, v in timing.items() if "local" in k), rel=1e-9)
+
+
+def test_time_interleaved_drops_a_failing_runner_only_when_asked():
+  """A runner whose compile or warm-up raises is reported through on_error and left out (its
+  timing is None); the others are timed. Without on_error the error propagates."""
+  import jax
+  import jax.numpy as jnp
+
+  from experiments import _bench
+
+  def broken(state):
+    raise RuntimeError("RESOURCE_EXHAUSTED: simulated")
+
+  def good():
+    return _bench.Runner(jax.jit(lambda s: s + 1.0, donate_argnums=0), jnp.zeros(8))
+
+  ok1, ok2 = good(), good()
+  errors, warmed = [], []
+  got = _bench.time_interleaved([ok1, _bench.Runner(broken, 0), ok2], warmup=1, reps=3, iters=2,
+                                on_warm=lambda i, s: warmed.append(i),
+                                on_error=lambda i, e: errors.append((i, str(e))))
+  assert got[1] is None and errors == [(1, "RESOURCE_EXHAUSTED: simulated")]
+  assert warmed == [0, 2]
+  assert [len(t.samples) for t in (got[0], got[2])] == [3, 3]
+  # 1 warm-up + 3 reps x 2 iterations, each adding 1
+  assert float(ok1.state[0]) == float(ok2.state[0]) == 7.0
+  with pytest.raises(RuntimeError, match="simulated"):
+    _bench.time_interleaved([good(), _bench.Runner(broken, 0)], warmup=1, reps=1, iters=1)
+
+
+def test_bench_virtual_workers_leaves_out_failing_programs_and_times_the_rest(monkeypatch):
+  """One program failing to build (lax.map) and one failing in its warm-up (unroll with
+  GroupBatchNorm) are named in notes; the stretch figures come from the programs that ran."""
+  from experiments import _bench
+
+  real = bench_virtual_workers.mfopt_runner
+
+  def flaky(model, inner, x, y, *, num_workers, lowering="vmap"):
+    if lowering == "map":
+      raise RuntimeError("simulated compile failure")
+    if lowering == "unroll" and model.bn_impl == "mfopt":
+      def oom(state, *args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: simulated out of memory")
+      return _bench.Runner(oom, None)
+    return real(model, inner, x, y, num_workers=num_workers, lowering=lowering)
+
+  monkeypatch.setattr(bench_virtual_workers, "mfopt_runner", flaky)
+  result = bench_virtual_workers.main(["--quick", "--stretch-only", "--bn-variants"])
+  notes = [f["note"] for f in result["figures"] if "note" in f]
+  assert any("lax.map local: failed, left out: RuntimeError: simulated compile failure" in n
+             for n in notes), notes
+  assert any("lax.map local (bn_impl='mfopt'): failed, left out" in n for n in notes), notes
+  assert any("unroll local (bn_impl='mfopt'): failed, left out: RuntimeError: "
+             "RESOURCE_EXHAUSTED" in n for n in notes), notes
+  timing = {f["name"].split(" | ", 1)[1]: f["timing"]["median_s"] for f in _figures(result)
+            if "timing" in f}
+  assert set(timing) == {"one replica @ W*B", "one replica @ B", "unroll local"}
+  (best,) = [f for f in _figures(result) if "best local lowering" in f["name"]]
+  assert "(unroll)" in best["name"]
+  assert best["value"] == pytest.approx(timing["one replica @ W*B"] / timing["unroll local"],
+                                        rel=1e-9)
+  assert not any("bn_impl='mfopt' / flax BatchNorm" in f["name"] for f in _figures(result))
