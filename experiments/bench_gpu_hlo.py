@@ -26,7 +26,8 @@ same steps ``bench_virtual_workers`` and ``bench_train_step`` time):
 * the fast path's in-place update (default) vs ``update_in_place=False``;
 * target 4b: the local (divergent-replica) lowerings ``vmap`` (grouped convolutions),
   ``gemm`` (batched matrix products, no convolution), ``map`` (a loop of ``W`` replicas) and
-  ``unroll`` (the ``W`` replicas in a straight line), the last also with ``bn_impl="mfopt"``;
+  ``unroll`` (the ``W`` replicas in a straight line), the last two also with
+  ``bn_impl="mfopt"``;
 * target 3: a periodic-averaging (and block-momentum) local step vs a step with no
   communication: the same work outside the gated sync loop; and the host-gated step's shut
   program (what a GPU runs by default, ``mfopt.train.HostGatedStep``): the no-communication
@@ -301,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
          for lw in ("vmap", "gemm", "map", "unroll")}
   unroll_bn = record(f"unroll local W={num_workers} B={batch}, bn_impl='mfopt'",
                      stacked(sgd, num_workers, batch, lowering="unroll", bn_impl="mfopt"))
+  map_bn = record(f"map local W={num_workers} B={batch}, bn_impl='mfopt'",
+                  stacked(sgd, num_workers, batch, lowering="map", bn_impl="mfopt"))
   # Target 4b's local algorithms: the averaging transforms with W workers on one device.
   local_avg = {
       name: record(f"{name} local (vmap) W={num_workers} B={batch}",
@@ -378,15 +381,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   report.target("4b: the gemm lowering runs no convolution", float(not loc["gemm"]["convs"]
                                                                    and loc["gemm"]["gemms"] > 0),
                 ">=", 1.0)
-  report.figure("4b: unroll local with bn_impl='mfopt' / with flax BatchNorm, bytes written",
-                unroll_bn["bytes_written_run"] / loc["unroll"]["bytes_written_run"], "x",
-                f"written {unroll_bn['bytes_written_run'] / 1e6:,.0f} vs "
-                f"{loc['unroll']['bytes_written_run'] / 1e6:,.0f} MB, read "
-                f"{unroll_bn['bytes_read_run'] / 1e6:,.0f} vs "
-                f"{loc['unroll']['bytes_read_run'] / 1e6:,.0f} MB; launches "
-                f"{unroll_bn['launches_run']} vs {loc['unroll']['launches_run']} (one replica "
-                f"@ W*B: written {one['bytes_written_run'] / 1e6:,.0f} MB, launches "
-                f"{one['launches_run']})")
+  for lw, with_bn in (("unroll", unroll_bn), ("map", map_bn)):
+    report.figure(f"4b: {lw} local with bn_impl='mfopt' / with flax BatchNorm, bytes written",
+                  with_bn["bytes_written_run"] / loc[lw]["bytes_written_run"], "x",
+                  f"written {with_bn['bytes_written_run'] / 1e6:,.0f} vs "
+                  f"{loc[lw]['bytes_written_run'] / 1e6:,.0f} MB, read "
+                  f"{with_bn['bytes_read_run'] / 1e6:,.0f} vs "
+                  f"{loc[lw]['bytes_read_run'] / 1e6:,.0f} MB; launches "
+                  f"{with_bn['launches_run']} vs {loc[lw]['launches_run']} (one replica "
+                  f"@ W*B: written {one['bytes_written_run'] / 1e6:,.0f} MB, launches "
+                  f"{one['launches_run']})")
   report.figure("4b: map local, convolutions (one replica per loop iteration)",
                 len(loc["map"]["convs"]), "convs", conv_summary(loc["map"]["convs"]))
   # A local step skips the sync loop's body (W=1 on one device: XLA reduces the all-reduce of
