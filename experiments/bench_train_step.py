@@ -26,6 +26,18 @@ Figures: images/s of each, ratio mfopt/plain (target >= 0.97), and bf16/fp32 ste
 plain step (target 5: <= 0.6, judged on GPU only: XLA:CPU has no fast bf16 convolutions).
 Target 3: a periodic-averaging local train step vs a step with no communication (<= 1.01),
 and a sync step's extra cost (see :func:`periodic_step_cost`).
+
+``--devices N`` (N > 1) runs the same comparisons data-parallel over N devices, one worker per
+device with the configuration's batch each (target 6 asks for them on 8 fake CPU devices, in
+reduced sizes, as ratios only; on CPU the fake devices are made here unless the backend
+already runs): mfopt's step with W = N workers against the textbook data-parallel flax + optax
+step (:func:`plain_dp_train_step`: ``shard_map``, parameters and optimizer state replicated,
+per-device BatchNorm, ``lax.pmean`` of the gradients), and periodic averaging's local and sync
+steps against the no-communication step, where the sync now runs an N-way all-reduce. On fake
+CPU devices the N "devices" share the host's cores and the all-reduce is a memory copy, so
+these ratios are reported, not judged; on N GPUs they are judged like the one-device ones.
+
+  python -m experiments.bench_train_step --devices 8          # 8 fake CPU devices (target 6)
 """
 
 from __future__ import annotations
@@ -69,13 +81,83 @@ def plain_runner(model, tx, x: np.ndarray, y: np.ndarray, seed: int = 0) -> _ben
                        out_state=lambda out: out[0])
 
 
+def plain_dp_train_step(model, tx: optax.GradientTransformation, mesh):
+  """The textbook data-parallel flax + optax step over ``mesh``'s one axis (what ``pmap`` with
+  ``lax.pmean`` gives): parameters and optimizer state replicated, the batch and the BatchNorm
+  statistics split over the devices (per-device BN, as mfopt's workers have), the gradients
+  averaged with ``lax.pmean``. ``((params, batch_stats, opt_state), x, y) -> (state, loss)``
+  with ``batch_stats`` stacked over devices and ``x``, ``y`` the global batch."""
+  from jax.sharding import PartitionSpec as P
+  axis = mesh.axis_names[0]
+
+  def step(state, x, y):
+    params, batch_stats, opt_state = state
+
+    def loss_fn(p):
+      logits, new_vars = model.apply(
+          {"params": p, "batch_stats": jax.tree.map(lambda a: a[0], batch_stats)}, x,
+          train=True, mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), y).mean()
+      return loss, new_vars["batch_stats"]
+
+    (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    grads = jax.lax.pmean(grads, axis)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new_stats = jax.tree.map(lambda a: a[None], new_stats)
+    return (optax.apply_updates(params, updates), new_stats, opt_state), jax.lax.pmean(loss, axis)
+
+  spec = (P(), P(axis), P())
+  # check_vma=False: pmap's semantics, where the replicated parameters are each device's own
+  # value and their gradient is the device's (then pmean-ed). With JAX's replication typing
+  # (check_vma=True) the gradient of a replicated input comes out already summed over the
+  # devices, and the pmean above would leave N times the mean gradient
+  # (tests/test_bench_quick.py compares this step with mfopt's).
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P(axis), P(axis)),
+                               out_specs=(spec, P()), check_vma=False), donate_argnums=0)
+
+
+def plain_dp_runner(model, tx, x: np.ndarray, y: np.ndarray, devices: int,
+                    seed: int = 0) -> _bench.Runner:
+  """:func:`plain_dp_train_step` over the first ``devices`` devices; ``x`` is the global batch."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from mfopt import models, parallel
+  mesh = parallel.make_mesh(jax.devices()[:devices])
+  params, model_state = models.init_model(model, jax.random.PRNGKey(seed), x[:1])
+  stats = jax.tree.map(lambda a: np.broadcast_to(a, (devices, *a.shape)),
+                       model_state["batch_stats"])
+  rep_, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(parallel.DATA_AXIS))
+  params = jax.device_put(params, rep_)
+  state = (params, jax.device_put(stats, split), jax.device_put(tx.init(params), rep_))
+  return _bench.Runner(plain_dp_train_step(model, tx, mesh), state,
+                       (jax.device_put(x, split), jax.device_put(y, split)),
+                       out_state=lambda out: out[0])
+
+
+def setup_devices(devices: int) -> None:
+  """``devices`` fake CPU devices where the CPU backend has not started (a bench run as a
+  script); a running backend (pytest's, with 8) is kept. Checked against what is there."""
+  if devices > 1:
+    try:
+      if jax.config.jax_platforms in (None, "", "cpu"):
+        jax.config.update("jax_num_cpu_devices", devices)
+    except Exception:  # noqa: BLE001 (the backend already runs: keep its devices)
+      pass
+  if len(jax.devices()) < devices:
+    raise SystemExit(f"--devices {devices}: only {len(jax.devices())} "
+                     f"{jax.default_backend()} device(s) here")
+
+
 def mfopt_runner(model, tx, x: np.ndarray, y: np.ndarray, num_workers: int = 1,
                  seed: int = 0, lowering: str = "vmap",
-                 host_gates: bool | None = None) -> _bench.Runner:
-  """The library's worker-stacked step on one device; ``x`` is ``(W, B, ...)``."""
+                 host_gates: bool | None = None, devices: int = 1) -> _bench.Runner:
+  """The library's worker-stacked step on the first ``devices`` devices; ``x`` is
+  ``(W, B, ...)``."""
   from mfopt import parallel
   from mfopt import train as train_lib
-  mesh = parallel.make_mesh(jax.devices()[:1])
+  mesh = parallel.make_mesh(jax.devices()[:devices])
   state = train_lib.init_train_state(model, tx, x[0, :1], num_workers=num_workers, mesh=mesh,
                                      seed=seed)
   step = train_lib.make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
@@ -108,12 +190,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--bn-variants", action="store_true",
                    help="also time the library's step with the models' bn_impl='mfopt' "
                         "(GroupBatchNorm with one group: a hand-written BN backward pass)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="data-parallel over this many devices, one worker each (> 1: fake "
+                        "CPU devices on CPU, target 6; default 1)")
 
   args = _bench.parse_args(argv, __doc__.splitlines()[0], extra)
+  if args.devices < 1:
+    raise SystemExit(f"--devices must be positive, got {args.devices}")
+  if args.devices > 1 and args.bn_variants:
+    raise SystemExit("--bn-variants is a one-device comparison; drop it with --devices "
+                     f"{args.devices}")
+  setup_devices(args.devices)
   import mfopt
   from mfopt import models, parallel
 
   gpu = jax.default_backend() == "gpu"
+  n = args.devices
   report = _bench.Report("bench_train_step", args)
   warmup, reps, iters = (2, 1, 1) if args.quick else (2, args.reps or (10 if gpu else 5),
                                                       5 if gpu else 1)
@@ -129,17 +221,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       model = models.get_model(cfg["name"], num_classes=cfg["classes"], dtype=dtype, **size)
       sgd = optax.sgd(0.1, momentum=0.9)
       sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)
-      runners = [mfopt_runner(model, sync, x[None], y[None]), plain_runner(model, sgd, x, y)]
+      if n == 1:
+        runners = [mfopt_runner(model, sync, x[None], y[None]), plain_runner(model, sgd, x, y)]
+      else:  # one worker per device, each with the configuration's batch
+        xg, yg = synthetic(n * cfg["batch"], cfg["image"], cfg["classes"])
+        runners = [mfopt_runner(model, sync, xg.reshape(n, *x.shape), yg.reshape(n, -1),
+                                num_workers=n, devices=n),
+                   plain_dp_runner(model, sgd, xg, yg, n)]
       if args.bn_variants:
         runners.append(mfopt_runner(model.clone(bn_impl="mfopt"), sync, x[None], y[None]))
       t_mf, t_plain, *t_bn = _bench.time_interleaved(runners, warmup=warmup, reps=reps,
                                                      iters=iters)
       ratio = t_plain.median / t_mf.median  # images/s ratio mfopt / plain
       label = (f"{cfg['name']} width {cfg['width']} {cfg['image']}x{cfg['image']} "
-               f"batch {cfg['batch']} {dtype_name}")
-      report.figure(f"{label} | mfopt sync step / plain flax+optax (images/s)", ratio, "x",
-                    f"mfopt {cfg['batch'] / t_mf.median:,.1f} img/s ({t_mf.spread()}); plain "
-                    f"{cfg['batch'] / t_plain.median:,.1f} img/s ({t_plain.spread()})",
+               f"batch {cfg['batch']}{f' x {n} devices' if n > 1 else ''} {dtype_name}")
+      plain_name = "plain flax+optax" if n == 1 else "plain data-parallel flax+optax (pmean)"
+      images = n * cfg["batch"]
+      report.figure(f"{label} | mfopt sync step / {plain_name} (images/s)", ratio, "x",
+                    f"mfopt {images / t_mf.median:,.1f} img/s ({t_mf.spread()}); plain "
+                    f"{images / t_plain.median:,.1f} img/s ({t_plain.spread()})",
                     config=cfg, dtype=dtype_name, mfopt=t_mf.as_dict(),
                     plain=t_plain.as_dict(), ratio=ratio)
       results.append((label, ratio))
@@ -156,29 +256,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"time (plain step)", mp, "x time",
                   f"mfopt step: {step_time['bf16'][0] / step_time['fp32'][0]:.3f}x")
     results.append((f"target 5: {cfg['name']} bf16/fp32", mp))
-  local_ratio = periodic_step_cost(report, args, gpu, warmup=warmup, reps=reps, iters=iters)
+  local_ratio = periodic_step_cost(report, args, gpu, warmup=warmup, reps=reps, iters=iters,
+                                   devices=n)
+  # Fake CPU devices share the host's cores and copy memory for an all-reduce: ratios only.
+  judged = not args.quick and (gpu or n == 1)
+  why_not = "quick mode" if args.quick else f"{n} fake CPU devices: ratios reported only"
   for label, value in results:
     if label.startswith("target 5"):
-      report.target(label, value, "<=", 0.6, applies=gpu and not args.quick,
-                    why_not="GPU target; CPU has no fast bf16" if not gpu else "quick mode")
+      report.target(label, value, "<=", 0.6, applies=gpu and judged,
+                    why_not="GPU target; CPU has no fast bf16" if not gpu else why_not)
     else:
       report.target(f"target 2: {label} images/s mfopt/plain", value, ">=", 0.97,
-                    applies=not args.quick, why_not="quick mode")
+                    applies=judged, why_not=why_not)
   if local_ratio is not None:
-    report.target("target 3: periodic_averaging local train step / no-communication step",
-                  local_ratio, "<=", 1.01, applies=not args.quick, why_not="quick mode")
+    report.target(f"target 3: periodic_averaging local train step / no-communication step"
+                  f"{f', {n} devices' if n > 1 else ''}", local_ratio, "<=", 1.01,
+                  applies=judged, why_not=why_not)
   return report.finish()
 
 
 def periodic_step_cost(report: _bench.Report, args, gpu: bool, *, warmup: int, reps: int,
-                       iters: int) -> float | None:
+                       iters: int, devices: int = 1) -> float | None:
   """Target 3: a local step of periodic averaging vs a step with no communication at all.
 
-  Three worker-stacked steps (``mfopt.train.make_train_step``, W=1, one device) of the first
-  model of :func:`configs`, interleaved: inner ``optax.sgd(momentum=0.9)`` alone (no
-  communication), ``periodic_averaging`` with a period never due (local steps), and with
-  period 1 (a sync step every step: its extra cost; with W=1 on one device the all-reduce
-  spans one worker, so this is the sync branch's compute, not network time).
+  Three worker-stacked steps (``mfopt.train.make_train_step``, one worker per device on
+  ``devices`` devices) of the first model of :func:`configs`, interleaved: inner
+  ``optax.sgd(momentum=0.9)`` alone (no communication), ``periodic_averaging`` with a period
+  never due (local steps), and with period 1 (a sync step every step: its extra cost; with
+  one device the all-reduce spans one worker, so this is the sync branch's compute, not
+  network time; with several it is a ``devices``-way all-reduce of the parameters).
   """
   import mfopt
   from mfopt import models, parallel
@@ -187,7 +293,8 @@ def periodic_step_cost(report: _bench.Report, args, gpu: bool, *, warmup: int, r
     report.note("periodic_averaging: not on main yet (skipped)")
     return None
   cfg = configs(args.quick, gpu)[0]
-  x, y = synthetic(cfg["batch"], cfg["image"], cfg["classes"])
+  x, y = synthetic(devices * cfg["batch"], cfg["image"], cfg["classes"])
+  x, y = x.reshape(devices, cfg["batch"], *x.shape[1:]), y.reshape(devices, cfg["batch"])
   size = {"features": (4, 8)} if cfg["name"] == "cnn" else {"width": cfg["width"]}
   dtype_name, dtype = ("bf16", jnp.bfloat16) if gpu else ("fp32", jnp.float32)
   model = models.get_model(cfg["name"], num_classes=cfg["classes"], dtype=dtype, **size)
@@ -195,13 +302,15 @@ def periodic_step_cost(report: _bench.Report, args, gpu: bool, *, warmup: int, r
   never = lambda: averaging(sgd(), parallel.WORKER_AXES, 10**9)  # noqa: E731
   # The library's step (host-decided gates off CPU: make_train_step's default), and the same
   # local step with the device-side gate (host_gates=False: the loop the host waits on).
-  runners = [mfopt_runner(model, sgd(), x[None], y[None]),
-             mfopt_runner(model, never(), x[None], y[None]),
-             mfopt_runner(model, averaging(sgd(), parallel.WORKER_AXES, 1), x[None], y[None]),
-             mfopt_runner(model, never(), x[None], y[None], host_gates=False)]
+  on = dict(num_workers=devices, devices=devices)
+  runners = [mfopt_runner(model, sgd(), x, y, **on),
+             mfopt_runner(model, never(), x, y, **on),
+             mfopt_runner(model, averaging(sgd(), parallel.WORKER_AXES, 1), x, y, **on),
+             mfopt_runner(model, never(), x, y, host_gates=False, **on)]
   t_none, t_local, t_sync, t_device = _bench.time_interleaved(runners, warmup=warmup, reps=reps,
                                                               iters=iters)
-  label = f"{cfg['name']} batch {cfg['batch']} {dtype_name}"
+  label = (f"{cfg['name']} batch {cfg['batch']}{f' x {devices} devices' if devices > 1 else ''}"
+           f" {dtype_name}")
   ratio = t_local.median / t_none.median
   gates = "host-decided gates" if jax.default_backend() != "cpu" else "device-side gate (CPU default)"
   report.figure(f"{label} | periodic_averaging local step / no-communication step", ratio,
@@ -212,7 +321,9 @@ def periodic_step_cost(report: _bench.Report, args, gpu: bool, *, warmup: int, r
                 f"local {t_device.spread()}")
   report.figure(f"{label} | periodic_averaging sync step / no-communication step",
                 t_sync.median / t_none.median, "x time",
-                f"sync {t_sync.spread()} (W=1 on one device: sync-branch compute only)")
+                f"sync {t_sync.spread()} " + ("(W=1 on one device: sync-branch compute only)"
+                                              if devices == 1 else
+                                              f"(a {devices}-way all-reduce of the parameters)"))
   return ratio
 
 

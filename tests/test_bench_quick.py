@@ -234,3 +234,57 @@ def test_bench_virtual_workers_leaves_out_failing_programs_and_times_the_rest(mo
   assert best["value"] == pytest.approx(timing["one replica @ W*B"] / timing["unroll local"],
                                         rel=1e-9)
   assert not any("bn_impl='mfopt' / flax BatchNorm" in f["name"] for f in _figures(result))
+
+
+def test_plain_data_parallel_baseline_computes_mfopt_sync_step():
+  """The multi-device baseline (--devices N) is like for like: the textbook shard_map + pmean
+  flax/optax step and mfopt's W = N synchronized step, from the same initialisation, give the
+  same parameters, momentum and per-device BatchNorm statistics after 3 steps."""
+  import jax
+  import numpy as np
+  import optax
+
+  import mfopt
+  from mfopt import models, parallel
+
+  n = len(jax.devices())
+  assert n > 1  # conftest: 8 fake CPU devices
+  model = models.get_model("cnn", features=(4, 8), num_classes=10)
+  x, y = bench_train_step.synthetic(n * 4, 8, 10)
+  sgd = optax.sgd(0.1, momentum=0.9)
+  sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)
+  mf = bench_train_step.mfopt_runner(model, sync, x.reshape(n, 4, *x.shape[1:]),
+                                     y.reshape(n, 4), num_workers=n, devices=n)
+  plain = bench_train_step.plain_dp_runner(model, sgd, x, y, n)
+  mf.call(3)
+  plain.call(3)
+  params, stats, opt_state = jax.device_get(plain.state)
+  mf_state = jax.device_get(mf.state)
+  check = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)  # noqa: E731
+  for w in range(n):  # every worker holds the replicated parameters
+    jax.tree.map(lambda a, b: check(a[w], b), mf_state.params, params)
+  jax.tree.map(check, mf_state.model_state["batch_stats"], stats)  # per device / worker
+  # momentum: optax.sgd's trace, inside the chain after sync_gradients' counters
+  mf_trace = [s for s in jax.tree.leaves(mf_state.opt_state, is_leaf=lambda s: isinstance(
+      s, optax.TraceState)) if isinstance(s, optax.TraceState)]
+  (plain_trace,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(
+      s, optax.TraceState)) if isinstance(s, optax.TraceState)]
+  jax.tree.map(lambda a, b: check(a[0], b), mf_trace[0].trace, plain_trace.trace)
+  # and the parameters moved: the comparison is not of two initialisations
+  init, _ = models.init_model(model, jax.random.PRNGKey(0), x[:1])
+  assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+             for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(init))) > 1e-3
+
+
+def test_bench_train_step_quick_on_8_devices_reports_ratios_only():
+  result = bench_train_step.main(["--quick", "--devices", "8"])
+  names = [f["name"] for f in _figures(result)]
+  assert any("x 8 devices bf16 | mfopt sync step / plain data-parallel" in n for n in names)
+  assert any("periodic_averaging sync step" in n for n in names)
+  (sync,) = [f for f in _figures(result) if "periodic_averaging sync step" in f["name"]]
+  assert "8-way all-reduce" in sync["details"]
+  assert result["targets"] and not any(t["applies"] for t in result["targets"])
+  with pytest.raises(SystemExit, match="--devices must be positive, got 0"):
+    bench_train_step.main(["--quick", "--devices", "0"])
+  with pytest.raises(SystemExit, match="--devices 64: only 8 cpu device"):
+    bench_train_step.main(["--quick", "--devices", "64"])
