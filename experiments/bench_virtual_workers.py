@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     for name in ("one replica @ W*B", "unroll local", "lax.map local")
                     if name in builders}
       except Exception as e:  # noqa: BLE001 (XLA raises its own error types)
-        report.note(f"W={num_workers} B={batch}: --compiler-option{tag} not compiled, its "
+        report.note(f"{shape}: --compiler-option{tag} not compiled, its "
                     f"variants skipped: {type(e).__name__}: {str(e)[:300]}")
         compiled = {}
       for name, runner in compiled.items():
@@ -261,22 +261,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       continue
     ref = timings["one replica @ W*B"].median
     for name, t in timings.items():
-      report.figure(f"W={num_workers} B={batch} | {name}", images / t.median, "img/s",
+      report.figure(f"{shape} | {name}", images / t.median, "img/s",
                     f"{ref / t.median:.3f}x one replica; {t.spread()}", num_workers=num_workers,
                     per_worker_batch=batch, variant=name.split(" (")[0], timing=t.as_dict())
     fast = ref / timings[fastpath.LABEL].median if fastpath.LABEL in timings else None
     if {copying, vmapped, fastpath.LABEL} <= set(timings):
-      report.figure(f"W={num_workers} B={batch} | fast path in place / copying update",
+      report.figure(f"{shape} | fast path in place / copying update",
                     timings[copying].median / timings[fastpath.LABEL].median, "x",
                     "> 1: the in-place update (the default) is faster")
-      report.figure(f"W={num_workers} B={batch} | fast path GroupBatchNorm / vmap over BN groups",
+      report.figure(f"{shape} | fast path GroupBatchNorm / vmap over BN groups",
                     timings[vmapped].median / timings[fastpath.LABEL].median, "x",
                     "> 1: GroupBatchNorm on the flat batch (the default) is faster; "
                     f"vmap over groups: {ref / timings[vmapped].median:.3f}x one replica")
     for name, other in bn_pairs.items():
       if not {name, other} <= set(timings):
         continue
-      report.figure(f"W={num_workers} B={batch} | {name}: bn_impl='mfopt' / flax BatchNorm",
+      report.figure(f"{shape} | {name}: bn_impl='mfopt' / flax BatchNorm",
                     timings[name].median / timings[other].median, "x",
                     "> 1: GroupBatchNorm (one group per replica) is faster; with it "
                     f"{ref / timings[other].median:.3f}x one replica", num_workers=num_workers,
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for name, other in flagged.items():
       if ref_flag is None:
         break
-      report.figure(f"W={num_workers} B={batch} | {name}:{tag} / default compile",
+      report.figure(f"{shape} | {name}:{tag} / default compile",
                     timings[name].median / timings[other].median, "x",
                     f"> 1: the option makes it faster; with it {ref / timings[other].median:.3f}x "
                     f"one replica (default compile), {ref_flag / timings[other].median:.3f}x one "
@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                        runners[fastpath.LABEL] if fastpath.LABEL in timings else None) if r]
     # the fast path's extra work over one replica: per-group BN only
     if len(costs) == 2 and None not in costs:
-      report.figure(f"W={num_workers} B={batch} | fast path / one replica, XLA cost estimate",
+      report.figure(f"{shape} | fast path / one replica, XLA cost estimate",
                     costs[1]["bytes accessed"] / costs[0]["bytes accessed"], "x bytes",
                     f"{costs[1]['flops'] / costs[0]['flops']:.4f}x flops; "
                     f"{costs[1]['bytes accessed'] / 1e6:.1f} vs "
@@ -323,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     best_name = min(variants, key=lambda n: timings[variants[n]].median)
     best_t = timings[variants[best_name]].median
     best_local = ref / best_t
-    report.figure(f"W={num_workers} B={batch} | best local lowering ({best_name}) / one replica",
+    report.figure(f"{shape} | best local lowering ({best_name}) / one replica",
                   best_local, "x")
     # What running the W replicas one after another can reach at best: W lone steps at batch B
     # (each with its own update) against one step at W*B. A reference, not a strict bound (the
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     seq = (timings["one replica @ B"].median * num_workers if "one replica @ B" in timings
            else None)
     if seq is not None:
-      report.figure(f"W={num_workers} B={batch} | sequential reference: one replica @ W*B / "
+      report.figure(f"{shape} | sequential reference: one replica @ W*B / "
                     f"(W x one replica @ B)", ref / seq, "x",
                     f"W x one replica @ B = {seq * 1e3:.2f} ms vs {ref * 1e3:.2f} ms at W*B; "
                     f"the best local lowering reaches {seq / best_t:.3f}x of it",
@@ -343,12 +343,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       auto_step = runners["auto local"].fn
       auto = plain_t / timings["auto local"].median
       chosen = auto_step.choice
-      report.figure(f"W={num_workers} B={batch} | auto local (chose "
+      report.figure(f"{shape} | auto local (chose "
                     f"{chosen}) / best of {', '.join(local)}", auto, "x",
                     "choice timings " + ", ".join(f"{k} {v * 1e3:.2f} ms"
                                                   for k, v in auto_step.timings.items()))
       if chosen in local:  # auto runs the very program of its chosen lowering: a noise gauge
-        report.figure(f"W={num_workers} B={batch} | noise gauge: auto local / {chosen} local "
+        report.figure(f"{shape} | noise gauge: auto local / {chosen} local "
                       "(the same compiled program timed twice)",
                       timings[local[chosen]].median / timings["auto local"].median, "x")
     targets.append((num_workers, batch, fast, best_local, auto))
