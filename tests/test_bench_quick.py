@@ -288,3 +288,29 @@ def test_bench_train_step_quick_on_8_devices_reports_ratios_only():
     bench_train_step.main(["--quick", "--devices", "0"])
   with pytest.raises(SystemExit, match="--devices 64: only 8 cpu device"):
     bench_train_step.main(["--quick", "--devices", "64"])
+
+
+def test_gpu_plan_calls_run_in_quick_mode():
+  """scripts/gpu_plan.sh: every planned device call's benches accept their flags and run
+  (--check: with --quick on this CPU, shapes dropped), and the plan refuses what it cannot
+  run here (a multi-GPU call without GPUs, an unknown call) instead of spending a device call."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = {**os.environ, "PYTHON": sys.executable}
+  run = lambda *a: subprocess.run(["bash", "scripts/gpu_plan.sh", *a], cwd=root, env=env,  # noqa: E731
+                                  capture_output=True, text=True, timeout=600)
+  listed = run("--list")
+  assert listed.returncode == 0 and "call 1:" in listed.stdout
+  assert "--stretch-only --bn-variants" in listed.stdout
+  check = run("--check")
+  assert check.returncode == 0, check.stdout + check.stderr
+  assert check.stdout.count("call ") >= 11 and "FAILED" not in check.stdout
+  import shutil
+  if shutil.which("nvidia-smi") is None:  # (with GPUs, call 7 would run its benches)
+    multi = run("7", "/tmp/unused")
+    assert multi.returncode == 2 and "needs >= 2 GPUs" in multi.stdout
+  assert run("9").returncode == 2
