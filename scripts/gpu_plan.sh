@@ -32,6 +32,10 @@ declare -A CALLS=(
   [6]="bench_virtual_workers:--shapes 8x128,32x32"
   # >= 2 GPUs: bf16 all-reduce operands in the executed HLO; targets 2-3 data-parallel.
   [7]="bench_comm:--platform gpu|bench_train_step:--devices GPUS"
+  # A gamble, last: XLA's experimental convolution fusion takes the convolutions into the
+  # CUDA graph (one command buffer for the whole step in a deviceless compile, where the
+  # convolutions become XLA's own loop kernels, not cuDNN: session 9), with CONCURRENT.
+  [8]="bench_virtual_workers:--shapes 16x256 --stretch-only --compiler-option xla_gpu_experimental_enable_conv_fusion=true --compiler-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
 )
 BUDGET=${BENCH_BUDGET:-540}  # seconds per call, shared by its benches
 
