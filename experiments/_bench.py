@@ -488,6 +488,12 @@ class Report:
     self.figures.append({"note": text})
     self._write(complete=False)
 
+  def left_out(self, label: str, error: Exception) -> None:
+    """Notes a program that failed to build, compile or run (``time_interleaved``'s
+    ``on_error``) and is left out of the run: its label, the error's type and first line."""
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    self.note(f"{label}: failed, left out: {type(error).__name__}: {first}")
+
   def target(self, name: str, value: float, op: str, threshold: float,
              applies: bool = True, why_not: str = "") -> None:
     """Records ``value op threshold``; targets that do not apply here are listed, not judged."""

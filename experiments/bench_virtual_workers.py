@@ -222,17 +222,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           bn_pairs[name] = f"{name} (bn_impl='mfopt')"
           builders[bn_pairs[name]] = local_step(lw, group_model)
     shape = f"W={num_workers} B={batch}"
-
-    def failed(name, e):  # one program failing must not cost a device call the others
-      report.note(f"{shape} | {name}: failed, left out: {type(e).__name__}: "
-                  f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
-
-    runners = {}
+    runners = {}  # one program failing must not cost a device call the others' timings
     for name, build in builders.items():
       try:
         runners[name] = build()
       except Exception as e:  # noqa: BLE001 (XLA raises its own error types)
-        failed(name, e)
+        report.left_out(f"{shape} | {name}", e)
     options = dict(args.compiler_option)
     tag = " [" + ", ".join(f"{k}={v}" for k, v in options.items()) + "]"
     flagged = {}  # default-compiled runner name -> the same program compiled with `options`
@@ -253,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         list(runners.values()), warmup=warmup, reps=reps, iters=iters,
         on_warm=lambda i, sec: report.note(f"{shape} | {names[i]}: compiled and warmed up in "
                                            f"{sec:.1f} s"),
-        on_error=lambda i, e: failed(names[i], e))
+        on_error=lambda i, e: report.left_out(f"{shape} | {names[i]}", e))
     timings = {name: t for name, t in zip(names, timed) if t is not None}
     images = num_workers * batch
     if "one replica @ W*B" not in timings:
@@ -282,11 +277,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"{ref / timings[other].median:.3f}x one replica", num_workers=num_workers,
                     per_worker_batch=batch, variant="bn_impl speed-up")
     flagged = {k: v for k, v in flagged.items() if {k, v} <= set(timings)}
-    ref_flag = (timings[flagged["one replica @ W*B"]].median
-                if "one replica @ W*B" in flagged else None)
+    if "one replica @ W*B" not in flagged:  # nothing to compare the flagged compiles with
+      flagged = {}
     for name, other in flagged.items():
-      if ref_flag is None:
-        break
+      ref_flag = timings[flagged["one replica @ W*B"]].median
       report.figure(f"{shape} | {name}:{tag} / default compile",
                     timings[name].median / timings[other].median, "x",
                     f"> 1: the option makes it faster; with it {ref / timings[other].median:.3f}x "

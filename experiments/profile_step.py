@@ -406,8 +406,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     order = list(runners)
     timed = _bench.time_interleaved(
         list(runners.values()), warmup=1, reps=reps, iters=1,
-        on_error=lambda i, e: report.note(f"{shape} | {order[i]}: failed, left out: "
-                                          f"{type(e).__name__}: {str(e)[:300]}"))
+        on_error=lambda i, e: report.left_out(f"{shape} | {order[i]}", e))
     timings = {n: t for n, t in zip(order, timed) if t is not None}
     runners = {n: r for n, r in runners.items() if n in timings}
     with tempfile.TemporaryDirectory() as tmp:
