@@ -136,6 +136,17 @@ def plain_dp_runner(model, tx, x: np.ndarray, y: np.ndarray, devices: int,
                        out_state=lambda out: out[0])
 
 
+def judged(quick: bool, gpu: bool, devices: int) -> tuple[bool, str]:
+  """``(applies, why_not)`` for this run's time targets: not in quick mode, and not on fake CPU
+  devices (``devices > 1`` on CPU: they share the host's cores and copy memory for an
+  all-reduce, so their ratios are reported only)."""
+  if quick:
+    return False, "quick mode"
+  if devices > 1 and not gpu:
+    return False, f"{devices} fake CPU devices: ratios reported only"
+  return True, ""
+
+
 def setup_devices(devices: int) -> None:
   """``devices`` fake CPU devices where the CPU backend has not started (a bench run as a
   script); a running backend (pytest's, with 8) is kept. Checked against what is there."""
@@ -258,20 +269,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results.append((f"target 5: {cfg['name']} bf16/fp32", mp))
   local_ratio = periodic_step_cost(report, args, gpu, warmup=warmup, reps=reps, iters=iters,
                                    devices=n)
-  # Fake CPU devices share the host's cores and copy memory for an all-reduce: ratios only.
-  judged = not args.quick and (gpu or n == 1)
-  why_not = "quick mode" if args.quick else f"{n} fake CPU devices: ratios reported only"
+  applies, why_not = judged(args.quick, gpu, n)
   for label, value in results:
     if label.startswith("target 5"):
-      report.target(label, value, "<=", 0.6, applies=gpu and judged,
+      report.target(label, value, "<=", 0.6, applies=gpu and applies,
                     why_not="GPU target; CPU has no fast bf16" if not gpu else why_not)
     else:
       report.target(f"target 2: {label} images/s mfopt/plain", value, ">=", 0.97,
-                    applies=judged, why_not=why_not)
+                    applies=applies, why_not=why_not)
   if local_ratio is not None:
     report.target(f"target 3: periodic_averaging local train step / no-communication step"
                   f"{f', {n} devices' if n > 1 else ''}", local_ratio, "<=", 1.01,
-                  applies=judged, why_not=why_not)
+                  applies=applies, why_not=why_not)
   return report.finish()
 
 

@@ -276,6 +276,15 @@ def test_plain_data_parallel_baseline_computes_mfopt_sync_step():
              for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(init))) > 1e-3
 
 
+def test_time_targets_are_judged_except_in_quick_mode_and_on_fake_cpu_devices():
+  judged = bench_train_step.judged
+  assert judged(quick=False, gpu=False, devices=1) == (True, "")
+  assert judged(quick=False, gpu=True, devices=8) == (True, "")  # 8 real GPUs
+  assert judged(quick=False, gpu=False, devices=8) == (
+      False, "8 fake CPU devices: ratios reported only")
+  assert judged(quick=True, gpu=True, devices=1) == (False, "quick mode")
+
+
 def test_bench_train_step_quick_on_8_devices_reports_ratios_only():
   result = bench_train_step.main(["--quick", "--devices", "8"])
   names = [f["name"] for f in _figures(result)]
