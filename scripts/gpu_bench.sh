@@ -9,14 +9,7 @@
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 4x256,8x128"
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 16x64 --fastpath-variants"
 #       (decides fastpath's update_in_place default on GPU: BENCHMARKS.md, target 4)
-#   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 16x256 --stretch-only \
-#       --bn-variants"   (the 4b stretch alone: unroll, lax.map, their GroupBatchNorm
-#       variants and the sequential reference; add "--compiler-option
-#       xla_gpu_command_buffer_scheduling_mode=CONCURRENT" in a call of its own:
-#       BENCHMARKS.md, "Session 8")
-#   bash scripts/gpu_bench.sh "$OUT" "profile_step:--programs one,fast --shapes 16x64"
-#       (a kernel-by-kernel profile of target 4a's gap; "--programs one,unroll,map --shapes
-#       16x256" for the 4b stretch: BENCHMARKS.md, "Session 7")
+#   (the open measurements, as numbered calls of this script: scripts/gpu_plan.sh --list)
 #   BENCH_ARGS=--quick PYTHON=.venv/bin/python bash scripts/gpu_bench.sh /tmp/x   # smoke test
 #
 # Writes OUTDIR/<bench>.json (every figure as data) and OUTDIR/<bench>.log (the FIG/TARGET

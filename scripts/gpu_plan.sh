@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 8's open GPU measurements as numbered device calls, in priority order (why each one:
 # BENCHMARKS.md, "Session 8" and "Session 9"; what each bench does: its docstring). One call
-# fits one device command (10 minutes): its benches share BENCH_TIMEOUT seconds.
+# fits one device command (10 minutes): its benches share BENCH_BUDGET seconds (default 540),
+# each getting an equal BENCH_TIMEOUT.
 #
 #   bash scripts/gpu_plan.sh --list           the calls
 #   bash scripts/gpu_plan.sh --check          every call's benches with --quick on this machine
