@@ -3,7 +3,8 @@
 Seed 004 (``seeds/004_634240290224c5bb.txt``): §2.1.1 (AdaBound, Luo et al. 2019) and
 §2.2.1 (linear-scaling AdaBound as a warmup, then linear-scaling SGD with LARS and an
 exponentially decaying learning rate). SPEC.md "Seed 004" resolves the seed's ambiguities; the
-choices made here are listed in each docstring.
+choices made here are listed in each docstring. Linear-scaling AdaBound uses the seed's raw
+moments (no bias correction) unless ``bias_correction=True`` asks for the reference's.
 
 AdaBound follows the authors' reference implementation, the ``adabound`` package (PyPI 0.0.5,
 ``adabound/adabound.py``), step for step::
@@ -248,7 +249,7 @@ class LinearScalingAdaBoundState(NamedTuple):
 
 
 def _linear_scaling_hyper(*, base_lr, num_workers, steps_per_epoch, alpha, warmup_epochs, b1,
-                          b2, eps) -> dict[str, Any]:
+                          b2, eps, bias_correction) -> dict[str, Any]:
   """Validated hyperparameters of linear-scaling AdaBound (for :func:`_linear_scaling_step`)."""
   _checks.positive_number("base_lr", base_lr)
   _checks.positive_int("num_workers", num_workers)
@@ -258,15 +259,24 @@ def _linear_scaling_hyper(*, base_lr, num_workers, steps_per_epoch, alpha, warmu
   _checks.unit_interval("b1", b1)
   _checks.unit_interval("b2", b2)
   _checks.nonnegative_number("eps", eps)
+  if not isinstance(bias_correction, bool):
+    raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
   return dict(base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch,
-              alpha=alpha, warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
+              alpha=alpha, warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps,
+              bias_correction=bool(bias_correction))
 
 
 def _linear_scaling_step(count, mu, nu, *, base_lr, num_workers, steps_per_epoch, alpha,
-                         warmup_epochs, b1, b2, eps):
-  """``clip(alpha_k / (sqrt(v) + eps), B_l, B_u) * m`` per leaf, at the ``count``-th update."""
+                         warmup_epochs, b1, b2, eps, bias_correction):
+  """``clip(alpha_k / (sqrt(v) + eps), B_l, B_u) * m`` per leaf, at the ``count``-th update.
+
+  ``alpha_k = alpha`` (the seed's formula), or with ``bias_correction`` the AdaBound
+  reference's ``alpha sqrt(1 - b2^k) / (1 - b1^k)``.
+  """
   t = _float_count(count, mu)
-  step_size = alpha * jnp.sqrt(_bias_correction(b2, t)) / _bias_correction(b1, t)
+  step_size = alpha
+  if bias_correction:
+    step_size = alpha * jnp.sqrt(_bias_correction(b2, t)) / _bias_correction(b1, t)
   lower, upper = linear_scaling_bounds(t / steps_per_epoch, base_lr=base_lr,
                                        num_workers=num_workers, warmup_epochs=warmup_epochs,
                                        b2=b2)
@@ -275,16 +285,22 @@ def _linear_scaling_step(count, mu, nu, *, base_lr, num_workers, steps_per_epoch
 
 def scale_by_linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_per_epoch: int,
                                      alpha: float = 1e-3, warmup_epochs: float = 10,
-                                     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+                                     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                                     bias_correction: bool = False
                                      ) -> optax.GradientTransformation:
   r"""Linear-scaling AdaBound's step (positive, no sign): ``clip(alpha/sqrt(V_t), B_l, B_u) * m_t``.
 
   At the ``k``-th update (``k = 1, 2, ...``) the fractional epoch is ``t = k / steps_per_epoch``
-  and the bounds are :func:`linear_scaling_bounds`. Choices where seed 004 §2.2.1 is silent:
+  and the bounds are :func:`linear_scaling_bounds`. ``m_t`` and ``V_t`` are the raw moving
+  averages, with no bias correction, as seed 004 §2.1.1/§2.2.1 print them (its Adam has none)
+  and SPEC.md reads them. Choices:
 
-  * **bias correction**: ``alpha`` is multiplied by ``sqrt(1 - b2^k) / (1 - b1^k)`` before the
-    clip, as in the AdaBound reference (the seed says that with ``B_u = inf, B_l = 0`` the method
-    *is* Adam, which is bias-corrected); ``eps`` is added to ``sqrt(v)`` as in the reference.
+  * ``bias_correction=True`` multiplies ``alpha`` by ``sqrt(1 - b2^k) / (1 - b1^k)`` before the
+    clip, as the AdaBound reference implementation (package ``adabound``) and
+    :func:`mfopt.adabound` do. Off by default: it changes the first steps' effective rate by up
+    to ``sqrt(1 - b2)/(1 - b1)`` (0.32x at ``k = 1`` with the defaults), so a replication of
+    the seed must not have it.
+  * ``eps`` is added to ``sqrt(v)`` as in the reference (the seed has no ``eps``).
   * ``t`` is clamped at ``T``; from then on the step is ``lr N * m_t`` (linear-scaling SGD with
     EMA momentum).
 
@@ -295,6 +311,8 @@ def scale_by_linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_
     alpha: Adam learning rate (the seed's "initial learning rate").
     warmup_epochs: ``T``.
     b1, b2, eps: Adam hyperparameters.
+    bias_correction: Adam's bias correction of ``alpha`` (the AdaBound reference's); default
+      ``False``, the seed's formula.
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`LinearScalingAdaBoundState`.
@@ -303,7 +321,8 @@ def scale_by_linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_
   """
   hyper = _linear_scaling_hyper(base_lr=base_lr, num_workers=num_workers,
                                 steps_per_epoch=steps_per_epoch, alpha=alpha,
-                                warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
+                                warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps,
+                                bias_correction=bias_correction)
 
   def init_fn(params):
     return LinearScalingAdaBoundState(count=jnp.zeros([], jnp.int32),
@@ -323,7 +342,8 @@ def scale_by_linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_
 
 def linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_per_epoch: int,
                             alpha: float = 1e-3, warmup_epochs: float = 10, b1: float = 0.9,
-                            b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+                            b2: float = 0.999, eps: float = 1e-8,
+                            bias_correction: bool = False) -> optax.GradientTransformation:
   r"""Linear-scaling AdaBound (seed 004 §2.2.1): Adam whose per-coordinate rate is clipped to
   ``[B_l, B_u]``, moving smoothly from Adam (``t = 0``) to linear-scaling SGD ``lr N`` (``t = T``).
 
@@ -336,13 +356,16 @@ def linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_per_epoch
     >>> tx = mfopt.linear_scaling_adabound(base_lr=0.1, num_workers=8, steps_per_epoch=10)
     >>> params = jnp.ones(2)
     >>> updates, _ = tx.update(jnp.array([1.0, 100.0]), tx.init(params), params)
-    >>> [round(float(u), 6) for u in updates]  # 2nd clipped at B_l = (0.1/10)*0.8, times m = 10
-    [-0.001, -0.08]
+    >>> # 1st: alpha/sqrt(v) = 1e-3/sqrt(1e-3) times m = 0.1; 2nd clipped at B_l = (0.1/10)*0.8,
+    >>> # times m = 10
+    >>> [round(float(u), 6) for u in updates]
+    [-0.003162, -0.08]
   """
   return optax.chain(
       scale_by_linear_scaling_adabound(base_lr=base_lr, num_workers=num_workers,
                                        steps_per_epoch=steps_per_epoch, alpha=alpha,
-                                       warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps),
+                                       warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps,
+                                       bias_correction=bias_correction),
       optax.scale(-1.0))
 
 
@@ -391,8 +414,8 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
                          alpha: float = 1e-3, warmup_epochs: float = 10, decay: float = 0.9,
                          momentum: float = 0.9, weight_decay: float = 1e-4,
                          trust_coefficient: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
-                         eps: float = 1e-8, axis_name: AxisName = None
-                         ) -> optax.GradientTransformation:
+                         eps: float = 1e-8, bias_correction: bool = False,
+                         axis_name: AxisName = None) -> optax.GradientTransformation:
   r"""AdaBound warmup + linear-scaling SGD with LARS (seed 004 §2.2.1, "the hybrid").
 
   For the first ``S = floor(T * steps_per_epoch)`` updates: :func:`linear_scaling_adabound`
@@ -447,6 +470,8 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     weight_decay: L2 weight decay of the SGD phase.
     trust_coefficient: LARS trust coefficient (You et al.: 0.001).
     b1, b2, eps: AdaBound's Adam hyperparameters.
+    bias_correction: bias-correct the warmup's ``alpha`` as the AdaBound reference does
+      (default ``False``: the seed's formula; see :func:`scale_by_linear_scaling_adabound`).
     axis_name: the worker axes (e.g. :data:`mfopt.WORKER_AXES`) when the transform runs
       inside the worker ``vmap``; only used to keep the norms loop's trip count unbatched,
       never to communicate. ``None`` (default) is always correct and costs the same.
@@ -470,7 +495,8 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     raise ValueError(f"decay must be in (0, 1], got {decay!r}")
   hyper = _linear_scaling_hyper(base_lr=base_lr, num_workers=num_workers,
                                 steps_per_epoch=steps_per_epoch, alpha=alpha,
-                                warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps)
+                                warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps,
+                                bias_correction=bias_correction)
   switch = _warmup_steps(warmup_epochs, steps_per_epoch)
   if switch < 1:
     raise ValueError(f"warmup_epochs * steps_per_epoch must be >= 1 (one warmup step), got "

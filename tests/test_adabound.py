@@ -114,8 +114,12 @@ def np_adabound(p0, grad_fn, steps, lr, final_lr=0.1, gamma=1e-3, betas=(0.9, 0.
 
 def np_hybrid(p0, grad_fn, steps, *, base_lr, num_workers, steps_per_epoch, alpha, warmup_epochs,
               b1=0.9, b2=0.999, eps=1e-8, decay=0.9, momentum=0.9, weight_decay=1e-4,
-              trust=1e-3, switch=True):
-  """Seed 004 §2.2.1 (AdaBound warmup + LARS SGD), written from the seed's equations."""
+              trust=1e-3, switch=True, bias_correction=False):
+  """Seed 004 §2.2.1 (AdaBound warmup + LARS SGD), written from the seed's equations.
+
+  The seed's steps 4-6 use the raw moments: ``clip(alpha/sqrt(v), B_l, B_u) * m``;
+  ``bias_correction`` adds the AdaBound reference's ``sqrt(1-b2^k)/(1-b1^k)`` to ``alpha``.
+  """
   p = {k: np.array(v, np.float64) for k, v in p0.items()}
   m = {k: np.zeros_like(v) for k, v in p.items()}
   v2 = {k: np.zeros_like(v) for k, v in p.items()}
@@ -134,7 +138,7 @@ def np_hybrid(p0, grad_fn, steps, *, base_lr, num_workers, steps_per_epoch, alph
       for k in p:
         m[k] = b1 * m[k] + (1 - b1) * g[k]
         v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
-        a_t = alpha * math.sqrt(1 - b2 ** k_) / (1 - b1 ** k_)
+        a_t = alpha * math.sqrt(1 - b2 ** k_) / (1 - b1 ** k_) if bias_correction else alpha
         rate = np.minimum(np.maximum(a_t / (np.sqrt(v2[k]) + eps), b_l), b_u)
         p[k] = p[k] - rate * m[k]
       rates.append((b_l, b_u))
@@ -242,24 +246,44 @@ def test_adabound_schedule_decays_the_bounds_like_the_reference():
 HYBRID = dict(base_lr=0.05, num_workers=4, steps_per_epoch=10, alpha=0.01, warmup_epochs=3)
 
 
+@pytest.mark.parametrize("bias_correction", [False, True])
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
-def test_linear_scaling_adabound_matches_seed_equations_float64(problem):
+def test_linear_scaling_adabound_matches_seed_equations_float64(problem, bias_correction):
   p0, np_grad, jax_loss = PROBLEMS[problem]()
   steps = 45  # runs past T (30 steps): bounds then stay at lr*N
-  want, _ = np_hybrid(p0, np_grad, steps, switch=False, **HYBRID)
+  want, _ = np_hybrid(p0, np_grad, steps, switch=False, bias_correction=bias_correction,
+                      **HYBRID)
   with jax.enable_x64(True):
-    got = _run(mfopt.linear_scaling_adabound(**HYBRID), p0, jax_loss, steps, jnp.float64)
+    tx = mfopt.linear_scaling_adabound(bias_correction=bias_correction, **HYBRID)
+    got = _run(tx, p0, jax_loss, steps, jnp.float64)
   _assert_traj(got, want, 1e-10)
+  # The option matters on this problem: the other reading leaves this path.
+  other, _ = np_hybrid(p0, np_grad, steps, switch=False, bias_correction=not bias_correction,
+                       **HYBRID)
+  k = next(iter(want[0]))
+  assert np.abs(other[0][k] - want[0][k]).max() > 1e-4
 
 
+def test_linear_scaling_adabound_default_is_the_seeds_formula_first_step():
+  """At k = 1 the seed's step is clip(alpha/sqrt((1-b2) g^2), B_l, B_u) * (1-b1) g, closed form."""
+  alpha, b1, b2, g = 1e-3, 0.9, 0.999, 2.0
+  tx = mfopt.linear_scaling_adabound(base_lr=0.1, num_workers=8, steps_per_epoch=10**6,
+                                     alpha=alpha, b1=b1, b2=b2, eps=0.0)
+  u, _ = tx.update(jnp.array([g]), tx.init(jnp.zeros(1)), jnp.zeros(1))
+  want = -alpha / math.sqrt(1 - b2) * (1 - b1)  # g cancels; B_l ~ 8e-8, B_u ~ 1e9: no clip
+  np.testing.assert_allclose(float(u[0]), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
-def test_hybrid_matches_seed_equations_across_the_switch_float64(problem):
+def test_hybrid_matches_seed_equations_across_the_switch_float64(problem, bias_correction):
   p0, np_grad, jax_loss = PROBLEMS[problem]()
   steps = 70  # 30 AdaBound steps, then 4 SGD epochs (lr decays 3 times)
   kw = dict(HYBRID, decay=0.7, momentum=0.9, weight_decay=1e-3)
-  want, _ = np_hybrid(p0, np_grad, steps, trust=0.5, **kw)
+  want, _ = np_hybrid(p0, np_grad, steps, trust=0.5, bias_correction=bias_correction, **kw)
   with jax.enable_x64(True):
-    tx = mfopt.hybrid_adabound_lars(trust_coefficient=0.5, **kw)
+    tx = mfopt.hybrid_adabound_lars(trust_coefficient=0.5, bias_correction=bias_correction,
+                                    **kw)
     got = _run(tx, p0, jax_loss, steps, jnp.float64)
   _assert_traj(got, want, 1e-10)
   # The two phases really differ: a run without the switch leaves the SGD phase's path.
@@ -388,7 +412,7 @@ def test_bounds_bind_early_in_warmup():
     assert at_hi[:20].all() and at_lo[40:].all(), (k, rate)
     assert not (at_hi | at_lo)[20:40].any()  # the middle band is unclipped Adam
     # the unclipped Adam rate really lies outside the bounds for the clipped coordinates
-    adam = 1e-3 * math.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k) / (np.sqrt(np.asarray(state.nu)) + 1e-8)
+    adam = 1e-3 / (np.sqrt(np.asarray(state.nu)) + 1e-8)  # the seed's alpha/sqrt(V_t)
     assert (adam[:20] > float(hi)).all() and (adam[40:] < float(lo)).all()
   # B_u falls and B_l rises with t, and both reach lr*N at T
   lo_t, hi_t = ab.linear_scaling_bounds(big_t, base_lr=0.1, num_workers=n, warmup_epochs=big_t)
@@ -422,6 +446,12 @@ def test_lars_learning_rate_counts_decay_from_the_switch():
 def test_bad_arguments_are_named(make, arg, value):
   with pytest.raises(ValueError, match=arg):
     make(value)
+
+
+def test_bias_correction_must_be_a_bool():
+  for make in (mfopt.linear_scaling_adabound, mfopt.hybrid_adabound_lars):
+    with pytest.raises(TypeError, match="bias_correction must be a bool, got 'yes'"):
+      make(base_lr=0.1, num_workers=2, steps_per_epoch=3, bias_correction="yes")
 
 
 def test_hybrid_axis_name_is_harmless_outside_the_worker_vmap():
