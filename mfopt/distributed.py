@@ -132,8 +132,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     initialization_timeout_s: how long to wait for all processes to join.
 
   Example:
-    >>> # every process, before building the mesh:          # doctest: +SKIP
-    >>> mfopt.distributed.initialize("10.0.0.1:8476", 2, int(os.environ["RANK"]))
+    Every process, before building the mesh:
+
+    >>> mfopt.distributed.initialize("10.0.0.1:8476", 2, int(os.environ["RANK"]))  # doctest: +SKIP
   """
   settings = resolve(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
   configure_cpu(num_cpu_devices, cpu_collectives if settings is not None else None)
