@@ -56,28 +56,42 @@ def _run(strategy, speeds, jitter, straggle, network, seed, pushes=60):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(speeds=st.lists(st.floats(0.2, 8.0), min_size=2, max_size=6),
-       staleness=st.integers(1, 4), jitter=st.sampled_from([0.0, 0.5]),
+       staleness=st.integers(0, 4), jitter=st.sampled_from([0.0, 0.5]),
        straggle=st.sampled_from([0.0, 0.2]), network=st.sampled_from([None, "1gbit"]),
        seed=st.integers(0, 3))
 def test_ssp_bound_holds_at_every_push(speeds, staleness, jitter, straggle, network, seed):
   strat = Recording(staleness, sim.BaseSGD(0.05))
   s = _run(strat, speeds, jitter, straggle, network, seed)
   assert s.version == 60 and len(strat.gaps) == 60
-  assert max(strat.gaps) <= staleness
+  # Spec §5: a worker at clock c may start c+1 only if c - min <= s, so its next push
+  # arrives at most s + 1 ahead of the slowest.
+  assert max(strat.gaps) <= staleness + 1
   assert strat.max_gap == max(strat.gaps)
 
 
-def test_ssp_bound_is_tight_and_asp_violates_it():
+@pytest.mark.parametrize("staleness", [0, 3])
+def test_ssp_bound_is_tight_and_asp_violates_it(staleness):
   speeds = [1.0, 1.0, 6.0]
-  strat = Recording(3, sim.BaseSGD(0.05))
+  strat = Recording(staleness, sim.BaseSGD(0.05))
   _run(strat, speeds, 0.0, 0.0, None, 0)
-  assert max(strat.gaps) == 3  # the fast workers do run ahead up to the bound
+  # the fast workers do run ahead up to the bound, and not one step further
+  assert max(strat.gaps) == staleness + 1
 
   asp = RecordingASP(sim.BaseSGD(0.05))
   _run(asp, speeds, 0.0, 0.0, None, 0)
-  assert max(asp.gaps) > 3
+  assert max(asp.gaps) > staleness + 1
+
+
+def test_ssp_staleness_zero_keeps_clocks_in_lock_step():
+  """s = 0 (Ho et al.'s BSP end of SSP): no worker starts iteration c + 1 before every worker
+  has pushed c times, so the pushes come in rounds of one per worker: the first two of a
+  round arrive one ahead of the slowest, the last closes the round (gap 0)."""
+  strat = Recording(0, sim.BaseSGD(0.05))
+  _run(strat, [1.0, 2.5, 6.0], 0.0, 0.0, None, 0, pushes=30)
+  assert strat.gaps == [1, 1, 0] * 10
+  assert strat.counts.tolist() == [10, 10, 10]
 
 
 def test_ssp_rejects_bad_staleness():
   with pytest.raises(ValueError, match="staleness"):
-    sim.SSP(0)
+    sim.SSP(-1)

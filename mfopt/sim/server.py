@@ -196,16 +196,18 @@ class SSP(_OptStrategy):
 
   Gradients are applied on arrival as in ASP. A worker's clock ``c_i`` is the
   number of gradients it has pushed. After a push, worker ``i`` may start its
-  next gradient only if ``c_i + 1 - min_j c_j <= s``; otherwise it blocks until
-  the slowest worker catches up (then it pulls the newest θ). Hence at every
-  push ``c_i - min_j c_j <= s`` (``sim.ssp_max_gap`` records the largest gap seen).
+  next gradient (iteration ``c_i + 1``) only if ``c_i - min_j c_j <= s``, the
+  spec's rule as written (§5; Ho et al.: ``s = 0`` is bulk-synchronous clocks);
+  otherwise it blocks until the slowest worker catches up (then it pulls the
+  newest θ). Hence at every push the pusher's ``c_i - min_j c_j <= s + 1``
+  (``sim.ssp_max_gap`` records the largest gap seen at a push).
   """
 
   name = "SSP"
 
   def __init__(self, staleness: int = 3, base: BaseSGD | None = None):
     super().__init__(base)
-    self.staleness = _checks.positive_int("staleness", staleness)
+    self.staleness = _checks.nonnegative_int("staleness", staleness)
 
   def reset(self, sim) -> None:
     super().reset(sim)
@@ -214,7 +216,7 @@ class SSP(_OptStrategy):
     self.max_gap = 0
 
   def _may_start(self, w: int) -> bool:
-    return self.clock[w] + 1 - self.clock.min() <= self.staleness
+    return self.clock[w] - self.clock.min() <= self.staleness
 
   def on_push(self, sim, w: int) -> None:
     self._update(sim, sim.msg[w].grad)
