@@ -45,6 +45,33 @@ def test_k_test_statistics_match_numpy_and_the_decision_rule():
   assert lower.test_b == (e_hat <= 0.81 * mu_lo @ mu_lo)
 
 
+def test_variance_ucb_replaces_v_hat_in_test_a_only():
+  """Spec §2.2: V̂_up = (k-1) V̂ / χ²_{a/2, k-1} "in place of V̂ in Test A"; Test B and the
+  broadcast Ê, V̂ keep the plain estimate. Checked against SciPy on random cases where the
+  two readings disagree (lower_abs is where Test B binds)."""
+  from scipy import stats
+  rng = np.random.default_rng(7)
+  cfg = sim.KTestConfig(ci_mode="lower_abs", variance_ucb=True)
+  b_decided_by_plain = 0
+  for _ in range(200):
+    n, d = int(rng.integers(2, 9)), 20
+    g = rng.normal(rng.normal(0, 1, d), rng.uniform(0.1, 2.0), size=(n, d))
+    w = sim.Welford(d)
+    for row in g:
+      w.add(row)
+    res = sim.k_test(w, cfg)
+    gbar, s2 = g.mean(0), g.var(0, ddof=1)
+    e_hat = s2.sum() / n
+    e_up = (n - 1) * s2.sum() / stats.chi2.ppf(0.025, n - 1) / n
+    mu = np.maximum(np.abs(gbar) - stats.t.ppf(0.975, n - 1) * np.sqrt(s2 / n), 0)
+    assert res.e_hat == pytest.approx(e_hat, rel=1e-10)
+    assert res.v_hat == pytest.approx(s2.sum(), rel=1e-10)
+    assert res.test_a == (e_up <= 0.81 * gbar @ gbar)
+    assert res.test_b == (e_hat <= 0.81 * mu @ mu)
+    b_decided_by_plain += (e_hat <= 0.81 * mu @ mu) != (e_up <= 0.81 * mu @ mu)
+  assert b_decided_by_plain > 0  # cases where using V̂_up in Test B would have changed it
+
+
 def test_identical_gradients_keep_k_at_k_min():
   rng = np.random.default_rng(2)
   for k_min in (2, 3):

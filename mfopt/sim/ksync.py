@@ -13,7 +13,8 @@ the current version) one at a time, in arrival order. After each arrival with
 
 and the server updates as soon as ``A ∧ B`` passes or ``n = k_max`` (spec §2.3,
 assumption 5). Optional ``variance_ucb`` (not in the seed, spec §2.2) replaces
-``V̂`` by the chi-square upper confidence bound ``(n-1) V̂ / χ²_{a/2, n-1}``.
+``V̂`` by the chi-square upper confidence bound ``(n-1) V̂ / χ²_{a/2, n-1}`` in
+Test A only.
 
 Statistics are kept in float64 on the host with Welford's update
 ``δ = g - m; m += δ/n; M2 += δ ⊙ (g - m)`` (exact elementwise form).
@@ -97,7 +98,7 @@ class KTestConfig:
     ci_mode: Test B variant, see the module docstring; default ``"upper_signed"`` (literal) [A].
     k_min: smallest k tested, default 2 [A].
     k_max: largest k; ``None`` means M (the BSP limit) [A]; the ``working`` preset caps it at 8.
-    variance_ucb: use the chi-square upper bound of V̂ in Test A (not in the seed) [A].
+    variance_ucb: use the chi-square upper bound of V̂ in Test A only (not in the seed) [A].
   """
 
   theta: float = 0.9
@@ -139,14 +140,17 @@ def k_test(w: Welford, cfg: KTestConfig) -> KTestResult:
     raise ValueError(f"the k-test needs at least 2 gradients, got n={n}")
   s2 = w.variance
   v_hat = float(s2.sum())
+  e_hat = v_hat / n
+  # Test A's variance: V̂, or its chi-square upper bound "in place of V̂ in Test A" (spec §2.2);
+  # Test B, the result's Ê and V̂ (the broadcast r and V̂) keep the plain estimate.
+  e_a = e_hat
   if cfg.variance_ucb:
     a = 1 - cfg.confidence
-    v_hat = (n - 1) * v_hat / chi2_quantile(a / 2, n - 1)
-  e_hat = v_hat / n
+    e_a = (n - 1) * v_hat / chi2_quantile(a / 2, n - 1) / n
   gbar = w.mean
   g2 = float(gbar @ gbar)
   th2 = cfg.theta ** 2
-  test_a = e_hat <= th2 * g2
+  test_a = e_a <= th2 * g2
   if cfg.ci_mode == "off":
     test_b = True
   else:
