@@ -166,7 +166,7 @@ def test_only_referenced_versions_are_kept(ds, linear):
     s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=M, per_worker_batch=4,
                       network="1gbit", compute=sim.ComputeModel(0.01, speed_spread=1.0))
     most = 0
-    for _ in range(400):
+    for _ in range(600):  # a BB step fires compute-done twice (its extra work)
       s.step()
       most = max(most, len(s.versions))
       referenced = set(s.w_version) | set(s.w_incoming) | {s.version}
@@ -239,3 +239,68 @@ def test_easgd_and_dropworker_defaults(ds, linear):
   d.run(max_server_steps=10)
   assert d.strategy.k == 4 and [r[2] for r in d.k_trace] == [4] * 10
   assert d.dropped > 0
+
+
+@pytest.mark.parametrize("preset", ["faithful", "working"])  # nu "cheap" and "exact"
+def test_bb_worker_pays_for_its_armijo_trials_and_exact_nu(ds, linear, preset):
+  """Spec §3.1: each Armijo trial is one forward pass (1/3 of a gradient step by default) and
+  exact ν one more gradient. One worker, ideal network: simulated time is the sum of its
+  steps' compute, so it must equal the closed form from the step and backtrack counts."""
+  def run(compute):
+    s = sim.Simulator(sim.ksync_preset(preset, alpha0=10.0), model=linear, dataset=ds,
+                      num_workers=1, per_worker_batch=8, network=None, compute=compute)
+    s.run(max_samples=8 * 40)
+    return s, s.result().summary
+
+  s, r = run(sim.ComputeModel(0.05))
+  steps, backtracks = r["bb_steps"], r["bb_backtracks"]
+  assert steps == 40 and backtracks > 0  # alpha0 = 10 makes Armijo backtrack
+  exact = s.strategy.bb.nu == "exact"
+  assert exact == (preset == "working")
+  want = 0.05 * (steps + steps * exact + (steps + backtracks) / 3)
+  assert s.now == pytest.approx(want, rel=1e-9)
+  assert r["bb_extra_compute_s"] == pytest.approx(want - 0.05 * steps, rel=1e-9)
+  assert r["compute_s_per_step"] == pytest.approx(want / steps, rel=1e-9)
+  # Both costs set to zero: the step costs one gradient, as it did before they were modelled.
+  s0, r0 = run(sim.ComputeModel(0.05, forward_cost=0.0, extra_gradient_cost=0.0))
+  assert s0.now == pytest.approx(0.05 * 40) and r0["bb_extra_compute_s"] == 0.0
+  np.testing.assert_array_equal(s0.theta, s.theta)  # timing only: same optimisation path
+
+
+def test_compute_s_per_step_is_the_mean_drawn_time_and_cu_is_zero_without_a_network(ds, linear):
+  """Speed factors exp(0.3 z), jitter and stragglers are not mean-one, so Table 4's Cp is the
+  mean of the drawn times (recomputed here from the stateless ComputeModel), and ASP on an
+  ideal network then has Cu ~ 0 (only the steps still in flight at the end)."""
+  from mfopt.sim import suite
+  cm = sim.ComputeModel(0.05, speed_spread=0.3, jitter_sigma=0.2, straggler_prob=0.05,
+                        straggler_slowdown=4.0)
+  s = sim.Simulator(sim.ASP(sim.BaseSGD(0.1)), model=linear, dataset=ds, num_workers=4,
+                    per_worker_batch=8, seed=0, network=None, compute=cm)
+  s.run(max_samples=8 * 400)
+  res = s.result()
+  drawn = [cm.time(s.speeds, 0, w, n) for w in range(4) for n in range(int(s.w_step[w]))]
+  assert res.summary["compute_s_per_step"] == pytest.approx(np.mean(drawn), rel=1e-12)
+  assert res.summary["compute_s_per_step"] / 0.05 > 1.2  # the nominal Cp would be far off
+  t = suite.per_step_times(res)
+  assert abs(t["cu_per_local_step"]) < 0.02 * res.summary["compute_s_per_step"]
+
+
+def test_a_pull_carries_the_broadcast_of_its_version(ds, linear):
+  """Spec §4: a worker pulls (θ, t, k_last, r_last) as one message. With long pulls the server
+  updates while one is in flight; the k a worker adopts must still be the k of its version."""
+  adopted = []
+
+  class Recording(sim.Simulator):
+    def adopt(self, w, v, bcast=None):
+      super().adopt(w, v, bcast)
+      adopted.append((v, float(self.w_bcast[w, 0])))
+
+  s = Recording(sim.ksync_preset("working", alpha0=0.05), model=linear, dataset=ds,
+                num_workers=8, per_worker_batch=8, network="1gbit", payload_bytes=4e6,
+                compute=sim.ComputeModel(0.01, speed_spread=0.5, jitter_sigma=0.3))
+  s.run(max_server_steps=25)
+  k_of = {0: float(s.strategy.config.ktest.k_min)}  # broadcast before the first update
+  k_of.update({int(v): float(k) for v, _, k in s.result().k_trace})
+  later = [(v, k) for v, k in adopted if v > 0]
+  assert len(later) > 50 and len({k for _, k in later}) > 1
+  assert [k for _, k in later] == [k_of[v] for v, _ in later]

@@ -75,6 +75,12 @@ class ComputeModel:
   with ``z ~ N(0, 1)`` and ``straggle ~ Bernoulli(straggler_prob)``, both drawn
   from ``np.random.default_rng([seed, 7, w, n])`` (``n`` = the worker's local step).
 
+  A Barzilai-Borwein worker (seed 002's model) does more than one gradient per step, and is
+  charged for it: :meth:`bb_extra_steps` gradient steps more, drawn with the same factors
+  (spec §3.1: ``nu="exact"`` needs ``∇L_{D_t}(θ_{t-1})``, each Armijo trial one loss
+  evaluation). The spec calls the first "one extra backward pass"; it needs its own forward at
+  ``θ_{t-1}`` on the current batch, so it is charged as a whole gradient step.
+
   Args:
     base_s: simulated seconds of one gradient step on a speed-1 worker.
     speeds: per-worker speed *factors* (multiply the time; > 1 is slower); ``None``
@@ -83,6 +89,10 @@ class ComputeModel:
       with ``z_w ~ N(0,1)`` from ``default_rng([seed, 11])`` (0 -> equal speeds).
     jitter_sigma: lognormal jitter of each step (0 -> deterministic).
     straggler_prob, straggler_slowdown: occasional slow steps.
+    forward_cost: one loss evaluation (a forward pass) in gradient steps; 1/3 by the usual
+      rule that a backward pass costs two forwards. ``0`` (with ``extra_gradient_cost=0``)
+      charges BB workers nothing extra, as before this was modelled.
+    extra_gradient_cost: the exact-ν gradient at ``θ_{t-1}``, in gradient steps (1).
   """
 
   base_s: float = 0.01
@@ -91,6 +101,8 @@ class ComputeModel:
   jitter_sigma: float = 0.0
   straggler_prob: float = 0.0
   straggler_slowdown: float = 1.0
+  forward_cost: float = 1.0 / 3.0
+  extra_gradient_cost: float = 1.0
 
   def __post_init__(self):
     if not self.base_s >= 0:
@@ -102,6 +114,9 @@ class ComputeModel:
       raise ValueError(f"straggler_prob must be in [0, 1], got {self.straggler_prob!r}")
     if not self.straggler_slowdown >= 1:
       raise ValueError(f"straggler_slowdown must be >= 1, got {self.straggler_slowdown!r}")
+    for name in ("forward_cost", "extra_gradient_cost"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
     if self.speeds is not None and any(not s > 0 for s in self.speeds):
       raise ValueError(f"speeds must all be positive, got {self.speeds!r}")
 
@@ -112,6 +127,11 @@ class ComputeModel:
       return np.asarray(self.speeds, np.float64)
     z = np.random.default_rng([seed, 11]).standard_normal(num_workers)
     return np.exp(self.speed_spread * z)
+
+  def bb_extra_steps(self, exact_nu: bool, loss_evals: int) -> float:
+    """Gradient steps a BB worker's step costs beyond its own gradient: the exact-ν gradient
+    (if ``exact_nu``) and ``loss_evals`` Armijo trials (1 + its backtracks)."""
+    return (self.extra_gradient_cost if exact_nu else 0.0) + self.forward_cost * int(loss_evals)
 
   def time(self, speeds: np.ndarray, seed: int, worker: int, step: int) -> float:
     t = self.base_s * float(speeds[worker])

@@ -10,7 +10,13 @@ it pulled, on the batch ``WorkerBatcher(train, M, b, seed).batch(n)[w]``.
 Timing:
 
 * compute: :class:`mfopt.sim.clock.ComputeModel` (speed factors, lognormal
-  jitter, stragglers), stateless in ``(seed, worker, step)``;
+  jitter, stragglers), stateless in ``(seed, worker, step)``; a BB worker's step
+  also pays for its exact-ν gradient and Armijo loss evaluations
+  (:meth:`~mfopt.sim.clock.ComputeModel.bb_extra_steps`), known once its step is
+  computed, so its compute-done event is put back by that much the first time
+  it fires. ``summary["compute_s_per_step"]`` is the mean drawn compute time
+  per local step (speed factors and jitter are not mean-one);
+* server updates and the k-test take no simulated time;
 * push and pull: ``payload_bytes / bandwidth + latency`` from
   :mod:`mfopt.costmodel`, queued FIFO on the server's link
   (:class:`mfopt.sim.clock.ServerLink`, full duplex by default);
@@ -18,7 +24,8 @@ Timing:
 
 Tie-breaking: events at equal simulated times are processed in the order they
 were scheduled (``(time, seq)``, FIFO); initial computes are scheduled in worker
-order. A pull carries the version current when the server *sends* it.
+order. A pull carries the version, and the broadcast ``k``, ``r``, ``V̂``,
+current when the server *sends* it (one message, spec §4).
 
 Batching: a worker's gradient depends only on inputs fixed when its compute
 starts, so the simulator evaluates it lazily: when a compute-done event finds
@@ -218,7 +225,10 @@ class Simulator:
     self.w_phase = np.zeros(m, np.int8)
     self.w_computed = np.zeros(m, bool)
     self.w_bcast = np.zeros((m, 3), np.float64)  # k, r, v_hat adopted with the current version
+    self.w_incoming_bcast = np.zeros((m, 3), np.float64)  # k, r, v_hat of the pull in flight
     self.w_k_grew = np.zeros(m, bool)
+    self.w_extra_s = np.zeros(m, np.float64)  # BB step's extra compute, once scheduled (> 0)
+    self.compute_busy = np.zeros(m, np.float64)  # simulated compute seconds of finished steps
     self.out: list[WorkerOut | None] = [None] * m
     self.msg: list[Msg | None] = [None] * m
     bb = strategy.bb
@@ -230,7 +240,8 @@ class Simulator:
     self.pulls = np.zeros(m, np.int64)
     self.dropped = 0
     self.collectives = 0
-    self.bb_stats = {"backtracks": 0, "hit_limit": 0, "bb_applied": 0, "steps": 0}
+    self.bb_stats = {"backtracks": 0, "hit_limit": 0, "bb_applied": 0, "steps": 0,
+                     "extra_compute_s": 0.0}
     # ---- logs ----
     self.k_trace: list[list[float]] = []
     self.staleness: collections.Counter = collections.Counter()
@@ -304,8 +315,9 @@ class Simulator:
     self.k_trace.append([self.version, self.now, int(k)])
 
   def send(self, w: int) -> None:
-    """Worker ``w`` pulls the current version (over the link), then computes."""
+    """Worker ``w`` pulls the current version and broadcast (over the link), then computes."""
     self.w_incoming[w] = self.version
+    self.w_incoming_bcast[w] = (self.broadcast["k"], self.broadcast["r"], self.broadcast["v_hat"])
     self._ref(self.version)
     self.w_phase[w] = PULLING
     self.pulls[w] += 1
@@ -324,8 +336,9 @@ class Simulator:
   def block(self, w: int) -> None:
     self.w_phase[w] = IDLE
 
-  def adopt(self, w: int, v: int) -> None:
-    """Worker ``w`` now holds version ``v`` (and the server's broadcast k, r, V̂)."""
+  def adopt(self, w: int, v: int, bcast: np.ndarray | None = None) -> None:
+    """Worker ``w`` now holds version ``v`` and the broadcast k, r, V̂ sent with it
+    (``bcast``; default the server's current one, for a version adopted at once)."""
     old = int(self.w_version[w])
     if self.strategy.bb is not None:
       self._unref(int(self.w_prev_version[w]))
@@ -335,7 +348,9 @@ class Simulator:
     self.w_version[w] = v
     self._ref(v)
     k_old = self.w_bcast[w, 0]
-    self.w_bcast[w] = (self.broadcast["k"], self.broadcast["r"], self.broadcast["v_hat"])
+    if bcast is None:
+      bcast = (self.broadcast["k"], self.broadcast["r"], self.broadcast["v_hat"])
+    self.w_bcast[w] = bcast
     self.w_k_grew[w] = self.w_bcast[w, 0] > k_old
 
   def start_compute(self, w: int) -> None:
@@ -395,9 +410,27 @@ class Simulator:
     for s in [s for s in self._batches if s < low]:
       del self._batches[s]
 
+  def _charge_bb_extra(self, w: int) -> bool:
+    """Puts a BB worker's compute-done back by its step's extra work (once); True if it did."""
+    bb = self.strategy.bb
+    if bb is None or self.w_extra_s[w] > 0:
+      return False
+    if not self.w_computed[w]:
+      self._flush()
+    o = self.out[w]
+    units = self.compute.bb_extra_steps(bb.nu == "exact", 1 + o.num_backtracks)
+    dt = units * self.compute.time(self.speeds, self.seed, w, int(self.w_step[w]))
+    if not dt > 0:
+      return False
+    self.w_extra_s[w] = dt
+    self.queue.push(self.now + dt, clock_lib.COMPUTE_DONE, w)
+    return True
+
   def _finish_compute(self, w: int) -> None:
     if not self.w_computed[w]:
       self._flush()
+    extra, self.w_extra_s[w] = self.w_extra_s[w], 0.0
+    self.compute_busy[w] += self.compute.time(self.speeds, self.seed, w, int(self.w_step[w])) + extra
     o = self.out[w]
     self.w_step[w] += 1
     self.window.append(o.loss)
@@ -406,6 +439,7 @@ class Simulator:
       self.has_prev[w] = True
       self.alpha_carry[w] = o.alpha_carry
       self.bb_stats["steps"] += 1
+      self.bb_stats["extra_compute_s"] += float(extra)
       self.bb_stats["backtracks"] += o.num_backtracks
       self.bb_stats["hit_limit"] += int(o.hit_limit)
       self.bb_stats["bb_applied"] += int(o.bb_applied)
@@ -420,7 +454,8 @@ class Simulator:
     t, _, kind, w = self.queue.pop()
     self.now = t
     if kind == clock_lib.COMPUTE_DONE:
-      self._finish_compute(w)
+      if not self._charge_bb_extra(w):
+        self._finish_compute(w)
     elif kind == clock_lib.PUSH_ARRIVE:
       if self.strategy.logs_staleness:
         self.staleness[self.version - self.msg[w].version] += 1
@@ -428,7 +463,7 @@ class Simulator:
     elif kind == clock_lib.PULL_ARRIVE:
       v = int(self.w_incoming[w])
       self.w_incoming[w] = -1
-      self.adopt(w, v)
+      self.adopt(w, v, self.w_incoming_bcast[w].copy())
       self._unref(v)
       self.start_compute(w)
     else:
@@ -486,7 +521,10 @@ class Simulator:
         "strategy": s.describe(), "num_workers": self.num_workers,
         "per_worker_batch": self.batch_size, "server_steps": self.version,
         "worker_steps": self.w_step.tolist(), "samples": self.samples, "epochs": self.epoch,
-        "sim_time_s": self.now, "test_accuracy": self.history[-1]["test_accuracy"],
+        "sim_time_s": self.now,
+        "compute_s_per_step": (float(self.compute_busy.sum() / self.w_step.sum())
+                               if self.w_step.sum() else float("nan")),
+        "test_accuracy": self.history[-1]["test_accuracy"],
         "test_loss": self.history[-1]["test_loss"],
         "final_train_loss": self.history[-1]["train_loss"],
         "pushes_per_worker": float(self.pushes.mean()), "pulls_per_worker": float(self.pulls.mean()),
@@ -527,6 +565,8 @@ class Simulator:
         "w_incoming": self.w_incoming.copy(), "w_step": self.w_step.copy(),
         "w_phase": self.w_phase.copy(), "w_computed": self.w_computed.copy(),
         "w_bcast": self.w_bcast.copy(), "w_k_grew": self.w_k_grew.copy(),
+        "w_incoming_bcast": self.w_incoming_bcast.copy(),
+        "w_extra_s": self.w_extra_s.copy(), "compute_busy": self.compute_busy.copy(),
         "out": [as_dict(o) for o in self.out], "msg": [as_dict(m) for m in self.msg],
         "alpha_carry": self.alpha_carry.copy(), "has_prev": self.has_prev.copy(),
         "g_prev": None if self.g_prev is None else self.g_prev.copy(),
@@ -548,7 +588,8 @@ class Simulator:
     self.theta = self.versions[self.version]
     self.refs = collections.defaultdict(int, {int(k): int(v) for k, v in d["refs"].items()})
     for name in ("w_version", "w_prev_version", "w_incoming", "w_step", "w_phase", "w_computed",
-                 "w_bcast", "w_k_grew", "alpha_carry", "has_prev", "pushes", "pulls"):
+                 "w_bcast", "w_k_grew", "w_incoming_bcast", "w_extra_s", "compute_busy",
+                 "alpha_carry", "has_prev", "pushes", "pulls"):
       setattr(self, name, np.array(d[name], getattr(self, name).dtype))
     self.out = [None if o is None else WorkerOut(**{**o, "grad": np.array(o["grad"], np.float32)})
                 for o in d["out"]]

@@ -138,17 +138,21 @@ def to_target(result: run_lib.SimResult, target: float) -> dict[str, float]:
           "samples_to_target": float(row["samples"])}
 
 
-def per_step_times(result: run_lib.SimResult, compute_s: float) -> dict[str, float]:
-  """Table 4 analogue: simulated time per local step split into computation and the rest ("Cu").
+def per_step_times(result: run_lib.SimResult) -> dict[str, float]:
+  """Table 4 analogue: simulated time per local step split into computation ("Cp") and the rest
+  ("Cu").
 
-  ``Cp`` is the mean drawn compute time (``compute_s`` times the mean speed factor
-  and jitter, estimated as ``compute_s``); ``Cu`` = time per local step - Cp:
-  communication, queueing on the server link, and waiting at barriers.
+  ``Cp`` is the mean simulated compute time of the local steps actually drawn
+  (``summary["compute_s_per_step"]``: speed factors, jitter and stragglers are not mean-one, and
+  a BB worker's step includes its Armijo trials and exact-ν gradient); ``Cu`` = time per local
+  step - Cp: communication, queueing on the server link, and waiting at barriers.
   """
   s = result.summary
   local = float(np.mean(s["worker_steps"]))
   per_step = s["sim_time_s"] / local if local else float("nan")
-  return {"time_per_local_step": per_step, "cu_per_local_step": per_step - compute_s}
+  cp = s["compute_s_per_step"]
+  return {"time_per_local_step": per_step, "cp_per_local_step": cp,
+          "cu_per_local_step": per_step - cp}
 
 
 def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], fields: Sequence[str]
@@ -213,7 +217,9 @@ def setup_lines(c, ds, model_desc: str, networks: Sequence[Any], extra: str = ""
       f"epochs = {int(c.epochs * len(ds.train)):,} samples per run (equal for every algorithm); "
       f"seeds {tuple(c.seeds)}; evaluation every {c.eval_every_epochs:g} epoch.",
       f"- Simulated compute {c.compute_s:g} s per local step (speed factors exp({c.speed_spread:g} z), "
-      f"lognormal jitter {c.jitter_sigma:g}, stragglers p={c.straggler_prob:g} x{c.straggler_slowdown:g}); "
+      f"lognormal jitter {c.jitter_sigma:g}, stragglers p={c.straggler_prob:g} x{c.straggler_slowdown:g}; "
+      "a BB worker (seed's model) also pays 1/3 of a step per Armijo trial and, with exact ν, one "
+      "more gradient; server updates and k-tests take no simulated time); "
       f"message size: {payload}; networks: "
       + ", ".join(str(n) for n in networks) + " (mfopt.costmodel presets; the server link is shared "
       f"and {'full' if c.duplex else 'half'}-duplex).",
