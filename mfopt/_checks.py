@@ -11,10 +11,11 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import jax
 import numpy as np
 
-__all__ = ["is_int", "is_real", "positive_int", "nonnegative_int", "positive_number",
-           "nonnegative_number", "unit_interval"]
+__all__ = ["is_int", "is_real", "is_traced", "number_where", "positive_int", "nonnegative_int",
+           "positive_number", "nonnegative_number", "finite_positive_number", "unit_interval"]
 
 
 def is_int(value: Any) -> bool:
@@ -27,40 +28,80 @@ def is_real(value: Any) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
+def is_traced(value: Any) -> bool:
+  """True for a JAX tracer (a hyperparameter under ``jit``, e.g. from ``optax.inject_hyperparams``)."""
+  return isinstance(value, jax.core.Tracer)
+
+
+def _real_scalar(value: Any) -> tuple[bool, Any]:
+  """``(ok, comparable)``: Python and NumPy reals as they are, 0-d NumPy/JAX arrays of a real
+  dtype as their value (``optax.inject_hyperparams`` hands hyperparameters over as
+  ``jnp`` scalars). A tracer is accepted unchecked (``comparable`` None): its value is known
+  only at run time, and it was checked as a concrete value when the transform was built."""
+  if is_real(value):
+    return True, value
+  if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and (
+      np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+    if is_traced(value):
+      return True, None
+    return True, value.item()
+  return False, None
+
+
 def _label(name: str, owner: str | None) -> str:
   return name if owner is None else f"{owner}: {name}"
+
+
+def _array_hint(value: Any) -> str:
+  if isinstance(value, jax.Array):
+    return (" (a JAX array; a structural integer must be a Python int: with "
+            "optax.inject_hyperparams, list it in static_args)")
+  return ""
 
 
 def positive_int(name: str, value: Any, *, owner: str | None = None) -> int:
   """``value`` as an ``int`` if it is an integer >= 1, else ``ValueError`` naming ``name``."""
   if not is_int(value) or value <= 0:
-    raise ValueError(f"{_label(name, owner)} must be a positive integer, got {value!r}")
+    raise ValueError(f"{_label(name, owner)} must be a positive integer, got {value!r}"
+                     + _array_hint(value))
   return int(value)
 
 
 def nonnegative_int(name: str, value: Any, *, owner: str | None = None) -> int:
   """``value`` as an ``int`` if it is an integer >= 0, else ``ValueError`` naming ``name``."""
   if not is_int(value) or value < 0:
-    raise ValueError(f"{_label(name, owner)} must be a non-negative integer, got {value!r}")
+    raise ValueError(f"{_label(name, owner)} must be a non-negative integer, got {value!r}"
+                     + _array_hint(value))
   return int(value)
 
 
-def positive_number(name: str, value: Any) -> float:
-  """``value`` if it is a real number > 0 (NaN fails), else ``ValueError`` naming ``name``."""
-  if not is_real(value) or not value > 0:
-    raise ValueError(f"{name} must be a positive number, got {value!r}")
+def number_where(name: str, value: Any, holds, what: str) -> Any:
+  """``value`` if it is a real scalar for which ``holds(value)``, else ``ValueError`` saying it
+  must be ``what``; a tracer passes unchecked (see :func:`_real_scalar`)."""
+  ok, v = _real_scalar(value)
+  if not ok or (v is not None and not holds(v)):
+    raise ValueError(f"{name} must be {what}, got {value!r}")
   return value
 
 
-def nonnegative_number(name: str, value: Any) -> float:
-  """``value`` if it is a real number >= 0 (NaN fails), else ``ValueError`` naming ``name``."""
-  if not is_real(value) or not value >= 0:
-    raise ValueError(f"{name} must be a non-negative number, got {value!r}")
-  return value
+def positive_number(name: str, value: Any) -> Any:
+  """``value`` if it is a real scalar > 0 (NaN fails), else ``ValueError`` naming ``name``.
+
+  Real scalars: Python and NumPy numbers and 0-d NumPy/JAX arrays; a tracer passes unchecked.
+  """
+  return number_where(name, value, lambda v: v > 0, "a positive number")
 
 
-def unit_interval(name: str, value: Any) -> float:
-  """``value`` if it is a real number in [0, 1), else ``ValueError`` naming ``name``."""
-  if not is_real(value) or not 0 <= value < 1:
-    raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-  return value
+def nonnegative_number(name: str, value: Any) -> Any:
+  """``value`` if it is a real scalar >= 0 (NaN fails), else ``ValueError`` naming ``name``."""
+  return number_where(name, value, lambda v: v >= 0, "a non-negative number")
+
+
+def finite_positive_number(name: str, value: Any) -> Any:
+  """``value`` if it is a finite real scalar > 0, else ``ValueError`` naming ``name``."""
+  return number_where(name, value, lambda v: 0 < v < float("inf"), "a finite positive number")
+
+
+def unit_interval(name: str, value: Any) -> Any:
+  """``value`` if it is a real scalar in [0, 1), else ``ValueError`` naming ``name``."""
+  return number_where(name, value, lambda v: 0 <= v < 1, "in [0, 1)")

@@ -54,9 +54,19 @@ __all__ = [
 
 
 def _check_lr(name: str, value: Any) -> None:
+  """AdaBound's learning rate: > 0, or a schedule whose ``schedule(0)`` is > 0.
+
+  Not >= 0: with a constant rate the bounds do not scale with it, so ``lr = 0`` would still
+  step at the lower bound; with a schedule, ``final_lr * lr_t / lr_0`` needs ``lr_0 != 0``
+  (the reference divides by its ``base_lr`` the same way).
+  """
   if callable(value):
+    first = value(0)
+    if not _checks.is_traced(first):
+      _checks.number_where(f"{name}(0)", first, lambda v: v > 0,
+                           "a positive number (the bounds scale by lr_t / lr_0)")
     return
-  _checks.nonnegative_number(name, value)
+  _checks.positive_number(name, value)
 
 
 # ----------------------------------------------------------------------------- AdaBound
@@ -80,6 +90,8 @@ class AdaBoundState(NamedTuple):
 
 def _bias_correction(decay: float, t: jax.Array) -> jax.Array:
   """``1 - decay**t`` as ``-expm1(t log decay)``: accurate in float32 even for decay = 0.999."""
+  if _checks.is_traced(decay) or isinstance(decay, jax.Array):  # optax.inject_hyperparams
+    return jnp.where(decay == 0.0, 1.0, -jnp.expm1(t * jnp.log(jnp.where(decay == 0.0, 1.0, decay))))
   if decay == 0.0:
     return jnp.ones_like(t)
   return -jnp.expm1(t * math.log(decay))
@@ -126,8 +138,8 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
   maximum.
 
   Args:
-    learning_rate: Adam learning rate ``alpha`` (a float or a schedule ``count -> lr``; with a
-      schedule, ``alpha_0 = schedule(0)`` plays the reference's ``base_lr`` and must be nonzero).
+    learning_rate: Adam learning rate ``alpha`` > 0 (a float or a schedule ``count -> lr``; with
+      a schedule, ``alpha_0 = schedule(0)`` plays the reference's ``base_lr`` and must be > 0).
     final_lr: the SGD learning rate both bounds converge to.
     gamma: convergence speed of the bounds, in [0, 1).
     b1, b2: moment decay rates, in [0, 1).
@@ -207,7 +219,9 @@ def adabound(learning_rate: optax.ScalarOrSchedule = 1e-3, final_lr: float = 0.1
   """
   _checks.nonnegative_number("weight_decay", weight_decay)
   parts = []
-  if weight_decay:
+  # a JAX scalar (optax.inject_hyperparams, concrete at init, traced at update): always decay,
+  # so that init and update build the same chain
+  if isinstance(weight_decay, jax.Array) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   parts += [scale_by_adabound(learning_rate, final_lr, gamma, b1, b2, eps, amsbound),
             optax.scale(-1.0)]
@@ -491,8 +505,11 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
   _checks.unit_interval("momentum", momentum)
   _checks.nonnegative_number("weight_decay", weight_decay)
   _checks.positive_number("trust_coefficient", trust_coefficient)
-  if not _checks.is_real(decay) or not 0.0 < decay <= 1.0:
-    raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+  _checks.number_where("decay", decay, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+  for name, value in (("warmup_epochs", warmup_epochs), ("steps_per_epoch", steps_per_epoch)):
+    if _checks.is_traced(value):
+      raise ValueError(f"{name} must be a concrete number (it fixes the switch step), got a "
+                       f"tracer {value!r}; with optax.inject_hyperparams, list it in static_args")
   hyper = _linear_scaling_hyper(base_lr=base_lr, num_workers=num_workers,
                                 steps_per_epoch=steps_per_epoch, alpha=alpha,
                                 warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps,

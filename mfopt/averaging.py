@@ -616,7 +616,10 @@ def _host_schedule(controller: PeriodController) -> HostSchedule:
 
 def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
                    period: PeriodController | int, momentum: float = 0.9,
-                   nesterov: bool = False, **kwargs: Any) -> optax.GradientTransformation:
+                   nesterov: bool = False, *, average_inner_state: bool = False,
+                   comm_dtype: Any = None, sync_variance: bool | None = None,
+                   track_variance: bool = False, trace_length: int = 0,
+                   flat_anchor: bool | None = None) -> optax.GradientTransformation:
   r"""M-AVG (seed 003 Alg. 1): K local steps of ``inner``, then block momentum on the mean.
 
   .. math::
@@ -636,9 +639,13 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
     period: ``K`` as an int or a :class:`PeriodController`.
     momentum: ``mu`` in [0, 1).
     nesterov: Nesterov form of the block momentum (optax's).
-    **kwargs: passed to :func:`periodic_averaging` (``comm_dtype``, diagnostics,
-      ``flat_anchor``: default ``None`` here, so the anchor and the block momentum are one
-      flat vector each wherever the parameters share one dtype).
+    average_inner_state, comm_dtype, sync_variance, track_variance, trace_length: as in
+      :func:`periodic_averaging`.
+    flat_anchor: as in :func:`periodic_averaging`, but default ``None`` here, so the anchor
+      and the block momentum are one flat vector each wherever the parameters share one dtype.
+
+  Spelled out rather than ``**kwargs`` so that ``optax.inject_hyperparams(block_momentum,
+  static_args=(...))`` can inject ``momentum``.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -647,11 +654,13 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
     >>> import optax, mfopt
     >>> tx = mfopt.block_momentum(optax.sgd(0.05), mfopt.WORKER_AXES, 8, momentum=0.7)
   """
-  if not 0.0 <= momentum < 1.0:
-    raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-  outer = optax.sgd(1.0, momentum=float(momentum), nesterov=nesterov)
-  kwargs.setdefault("flat_anchor", None)  # the outer step is elementwise: flat where it can be
-  return periodic_averaging(inner, axis_name, period, outer=outer, **kwargs)
+  _checks.unit_interval("momentum", momentum)
+  outer = optax.sgd(1.0, momentum=momentum if _checks.is_traced(momentum) else float(momentum),
+                    nesterov=nesterov)
+  return periodic_averaging(inner, axis_name, period, outer=outer,
+                            average_inner_state=average_inner_state, comm_dtype=comm_dtype,
+                            sync_variance=sync_variance, track_variance=track_variance,
+                            trace_length=trace_length, flat_anchor=flat_anchor)
 
 
 # ----------------------------------------------------------------------------- reading the state

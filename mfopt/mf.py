@@ -440,8 +440,8 @@ def linear_scaling_rule(base_lr: float = 0.05, base_batch: int = 128) -> Callabl
     >>> [rule(b) for b in (32, 1024, 2048)]
     [0.0125, 0.4, 0.8]
   """
-  if not (isinstance(base_lr, (int, float)) and base_lr > 0 and math.isfinite(base_lr)):
-    raise ValueError(f"base_lr must be a finite number > 0, got {base_lr!r}")
+  _checks.number_where("base_lr", base_lr, lambda v: 0 < v < math.inf, "a finite number > 0")
+  base_lr = float(base_lr)
   _checks.positive_int("base_batch", base_batch)
   exact = fractions.Fraction(repr(float(base_lr)))
 
@@ -472,15 +472,13 @@ def noise_scale(lr: float, dataset_size: int, batch_size: int, momentum: float =
     >>> noise_scale(0.1, 50_000, 128, momentum=0.9)  # doctest: +ELLIPSIS
     389.6...
   """
-  if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
-    raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+  _checks.number_where("lr", lr, lambda v: 0 <= v < math.inf, "a finite number >= 0")
   _checks.positive_int("dataset_size", dataset_size)
   _checks.positive_int("batch_size", batch_size)
   if batch_size > dataset_size:
     raise ValueError(f"batch_size must be <= dataset_size={dataset_size}, got {batch_size!r}")
-  if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-    raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-  return lr / (1 - momentum) * (dataset_size / batch_size - 1)
+  _checks.unit_interval("momentum", momentum)
+  return float(lr) / (1 - float(momentum)) * (dataset_size / batch_size - 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -487,3 +487,52 @@ def test_hybrid_warmup_step_does_not_read_the_lars_norms_every_step():
       fn_adam.lower(state_adam, params * 0.1).compile().as_text())
   assert entry <= adam + 4.5 * n, (entry / n, adam / n)
   assert len(bodies) == 1 and bodies[0] >= 8 * n  # the norms read w and g there
+
+
+# ----------------------------------------------------------------------------- inject_hyperparams
+
+_INJECT = [
+    ("adabound", mfopt.adabound, dict(learning_rate=3e-3, final_lr=0.05),
+     (), dict(learning_rate=3e-2)),
+    ("adabound wd", mfopt.adabound,
+     dict(learning_rate=3e-3, weight_decay=1e-2), (), dict(weight_decay=2.0)),
+    ("linear_scaling_adabound", mfopt.linear_scaling_adabound,
+     dict(base_lr=0.1, num_workers=4, steps_per_epoch=5, alpha=0.01),
+     ("num_workers", "steps_per_epoch"), dict(alpha=0.2)),
+    ("hybrid", mfopt.hybrid_adabound_lars,
+     dict(num_workers=4, steps_per_epoch=2, warmup_epochs=1, decay=0.8),
+     ("num_workers", "steps_per_epoch", "warmup_epochs"), dict(decay=0.1)),
+]
+
+
+@pytest.mark.parametrize("name,make,hyper,static,change", _INJECT, ids=[c[0] for c in _INJECT])
+def test_inject_hyperparams_equals_the_plain_transform(name, make, hyper, static, change):
+  """optax.inject_hyperparams hands hyperparameters over as jnp scalars (tracers under jit):
+  the injected transform must equal the plain one, and a changed value must take effect."""
+  p = {"w": jnp.linspace(-1.0, 1.0, 6), "b": jnp.full((2,), 0.3)}
+  grad = lambda q: jax.tree.map(lambda a: 2.0 * a + 0.1, q)  # noqa: E731
+
+  def run(tx, steps, mutate=None):
+    s, q, out = tx.init(p), p, []
+    step = jax.jit(tx.update)
+    for i in range(steps):
+      if mutate is not None and i == 3:
+        s = mutate(s)
+      u, s = step(grad(q), s, q)
+      q = optax.apply_updates(q, u)
+      out.append(q)
+    return out
+
+  injected = optax.inject_hyperparams(make, static_args=static)(**hyper)
+  plain = make(**hyper)
+  for a, b in zip(run(injected, 6), run(plain, 6)):
+    for k in a:
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5)  # float32 rounding
+
+  def mutate(s):
+    for k, v in change.items():
+      s.hyperparams[k] = jnp.asarray(v, s.hyperparams[k].dtype)
+    return s
+
+  changed = run(injected, 6, mutate)
+  assert float(jnp.abs(changed[-1]["w"] - run(plain, 6)[-1]["w"]).max()) > 1e-4

@@ -528,3 +528,27 @@ def test_local_step_moves_no_more_bytes_than_the_inner_optimizer(kind):
   entry, branches = traffic(tx)
   assert entry <= base * 1.01, (entry / n, base / n)
   assert len(branches) == 1 and branches[0] > 8 * n  # the sync body holds the averaging
+
+def test_block_momentum_momentum_can_be_injected():
+  """optax.inject_hyperparams(block_momentum) with the structural arguments static: ``momentum``
+  is injected (a jnp scalar) and the transform equals the plain one; changing it takes effect.
+  (A ``**kwargs`` signature made inject_hyperparams treat 'kwargs' as an argument.)"""
+  static = ("inner", "axis_name", "period", "nesterov", "trace_length")  # the ints that shape it
+  p = {"w": jnp.linspace(-1.0, 1.0, 5)}
+  grad = lambda q: jax.tree.map(lambda a: a - 0.3, q)  # noqa: E731
+
+  def run(tx, steps=8, new_momentum=None):
+    s, q, out = tx.init(p), p, []
+    for i in range(steps):
+      if new_momentum is not None and i == 4:
+        s.hyperparams["momentum"] = jnp.asarray(new_momentum, jnp.float32)
+      u, s = jax.jit(tx.update)(grad(q), s, q)
+      q = optax.apply_updates(q, u)
+      out.append(q["w"])
+    return out
+
+  injected = optax.inject_hyperparams(mfopt.block_momentum, static_args=static)(
+      optax.sgd(0.1), None, 2, momentum=0.6)
+  plain = run(mfopt.block_momentum(optax.sgd(0.1), None, 2, momentum=0.6))
+  np.testing.assert_allclose(np.stack(run(injected)), np.stack(plain), rtol=1e-6, atol=1e-7)
+  assert np.abs(run(injected, new_momentum=0.0)[-1] - plain[-1]).max() > 1e-3

@@ -71,3 +71,37 @@ def test_numpy_integers_are_accepted_where_they_were_not():
   np.testing.assert_array_equal(ua["w"], ub["w"])
   assert server.SSP(staleness=np.int64(2)).staleness == 2
   assert ksync.KTestConfig(k_min=np.int64(2), k_max=np.int64(4)).k_max == 4
+
+
+# ----------------------------------------------------------------------------- real scalars
+
+
+@pytest.mark.parametrize("value", [0.5, 1, np.float32(0.5), np.float64(0.5), np.int32(1),
+                                   np.asarray(0.5), __import__("jax").numpy.asarray(0.5)])
+def test_numbers_accept_python_numpy_and_0d_jax_scalars(value):
+  assert _checks.positive_number("lr", value) is value
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), True, "0.1", None, np.ones(2),
+                                   __import__("jax").numpy.asarray(-0.5)])
+def test_numbers_reject_with_name_and_value(value):
+  with pytest.raises(ValueError, match=r"^lr must be a positive number, got "):
+    _checks.positive_number("lr", value)
+
+
+def test_numpy_and_jax_scalars_reach_the_seed_000_helpers():
+  import jax.numpy as jnp
+  assert mfopt.linear_scaling_rule(np.float32(0.25), 128)(256) == 0.5
+  assert mfopt.linear_scaling_rule(jnp.asarray(0.25), 128)(256) == 0.5
+  assert mfopt.noise_scale(0.1, 100, 10, np.float32(0.5)) == pytest.approx(0.1 / 0.5 * 9)
+  with pytest.raises(ValueError, match="momentum must be in"):
+    mfopt.noise_scale(0.1, 100, 10, np.float32(1.0))
+
+
+def test_adabound_learning_rate_must_be_positive():
+  """lr = 0 would still step at the lower bound (the bounds do not scale with a constant lr),
+  and a schedule's lr_0 divides: both are refused where they are built."""
+  with pytest.raises(ValueError, match=r"learning_rate must be a positive number, got 0.0"):
+    mfopt.adabound(0.0)
+  with pytest.raises(ValueError, match=r"learning_rate\(0\) must be a positive number"):
+    mfopt.adabound(lambda t: 0.0 * t)

@@ -128,7 +128,7 @@ CONSTRUCTORS = {
         "comm_dtype": choice([None, jnp.bfloat16, jnp.float32], [jnp.int8, jnp.int32])}, None),
     "block_momentum": (lambda **k: mfopt.block_momentum(optax.sgd(0.1), mfopt.WORKER_AXES, 4, **k),
                        {"momentum": unit()}, None),
-    "adabound": (mfopt.adabound, {"learning_rate": nonneg(), "final_lr": nonneg(),
+    "adabound": (mfopt.adabound, {"learning_rate": positive(), "final_lr": nonneg(),
                                   "gamma": unit(), "b1": unit(), "b2": unit(), "eps": nonneg(),
                                   "weight_decay": nonneg()}, None),
     "linear_scaling_adabound": (mfopt.linear_scaling_adabound, {
