@@ -381,6 +381,11 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   ``new_params - params`` (so applying them rounds: ``p + (mean - p)`` equals
   ``mean`` to within one float ulp).
 
+  The step counter deciding when to average lives in this state, per worker, so every worker
+  must update it every step: to skip non-finite local steps, wrap ``inner`` in
+  :func:`mfopt.precision.skip_nonfinite`, never this transform in ``optax.apply_if_finite``
+  (a worker that skips falls out of step and, across devices, the averaging all-reduce hangs).
+
   Args:
     inner: the local optimizer (e.g. ``optax.sgd(lr, momentum=0.9)``); its
       state stays local unless ``average_inner_state``.

@@ -268,7 +268,11 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
   For the *local* optimizer of a local algorithm under :func:`dynamic_loss_scale`: the
   worker's local update is zero and its local optimizer state unchanged when its own gradient
-  overflowed. Do not use it around a communicating transform (its check is per worker).
+  overflowed: ``periodic_averaging(skip_nonfinite(inner), axes, period)``.
+
+  Do not use it, or ``optax.apply_if_finite``, around a communicating transform: the check is
+  per worker, so a skipping worker keeps its old step counter, the workers disagree on when
+  to average, and across devices the collective waits forever for the one that did not join.
   """
   return optax.apply_if_finite(inner, max_consecutive_errors=2 ** 31 - 1)
 
