@@ -193,7 +193,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   runner.require_choice(c, "datasets", ("digits", "mnist1d"))
   runner.require_choice(c, "algorithms", tuple(ALGORITHMS))
   runner.require_choice(c, "sim_runs", tuple(SIM_RUNS))
-  runner.require_choice(c, "models", tuple(models_lib.MODELS))
+  # classifiers only (lstm_lm is a language model: it takes no num_classes)
+  runner.require_choice(c, "models", tuple(m for m in models_lib.MODELS if m != "lstm_lm"))
   if len(c.models) != len(c.datasets):
     raise runner.ConfigError(
         f"config field 'models' needs one model per dataset ({len(c.datasets)}), got {c.models!r}")

@@ -69,15 +69,38 @@ def write_json(path: pathlib.Path, obj: Any) -> None:
   os.replace(tmp, path)
 
 
-class JsonlWriter:
-  """Appends one JSON object per line to ``path`` (``metrics.jsonl``)."""
+MEASURED_FIELDS = ("train_time_s",)  # wall-clock fields of a metrics row; all others are data
 
-  def __init__(self, path: pathlib.Path):
+
+class JsonlWriter:
+  """Appends one JSON object per line to ``path`` (``metrics.jsonl``), each data point once.
+
+  A resumed run recomputes what it did after its last checkpoint (and any un-checkpointed
+  part, e.g. simulator runs) and logs those rows again, bit-identical except for wall-clock
+  fields (:data:`MEASURED_FIELDS`). A row equal to one already in the file in every other
+  field is therefore not written again, so the file of a resumed run holds the rows of an
+  uninterrupted one (their first measured times).
+  """
+
+  def __init__(self, path: pathlib.Path, measured_fields: Sequence[str] = MEASURED_FIELDS):
     self.path = pathlib.Path(path)
+    self.measured_fields = frozenset(measured_fields)
+    self._seen: set[str] | None = None
+
+  def _identity(self, row: Mapping[str, Any]) -> str:
+    return json.dumps({k: v for k, v in row.items() if k not in self.measured_fields},
+                      sort_keys=True)
 
   def __call__(self, row: Mapping[str, Any]) -> None:
+    if self._seen is None:
+      self._seen = {self._identity(r) for r in read_jsonl(self.path)}
+    row = _jsonable(row)
+    key = self._identity(row)
+    if key in self._seen:
+      return
+    self._seen.add(key)
     with self.path.open("a") as f:
-      f.write(json.dumps(_jsonable(row)) + "\n")
+      f.write(json.dumps(row) + "\n")
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:

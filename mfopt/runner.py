@@ -20,13 +20,14 @@ import argparse
 import ast
 import importlib
 import json
+import math
 import os
 import pathlib
 import pkgutil
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -101,7 +102,10 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
       except (ValueError, SyntaxError):
         if current and not isinstance(current[0], str):
           raise
-        value = tuple(v.strip() for v in text.split(","))  # digits,mnist1d
+        inner = text.strip()
+        if inner[:1] + inner[-1:] in ("()", "[]"):  # (fp32,bf16): strings without quotes
+          inner = inner[1:-1]
+        value = tuple(v.strip() for v in inner.split(",") if v.strip())  # digits,mnist1d
       if isinstance(value, (int, float, str)):
         value = (value,)
       if not isinstance(value, (tuple, list)):
@@ -160,7 +164,7 @@ def require_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
       value = value[part]
     items = value if isinstance(value, (tuple, list)) else (value,)
     for v in items:
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
         raise ConfigError(f"config field {field!r} must be positive, got {value!r}")
 
 
@@ -174,11 +178,75 @@ def require_choice(config: ml_collections.ConfigDict, field: str, choices: Seque
       raise ConfigError(f"config field {field!r} must be one of {list(choices)}, got {value!r}")
 
 
+def _rule(holds: Callable[[Any], bool], what: str) -> tuple[Callable[[Any], bool], str]:
+  def check(v):
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and holds(v)
+  return check, what
+
+
+_UNIT = _rule(lambda v: 0 <= v < 1, "in [0, 1)")
+_PROB = _rule(lambda v: 0 <= v <= 1, "in [0, 1]")
+_DECAY = _rule(lambda v: 0 < v <= 1, "in (0, 1]")
+_POS = _rule(lambda v: 0 < v < math.inf, "a positive number")
+_NONNEG = _rule(lambda v: 0 <= v < math.inf, "a non-negative number")
+_NONNEG_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+               "a non-negative integer")
+
+# Field names that mean the same thing in every experiment's config, and what they must hold
+# (each item of a tuple field). prepare() checks them after the overrides, before anything is
+# built, so that a nonsense value (momentum=-1, seeds=(-1,), epochs=nan) stops the run with one
+# error naming it instead of running, or failing late with a traceback.
+CONVENTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(("momentum", "momenta", "mf", "mf2", "mfs", "drop_rate"), _UNIT),
+    **dict.fromkeys(("straggler_prob", "target_accuracy", "sampling_fraction"), _PROB),
+    **dict.fromkeys(("decay", "decay_rate"), _DECAY),
+    **dict.fromkeys(("learning_rate", "base_lr", "alpha", "fullsgd_lrs", "small_batch_lrs",
+                     "trust_coefficient", "compute_s", "epochs", "warmup_epochs", "warmup_values",
+                     "eval_every_epochs"), _POS),
+    **dict.fromkeys(("weight_decay", "adam_lr", "jitter_sigma", "speed_spread", "payload_params"),
+                    _NONNEG),
+    **dict.fromkeys(("seed", "seeds", "ssp_staleness"), _NONNEG_INT),
+    "straggler_slowdown": _rule(lambda v: 1 <= v < math.inf, "a number >= 1"),
+}
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+  from mfopt import costmodel, data, models  # pylint: disable=g-import-not-at-top
+  nets, names = tuple(costmodel.PRESETS), tuple(data.registered())
+  return {"net": nets, "network": nets, "networks": nets, "dataset": names, "datasets": names,
+          "model": tuple(models.MODELS), "models": tuple(models.MODELS)}
+
+
+def check_conventions(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError for a field whose name has a library-wide meaning (:data:`CONVENTIONS`,
+  link/dataset/model names) and whose value breaks it, and for any non-finite float."""
+  choices = _choices()
+  for key in flat_keys(config):
+    value = config
+    for part in key.split("."):
+      value = value[part]
+    name = key.rsplit(".", 1)[-1]
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    if name in CONVENTIONS:
+      check, what = CONVENTIONS[name]
+      bad = [v for v in items if not check(v)]
+      if bad:
+        raise ConfigError(f"config field {key!r} must be {what}"
+                          + (" (each item)" if isinstance(value, (tuple, list)) else "")
+                          + f", got {value!r}")
+    elif name in choices and not all(v in choices[name] for v in items):
+      raise ConfigError(f"config field {key!r} must be one of {list(choices[name])}, got {value!r}")
+    bad_floats = [v for v in items if isinstance(v, float) and not math.isfinite(v)]
+    if bad_floats:
+      raise ConfigError(f"config field {key!r} must be finite, got {value!r}")
+
+
 def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) -> tuple[ModuleType, ml_collections.ConfigDict]:
   """Loads an experiment and its validated config (nothing compiled yet)."""
   module = load_experiment(name)
   config = module.get_config(quick)
   config = apply_overrides(config, overrides)
+  check_conventions(config)
   validate = getattr(module, "validate", None)
   if validate is not None:
     try:
@@ -192,6 +260,10 @@ def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) ->
 
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_INTERVAL_S = 60.0  # default: periodic saves at most this often (the final one always)
+
+
+# Config fields that change what is shown, not what is computed: they may differ on resume.
+DISPLAY_FIELDS = ("config.progress",)
 
 
 def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
@@ -209,7 +281,8 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
     raise ConfigError(f"{ckpt_root} holds checkpoints but {saved_path} is missing; cannot tell "
                       "which experiment wrote them (use another --workdir or --restart)")
   saved = json.loads(saved_path.read_text())
-  diff = checkpoint.config_diff(saved, record)
+  diff = [d for d in checkpoint.config_diff(saved, record)
+          if d.split(":", 1)[0] not in DISPLAY_FIELDS]
   if diff and not allow_config_change:
     raise ConfigError(
         f"{workdir} holds checkpoints of a different experiment or config; differing fields "

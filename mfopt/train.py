@@ -735,6 +735,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   for name, value in (("num_workers", num_workers), ("per_worker_batch", per_worker_batch),
                       ("num_steps", num_steps), ("log_every", log_every)):
     _checks.positive_int(name, value)
+  if eval_every is not None:
+    _checks.positive_int("eval_every", eval_every)
   policy = ckpt_lib.active_policy() if checkpoint_dir is None else None
   if policy is not None:
     checkpoint_dir = policy.next_run_dir(desc)

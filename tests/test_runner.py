@@ -46,6 +46,39 @@ def test_bad_values(override, match):
   _raises(match, "quickstart", override)
 
 
+@pytest.mark.parametrize("name,override,match", [
+    # values that once ran to the end, or failed late with a traceback (a review's findings)
+    ("adpsgd_variance", "momentum=-1.0", r"'momentum' must be in \[0, 1\), got -1.0"),
+    ("mf_mlp", "epochs=nan", r"'epochs' must be a positive number, got nan"),
+    ("quickstart", "seed=-1", r"'seed' must be a non-negative integer, got -1"),
+    ("hybrid_warmup_T", "net=foo", r"'net' must be one of \['1gbit'.*got 'foo'"),
+    ("adpsgd_variance", "model=bogus", r"'model' must be one of.*got 'bogus'"),
+    ("adpsgd_variance", "dataset=bogus", r"'dataset' must be one of.*got 'bogus'"),
+    ("async_convergence", "ssp_staleness=-1", r"'ssp_staleness' must be a non-negative integer"),
+    ("async_convergence", "straggler_prob=-1.0", r"'straggler_prob' must be in \[0, 1\]"),
+    ("hybrid_vs_baselines", "weight_decay=-1.0", r"'weight_decay' must be a non-negative number"),
+    ("block_momentum_mu_vs_p", "momenta=(0.5,1.0)", r"'momenta' must be in \[0, 1\) \(each item\)"),
+    ("mf_sweep", "seeds=(0,-1)", r"'seeds' must be a non-negative integer \(each item\)"),
+    ("quickstart", "models=lstm_lm", r"'models' must be one of \['mlp', 'cnn', 'resnet18', 'resnet50'\]"),
+])
+def test_field_conventions_are_checked_in_every_experiment(name, override, match):
+  _raises(match, name, override)
+
+
+def test_every_preset_meets_the_field_conventions():
+  for name in runner.list_experiments():
+    module = runner.load_experiment(name) if name != "profile_step" else None
+    if module is None:
+      continue
+    for quick in (False, True):
+      runner.check_conventions(module.get_config(quick))
+
+
+def test_tuple_of_strings_in_parentheses_without_quotes():
+  _, c = runner.prepare("precision", quick=True, overrides=["policies=(fp32,bf16)"])
+  assert c.policies == ("fp32", "bf16")
+
+
 def test_override_applies_with_type():
   _, c = runner.prepare("quickstart", quick=True, overrides=["num_steps=7", "datasets=digits",
                                                              "models=('mlp',)"])
