@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["is_int", "is_real", "is_traced", "number_where", "positive_int", "nonnegative_int",
+__all__ = ["is_int", "is_real", "is_traced", "real_scalar", "number_where", "positive_int", "nonnegative_int",
            "positive_number", "nonnegative_number", "finite_positive_number", "unit_interval"]
 
 
@@ -33,7 +33,7 @@ def is_traced(value: Any) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
-def _real_scalar(value: Any) -> tuple[bool, Any]:
+def real_scalar(value: Any) -> tuple[bool, Any]:
   """``(ok, comparable)``: Python and NumPy reals as they are, 0-d NumPy/JAX arrays of a real
   dtype as their value (``optax.inject_hyperparams`` hands hyperparameters over as
   ``jnp`` scalars). A tracer is accepted unchecked (``comparable`` None): its value is known
@@ -77,8 +77,8 @@ def nonnegative_int(name: str, value: Any, *, owner: str | None = None) -> int:
 
 def number_where(name: str, value: Any, holds, what: str) -> Any:
   """``value`` if it is a real scalar for which ``holds(value)``, else ``ValueError`` saying it
-  must be ``what``; a tracer passes unchecked (see :func:`_real_scalar`)."""
-  ok, v = _real_scalar(value)
+  must be ``what``; a tracer passes unchecked (see :func:`real_scalar`)."""
+  ok, v = real_scalar(value)
   if not ok or (v is not None and not holds(v)):
     raise ValueError(f"{name} must be {what}, got {value!r}")
   return value

@@ -50,6 +50,7 @@ and "Seed 003".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -60,7 +61,8 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from mfopt import _checks
-from mfopt.comm import (AxisName, CollectiveKind, CommStats, HostSchedule, gated, host_scalar,
+from mfopt.comm import (AxisName, CollectiveKind, CommStats, HostSchedule, check_axis_name,
+                        comm_dtype_of, gated, host_scalar,
                         init_comm_stats, pmean_tree, states_of, tree_payload_bytes)
 from mfopt.comm import unbatched as _unbatched
 
@@ -190,7 +192,7 @@ def scheduled_period(periods: tuple[int, ...], boundaries: tuple[int, ...]) -> P
     20
   """
   periods = tuple(_checks.positive_int("periods[i]", p) for p in periods)
-  boundaries = tuple(int(b) for b in boundaries)
+  boundaries = tuple(_checks.positive_int("boundaries[i]", b) for b in boundaries)
   if len(periods) != len(boundaries) + 1:
     raise ValueError(f"periods needs one more entry than boundaries ({len(boundaries)}), "
                      f"got {periods!r}")
@@ -261,12 +263,10 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
     raise ValueError(
         f"sampling_steps must be >= warmup_steps + p_init = {warmup_steps + p_init} (at least "
         f"one sampled sync for C2), got {sampling_steps!r}")
-  if not 0 < low <= 1:
-    raise ValueError(f"low must be in (0, 1], got {low!r}")
-  if not high >= 1:
-    raise ValueError(f"high must be >= 1, got {high!r}")
-  if not callable(learning_rate) and not learning_rate > 0:
-    raise ValueError(f"learning_rate must be positive, got {learning_rate!r}")
+  _checks.number_where("low", low, lambda v: 0 < v <= 1, "in (0, 1]")
+  _checks.number_where("high", high, lambda v: 1 <= v < math.inf, "a finite number >= 1")
+  if not callable(learning_rate):
+    _checks.finite_positive_number("learning_rate", learning_rate)
   schedule = learning_rate if callable(learning_rate) else optax.constant_schedule(learning_rate)
   low32, high32 = np.float32(low), np.float32(high)
 
@@ -435,14 +435,17 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
   Seeds: 001 Alg. 1 (CPSGD), Alg. 2 (ADPSGD), eqs. 7, 11, 16; 003 Alg. 1 (M-AVG).
   """
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    raise ValueError(f"inner must be an optax.GradientTransformation (e.g. optax.sgd(0.1)), "
+                     f"got {inner!r}")
+  if outer is not None and not (hasattr(outer, "init") and hasattr(outer, "update")):
+    raise ValueError(f"outer must be None or an optax.GradientTransformation, got {outer!r}")
   if _checks.is_int(period):
     period = constant_period(_checks.positive_int("period", period))
   if not isinstance(period, PeriodController):
     raise ValueError(f"period must be a PeriodController or a positive int, got {period!r}")
-  if comm_dtype is not None:
-    comm_dtype = jnp.dtype(comm_dtype)
-    if not jnp.issubdtype(comm_dtype, jnp.floating):
-      raise ValueError(f"comm_dtype must be a floating dtype, got {comm_dtype!r}")
+  axis_name = check_axis_name(axis_name)
+  comm_dtype = comm_dtype_of(comm_dtype)
   _checks.nonnegative_int("trace_length", trace_length)
   controller = period
   compute_s = controller.uses_variance if sync_variance is None else bool(sync_variance)

@@ -56,6 +56,39 @@ class CommStats(NamedTuple):
 
 
 
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32",
+                  "f32": "float32"}
+
+
+def check_axis_name(axis_name: Any, *, name: str = "axis_name") -> AxisName:
+  """``axis_name`` if it is ``None``, a string or a non-empty tuple/list of strings (as a
+  tuple), else ``ValueError`` naming it: caught where the transform is built, not inside the
+  first traced update."""
+  if axis_name is None or isinstance(axis_name, str):
+    return axis_name
+  if (isinstance(axis_name, (tuple, list)) and axis_name
+      and all(isinstance(a, str) for a in axis_name)):
+    return tuple(axis_name)
+  raise ValueError(f"{name} must be None (one worker), an axis name (str) or a tuple of axis "
+                   f"names, e.g. mfopt.WORKER_AXES; got {axis_name!r}")
+
+
+def comm_dtype_of(comm_dtype: Any) -> jnp.dtype | None:
+  """``comm_dtype`` as a floating ``jnp.dtype`` (``None`` stays ``None``); accepts dtypes, their
+  names and the policy names ``"bf16"``/``"fp16"``/``"fp32"``; else ``ValueError`` naming it."""
+  if comm_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(_DTYPE_ALIASES.get(comm_dtype, comm_dtype)
+                      if isinstance(comm_dtype, str) else comm_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"comm_dtype must be a floating dtype (jnp.bfloat16, 'bfloat16', 'bf16', "
+                     f"jnp.float16, ...), got {comm_dtype!r}")
+  return dtype
+
+
 def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
   """``axis_name`` as a tuple of names: ``None`` -> ``()``, ``"x"`` -> ``("x",)``."""
   if axis_name is None:
@@ -319,10 +352,8 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
     >>> updates["w"]
     Array([-0.1, -0.1, -0.1], dtype=float32)
   """
-  if comm_dtype is not None:
-    comm_dtype = jnp.dtype(comm_dtype)
-    if not jnp.issubdtype(comm_dtype, jnp.floating):
-      raise ValueError(f"comm_dtype must be a floating dtype, got {comm_dtype!r}")
+  axis_name = check_axis_name(axis_name)
+  comm_dtype = comm_dtype_of(comm_dtype)
 
   def init_fn(params):
     payload = 0 if axis_name is None else tree_payload_bytes(params, comm_dtype)

@@ -69,8 +69,18 @@ def _concrete(value: Any) -> float | None:
     return None
 
 
-def _values(value: ScalarOrSchedule, validate_steps: int | None) -> list[float]:
-  """The concrete values of a constant or (if ``validate_steps``) a schedule, for checks."""
+def _values(value: ScalarOrSchedule, validate_steps: int | None, name: str = "value"
+            ) -> list[float]:
+  """The concrete values of a constant or (if ``validate_steps``) a schedule, for checks.
+
+  A constant must be a real scalar (Python/NumPy number, 0-d array; a tracer is unchecked):
+  ``"0.1"`` or ``True`` would pass ``float()`` and fail inside the update instead.
+  """
+  if not callable(value):
+    ok, _ = _checks.real_scalar(value)
+    if not ok:
+      raise ValueError(f"{name} must be a number or a schedule (a callable of the step), "
+                       f"got {value!r}")
   if callable(value):
     if validate_steps is None:
       return []
@@ -83,7 +93,7 @@ def _values(value: ScalarOrSchedule, validate_steps: int | None) -> list[float]:
 
 def _check_mf(name: str, value: ScalarOrSchedule, validate_steps: int | None,
               non_decreasing: bool = False) -> None:
-  values = _values(value, validate_steps)
+  values = _values(value, validate_steps, name)
   for t, v in enumerate(values):
     if not (0.0 <= v < 1.0):
       where = f" at step {t}" if callable(value) else ""
@@ -97,7 +107,7 @@ def _check_mf(name: str, value: ScalarOrSchedule, validate_steps: int | None,
 
 
 def _check_lr(value: ScalarOrSchedule, validate_steps: int | None) -> None:
-  for t, v in enumerate(_values(value, validate_steps)):
+  for t, v in enumerate(_values(value, validate_steps, "learning_rate")):
     if not (v >= 0.0 and math.isfinite(v)):
       where = f" at step {t}" if callable(value) else ""
       raise ValueError(f"learning_rate must be finite and >= 0, got {v!r}{where}")
@@ -347,6 +357,9 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
   if phi not in PHIS:
     raise ValueError(f"phi must be one of {PHIS}, got {phi!r}")
   _check_mf("mf1", mf1, validate_steps, non_decreasing=True)
+  if callable(mf2):
+    raise ValueError(f"mf2 must be a constant in [0, 1) (MF2 is not scheduled in seed 000), "
+                     f"got the callable {mf2!r}")
   _check_mf("mf2", mf2, None)
   e = _concrete(eps)
   if e is not None and not e > 0:

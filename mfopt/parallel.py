@@ -37,6 +37,10 @@ WORKER_AXES = (DATA_AXIS, LOCAL_AXIS)
 
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A 1-D mesh named :data:`DATA_AXIS` over ``devices`` (default: all devices of all processes)."""
+  if devices is not None and (isinstance(devices, (int, str))
+                              or not all(isinstance(d, jax.Device) for d in devices)):
+    raise ValueError(f"devices must be a sequence of jax.Device (e.g. jax.devices()[:4]) or "
+                     f"None for all devices, got {devices!r}")
   devices = list(jax.devices() if devices is None else devices)
   if not devices:
     raise ValueError("devices must be a non-empty sequence, got []")

@@ -39,7 +39,8 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from mfopt import _checks
-from mfopt.comm import AxisName, CollectiveKind, CommStats, axis_tuple, init_comm_stats
+from mfopt.comm import (AxisName, CollectiveKind, CommStats, axis_tuple, check_axis_name,
+                        init_comm_stats)
 
 __all__ = ["QSGDState", "qsgd", "quantize", "dequantize", "qsgd_payload_bytes"]
 
@@ -136,6 +137,8 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
   if not _checks.is_int(bits) or not 2 <= bits <= 8:
     raise ValueError(f"bits must be an integer in [2, 8], got {bits!r}")
   _checks.positive_int("bucket_size", bucket_size)
+  _checks.nonnegative_int("seed", seed)
+  axis_name = check_axis_name(axis_name)
 
   def init_fn(params):
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -105,3 +105,38 @@ def test_adabound_learning_rate_must_be_positive():
     mfopt.adabound(0.0)
   with pytest.raises(ValueError, match=r"learning_rate\(0\) must be a positive number"):
     mfopt.adabound(lambda t: 0.0 * t)
+
+
+# ----------------------------------------------------------------------------- caught when built
+# Each of these was accepted and failed later (inside the first traced update, or at init) with
+# a message that did not name the argument; now the constructor names it and its value.
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: mfopt.sync_gradients(5), r"axis_name must be None .* got 5"),
+    (lambda: mfopt.sync_gradients("data", comm_dtype="int8"), r"comm_dtype must be a floating dtype.*'int8'"),
+    (lambda: mfopt.mf_sgd("0.1"), r"learning_rate must be a number or a schedule.*'0.1'"),
+    (lambda: mfopt.mf_sgd(True), r"learning_rate must be a number or a schedule.*True"),
+    (lambda: mfopt.mf_sgd(None), r"learning_rate must be a number or a schedule.*None"),
+    (lambda: mfopt.mf_sgd(0.1, mf="abc"), r"mf must be a number or a schedule.*'abc'"),
+    (lambda: mfopt.mf_adam(0.1, mf2=lambda t: 0.999), r"mf2 must be a constant in \[0, 1\)"),
+    (lambda: mfopt.block_momentum(__import__("optax").sgd(0.1), None, 2, momentum="0.5"),
+     r"momentum must be in \[0, 1\), got '0.5'"),
+    (lambda: mfopt.periodic_averaging(None, None, 2), r"inner must be an optax.GradientTransformation"),
+    (lambda: mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=4, low="0.7"),
+     r"low must be in \(0, 1\], got '0.7'"),
+    (lambda: mfopt.adpsgd_period(learning_rate=float("inf"), sampling_steps=4),
+     r"learning_rate must be a finite positive number, got inf"),
+    (lambda: mfopt.scheduled_period((4, 2), (1.5,)), r"boundaries\[i\] must be a positive integer, got 1.5"),
+    (lambda: mfopt.qsgd(None, seed="x"), r"seed must be a non-negative integer, got 'x'"),
+    (lambda: parallel.make_mesh(8), r"devices must be a sequence of jax.Device.*got 8"),
+])
+def test_bad_arguments_fail_where_the_transform_is_built(build, match):
+  with pytest.raises(ValueError, match=match):
+    build()
+
+
+def test_comm_dtype_accepts_the_policy_names():
+  import jax.numpy as jnp
+  from mfopt import comm
+  assert comm.comm_dtype_of("bf16") == jnp.bfloat16 and comm.comm_dtype_of("fp16") == jnp.float16
+  assert comm.comm_dtype_of(jnp.bfloat16) == jnp.bfloat16 and comm.comm_dtype_of(None) is None
