@@ -44,8 +44,18 @@ def run(*, dataset, model_name: str, tx: optax.GradientTransformation, num_worke
 
 
 def fmt_ms(values: Sequence[float], digits: int = 4) -> str:
+  """``mean ± std`` over seeds; one seed has no spread: ``value (1 seed)``."""
+  if len(values) == 1:
+    return f"{float(values[0]):.{digits}f} (1 seed)"
   m, s = mean_std(values)
   return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def fmt_diff(mean: float, std: float, seeds: int, scale: float = 1.0, digits: int = 2) -> str:
+  """A paired difference ``+m ± s``; one seed: ``+m (1 seed)`` (no spread, not ``± inf``)."""
+  if seeds == 1:
+    return f"{scale * mean:+.{digits}f} (1 seed)"
+  return f"{scale * mean:+.{digits}f} ± {scale * std:.{digits}f}"
 
 
 def verdict(a: Sequence[float], b: Sequence[float], *, expect_greater: bool,
@@ -65,8 +75,13 @@ def verdict(a: Sequence[float], b: Sequence[float], *, expect_greater: bool,
 
 
 def verdict_lines(verdicts: Sequence[dict[str, Any]]) -> list[str]:
+  def spread(v):
+    if v["seeds"] == 1:
+      return "1 seed: no spread, so nothing can be reproduced"
+    return f"std {v['std_diff']:.3g}, {v['seeds']} seeds"
+
   return [f"- **{v['verdict']}**: {v['claim']} (mean paired difference {v['mean_diff']:.4g}, "
-          f"std {v['std_diff']:.3g}, {v['seeds']} seeds)" for v in verdicts]
+          f"{spread(v)})" for v in verdicts]
 
 
 def averaging_comm(opt_state) -> dict[str, int]:

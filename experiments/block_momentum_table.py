@@ -98,7 +98,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
     verdicts.append(v)
     rows.append({"model": key, "kavg": common.fmt_ms(np.multiply(accs["K-AVG"], 100), 2),
                  "mavg": common.fmt_ms(np.multiply(accs["M-AVG"], 100), 2),
-                 "diff": f"{100 * v['mean_diff']:+.2f} ± {100 * v['std_diff']:.2f}",
+                 "diff": common.fmt_diff(v["mean_diff"], v["std_diff"], v["seeds"], 100),
                  "kloss": common.fmt_ms(losses["K-AVG"]), "mloss": common.fmt_ms(losses["M-AVG"]),
                  "verdict": v["verdict"]})
   report.write_json(workdir / "runs.json", raw)

@@ -356,8 +356,8 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
   summary["resumed"] = resumed
   summary["wall_time_s"] = time.perf_counter() - start
   summary["environment"] = report.environment()
-  if primary:
-    report.write_json(workdir / "summary.json", summary)
+  summary["files_dir"] = str(files_dir)
+  report.write_json(files_dir / "summary.json", summary)
   return summary
 
 
@@ -412,6 +412,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (ConfigError, checkpoint.ConfigMismatchError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  workdir = args.workdir or os.path.join("runs", args.name + ("-quick" if args.quick else ""))
-  print(f"{args.name}: done in {summary['wall_time_s']:.1f} s; report: {os.path.join(workdir, 'report.md')}")
+  print(f"{args.name}: done in {summary['wall_time_s']:.1f} s; report: "
+        f"{os.path.join(summary['files_dir'], 'report.md')}")
   return 0
