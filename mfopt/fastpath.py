@@ -45,7 +45,9 @@ size ``D`` (one replica per device), ``model_state`` a leading worker axis ``W``
 over :data:`mfopt.parallel.DATA_AXIS`. Batches are the worker-stacked
 ``{"x": (W, B, ...), "y": (W, B, ...)}`` of :class:`mfopt.data.WorkerBatcher`, so the
 fast path is a drop-in replacement of :func:`mfopt.train.make_train_step` for
-synchronous algorithms. :func:`to_train_state` converts back to the worker-stacked
+synchronous algorithms, fp16 dynamic loss scaling included (``inner`` wrapped in
+:func:`mfopt.precision.dynamic_loss_scale`: the loss is scaled, and an overflowing step
+keeps its parameters, optimizer state and BN statistics). :func:`to_train_state` converts back to the worker-stacked
 :class:`mfopt.train.TrainState` (for evaluation, checkpoints or comparison).
 
 Not for local algorithms (periodic averaging, block momentum): their replicas diverge,
@@ -81,6 +83,7 @@ from jax.sharding import PartitionSpec as P
 from mfopt import comm as comm_lib
 from mfopt import models as models_lib
 from mfopt import parallel
+from mfopt import precision as precision_lib
 from mfopt import train as train_lib
 
 #: How reports name runs of this step (the issue's requirement: the fast path is labelled).
@@ -248,8 +251,13 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
       losses, aux, new_model_state = jax.vmap(one_group)(model_state, batch["x"], batch["y"])
       return jnp.mean(losses), (losses, aux, new_model_state)
 
-    (_, (losses, aux, new_model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-        jax.tree.map(lambda a: a[0], params))
+    dynamic_scale = precision_lib.loss_scale_of(opt_state)  # fp16: scale the loss
+    if dynamic_scale is None:
+      grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    else:
+      grad_fn = precision_lib.scaled_value_and_grad(
+          loss_of, jax.tree.map(lambda a: a[0], dynamic_scale))
+    (_, (losses, aux, new_model_state)), grads = grad_fn(jax.tree.map(lambda a: a[0], params))
     if update_in_place:
       params, opt_state, norm = jax.vmap(update, axis_name=parallel.LOCAL_AXIS)(
           jax.tree.map(lambda g: g[None], grads), opt_state, params)
@@ -257,6 +265,11 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
       params, opt_state, norm = jax.tree.map(lambda a: a[None], update(
           grads, *jax.tree.map(lambda a: a[0], (opt_state, params))))
     metrics = {"loss": losses, **aux, "update_norm": jnp.broadcast_to(norm[0], (groups,))}
+    if dynamic_scale is not None:
+      # overflow (decided after the all-reduce, so on every device alike): BN statistics kept
+      new_model_state, extra = precision_lib.finish_step(
+          jax.tree.map(lambda a: a[0], opt_state), new_model_state, model_state)
+      metrics.update({k: jnp.broadcast_to(v, (groups,)) for k, v in extra.items()})
     return params, new_model_state, opt_state, metrics
 
   mapped = jax.shard_map(device_step, mesh=mesh, in_specs=P(parallel.DATA_AXIS),

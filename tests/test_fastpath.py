@@ -209,3 +209,51 @@ def test_rejects_synchronised_bn():
   model = models.get_model("cnn", features=(4,), num_classes=3, bn_axis_name="data")
   with pytest.raises(ValueError, match="bn_axis_name='data'"):
     fastpath.make_train_step(model, optax.sgd(0.1), mesh=mesh, num_workers=2)
+
+
+def test_fp16_dynamic_loss_scaling_equals_the_worker_stacked_step():
+  """fp16 with inner = dynamic_loss_scale(sgd): the fast path scales the loss (a loss x1e-7,
+  whose fp16 gradients flush to zero unscaled, still trains as the stacked step does) and an
+  overflowing step (one worker's inputs x3e4: its fp16 forward overflows) keeps parameters,
+  momentum and BN statistics on every worker, exactly as the worker-stacked step does."""
+  from mfopt import precision
+  mesh = mfopt.make_mesh(jax.devices()[:1])
+  model = precision.apply_policy(MODEL, "fp16")
+  W = 4
+
+  def tiny_loss(logits, labels):
+    loss, aux = train_lib.classification_loss(logits, labels)
+    return 1e-7 * loss, aux
+
+  batches = _batches(W, 4, seed=5)
+  batches[2] = dict(batches[2], x=batches[2]["x"] * np.array([1, 3e4, 1, 1], np.float32)[
+      :, None, None, None, None])
+  inner = precision.dynamic_loss_scale(optax.sgd(1e5, momentum=0.9))
+  ref_tx = precision.dynamic_loss_scale(
+      optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(1e5, momentum=0.9)))
+  ref_state = train_lib.init_train_state(model, ref_tx, batches[0]["x"][0], num_workers=W,
+                                         mesh=mesh)
+  ref_step = train_lib.make_train_step(model, ref_tx, mesh=mesh, num_workers=W, donate=False,
+                                       loss_fn=tiny_loss)
+  fast_state = fastpath.init_train_state(model, inner, batches[0]["x"][0], num_workers=W,
+                                         mesh=mesh)
+  fast_step = fastpath.make_train_step(model, inner, mesh=mesh, num_workers=W, donate=False,
+                                       loss_fn=tiny_loss)
+  for i, batch in enumerate(batches):
+    sharded = parallel.shard_workers(batch, mesh)
+    ref_state, rm = ref_step(ref_state, sharded)
+    fast_state, fm = fast_step(fast_state, sharded)
+    rm, fm = jax.device_get((rm, fm))
+    np.testing.assert_array_equal(fm["overflow"], rm["overflow"])
+    np.testing.assert_array_equal(fm["loss_scale"], rm["loss_scale"])
+    assert (fm["overflow"] == (1.0 if i == 2 else 0.0)).all()
+    if i != 2:  # a real step, as large as the scaled stacked step's (not flushed to zero)
+      assert fm["update_norm"][0] > 1e-3
+      np.testing.assert_allclose(fm["update_norm"][0], rm["update_norm"][0], rtol=2e-2)
+  fast = jax.device_get(fastpath.to_train_state(fast_state, num_workers=W, mesh=mesh))
+  ref = jax.device_get(ref_state)
+  for tree in ("params", "model_state"):
+    for a, b in zip(jax.tree.leaves(getattr(fast, tree)), jax.tree.leaves(getattr(ref, tree))):
+      assert np.isfinite(np.asarray(a, np.float32)).all()
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=2e-2, atol=2e-3)
