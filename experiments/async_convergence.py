@@ -86,7 +86,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         print(f"{net:8s} {name:16s} seed {seed}: acc {s['test_accuracy']:.3f}, "
               f"simulated time {s['sim_time_s']:.1f} s, to target {row['time_to_target']:.1f} s")
   table = suite.aggregate(rows, ("network", "strategy"), FIELDS)
-  claims = _claims(c, table)
+  claims = _claims(c, table, rows)
   report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims,
                                               "staleness_seed0": staleness})
   report.plot_curves(workdir / "accuracy_vs_time.png", curves_time, xlabel="simulated time (s)",
@@ -97,7 +97,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   return {"table": table, "claims": claims}
 
 
-def _claims(c, table) -> list[dict[str, Any]]:
+def _claims(c, table, rows) -> list[dict[str, Any]]:
   by = {(r["network"], r["strategy"]): r for r in table}
   ours_names = [m for m in SEED_MODELS if m in c.strategies]
   out = []
@@ -111,8 +111,9 @@ def _claims(c, table) -> list[dict[str, Any]]:
         for f in ("time_to_target", "samples_to_target"):
           out.append({"network": net, "claim": f"{ours} needs less {f.split('_')[0]} to target "
                       f"than {name}", "ours": suite.pm(me, f), "baseline": suite.pm(other, f),
-                      "verdict": suite.claim(me[f + "_mean"], me[f + "_std"], other[f + "_mean"],
-                                             other[f + "_std"])})
+                      "verdict": suite.paired_claim(
+                          suite.per_seed(rows, f, network=net, strategy=ours),
+                          suite.per_seed(rows, f, network=net, strategy=name))})
     if len(c.networks) >= 2 and "ASP" in c.strategies:
       lo, hi = c.networks[0], c.networks[-1]
       gains = {net: by[(net, "ASP")]["time_to_target_mean"] / by[(net, ours)]["time_to_target_mean"]

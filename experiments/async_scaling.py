@@ -78,11 +78,16 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   for m in c.worker_counts[1:]:
     me, asp = by.get(("KSync[working]", m)), by.get(("ASP", m))
     if me and asp:
-      claims.append({"workers": m, "claim": "KSync[working] speedup (simulated time) > ASP's",
-                     "ours": suite.pm(me, "speedup_time"), "baseline": suite.pm(asp, "speedup_time"),
-                     "verdict": suite.claim(me["speedup_time_mean"], me["speedup_time_std"],
-                                            asp["speedup_time_mean"], asp["speedup_time_std"],
-                                            lower_is_better=False)})
+      # Fig. 12 is the speedup "based on training step" (seed 002; Fig. 1 defines it so);
+      # the speedup in simulated time is judged beside it.
+      for fld, what in (("speedup_steps", "training steps (Fig. 12's metric)"),
+                        ("speedup_time", "simulated time")):
+        claims.append({"workers": m, "claim": f"KSync[working] speedup in {what} > ASP's",
+                       "ours": suite.pm(me, fld), "baseline": suite.pm(asp, fld),
+                       "verdict": suite.paired_claim(
+                           suite.per_seed(rows, fld, strategy="KSync[working]", workers=m),
+                           suite.per_seed(rows, fld, strategy="ASP", workers=m),
+                           lower_is_better=False)})
   report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims})
   panels = {"speedup in simulated time": {}, "speedup in server steps": {}}
   for name in c.strategies:

@@ -100,8 +100,11 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                            f"{100 * a['frac_k_below_5_mean']:.0f}% of steps k<5, "
                            f"{a['direction_changes_per_100_mean']:.3g} direction changes / 100 steps",
                    "baseline": "seed: k in a small range, usually < 5",
-                   "verdict": "reproduced" if a["frac_k_below_5_mean"] > 0.5
-                   and a["direction_changes_per_100_mean"] > 0 else "not reproduced at this scale"})
+                   "verdict": suite.holds_in_every_seed({
+                       seed: frac > 0.5 and suite.per_seed(
+                           rows, "direction_changes_per_100", variant=f"adaptive k [{p}]")[seed] > 0
+                       for seed, frac in suite.per_seed(
+                           rows, "frac_k_below_5", variant=f"adaptive k [{p}]").items()})})
   adaptive = by.get("adaptive k [working]")
   if adaptive:
     for k in c.fixed_k:
@@ -109,14 +112,16 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       if k >= 8:
         claims.append({"claim": f"adaptive k reaches higher accuracy than fixed k={k} (Fig. 14)",
                        "ours": suite.pm(adaptive, "test_accuracy"), "baseline": suite.pm(f, "test_accuracy"),
-                       "verdict": suite.claim(adaptive["test_accuracy_mean"], adaptive["test_accuracy_std"],
-                                              f["test_accuracy_mean"], f["test_accuracy_std"],
-                                              lower_is_better=False)})
+                       "verdict": suite.paired_claim(
+                           suite.per_seed(rows, "test_accuracy", variant="adaptive k [working]"),
+                           suite.per_seed(rows, "test_accuracy", variant=f"fixed k={k} [working]"),
+                           lower_is_better=False)})
       for fld in ("time_to_target", "samples_to_target"):
         claims.append({"claim": f"adaptive k needs less {fld.split('_')[0]} to target than fixed k={k}",
                        "ours": suite.pm(adaptive, fld), "baseline": suite.pm(f, fld),
-                       "verdict": suite.claim(adaptive[fld + "_mean"], adaptive[fld + "_std"],
-                                              f[fld + "_mean"], f[fld + "_std"])})
+                       "verdict": suite.paired_claim(
+                           suite.per_seed(rows, fld, variant="adaptive k [working]"),
+                           suite.per_seed(rows, fld, variant=f"fixed k={k} [working]"))})
   report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims})
   report.plot_curves(workdir / "k_trace.png",
                      {n: {"k": ([t for _, t, _ in tr], [k for _, _, k in tr])} for n, tr in traces.items()},

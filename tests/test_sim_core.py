@@ -304,3 +304,27 @@ def test_a_pull_carries_the_broadcast_of_its_version(ds, linear):
   later = [(v, k) for v, k in adopted if v > 0]
   assert len(later) > 50 and len({k for _, k in later}) > 1
   assert [k for _, k in later] == [k_of[v] for v, _ in later]
+
+
+def test_paired_claim_needs_every_seed_and_two_std_of_the_paired_differences():
+  """SPEC's verdict rule on per-seed pairs; NaN = never reached the target."""
+  from mfopt.sim import suite
+  nan = float("nan")
+  claim = suite.paired_claim
+  # a review's case: ours reached the target in 1 of 3 seeds -> never "reproduced"
+  assert claim({0: 10, 1: nan, 2: nan}, {0: 20, 1: 21, 2: 22}).startswith(
+      "not reproduced at this scale (ours reached the target in 1/3")
+  assert claim({0: 10}, {0: 20}) == "not reproduced at this scale (1 seed: no spread)"
+  assert claim({0: 10, 1: 11, 2: 12}, {0: 20, 1: 21, 2: 22}) == "reproduced"
+  # paired: a large spread across seeds but a consistent per-seed gain is reproduced ...
+  assert claim({0: 10, 1: 50, 2: 90}, {0: 12, 1: 52.5, 2: 91.5}) == "reproduced"
+  # ... and a gain smaller than 2 std of the paired differences is not
+  assert claim({0: 10, 1: 10, 2: 10}, {0: 11, 1: 9.5, 2: 12}).startswith("not reproduced")
+  assert claim({0: 10, 1: 11}, {0: nan, 1: nan}).startswith("reproduced (ours reached")
+  assert claim({0: 10, 1: 11, 2: 12}, {0: 20, 1: nan, 2: 22}) == (
+      "reproduced (the baseline reached the target in 2/3 seeds)")
+  assert claim({0: 0.9, 1: 0.8}, {0: 0.5, 1: 0.45}, lower_is_better=False) == "reproduced"
+  assert suite.holds_in_every_seed({0: True}).startswith("consistent in 1 seed (not a test")
+  assert suite.holds_in_every_seed({0: True, 1: False}) == (
+      "not reproduced at this scale (holds in 1/2 seeds)")
+  assert suite.holds_in_every_seed({0: True, 1: True}) == "reproduced"

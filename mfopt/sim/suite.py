@@ -179,27 +179,60 @@ def pm(row: Mapping[str, Any], field: str, digits: int = 3) -> str:
   m, s, n = row[field + "_mean"], row[field + "_std"], row[field + "_n"]
   if not n:
     return f"not reached (0/{row['seeds']})"
+  if n == 1:  # one value has no spread
+    return f"{m:.{digits}g} (1/{row['seeds']} seeds)" if row["seeds"] > 1 else f"{m:.{digits}g} (1 seed)"
   tail = f" ({n}/{row['seeds']})" if n != row["seeds"] else ""
   return f"{m:.{digits}g} ± {s:.2g}{tail}"
 
 
-def claim(a_mean: float, a_std: float, b_mean: float, b_std: float, lower_is_better: bool = True) -> str:
-  """The protocol's verdict on "a beats b": the difference has the sign and exceeds two std.
+def per_seed(rows: Sequence[Mapping[str, Any]], field: str, **match: Any) -> dict[int, float]:
+  """``{seed: row[field]}`` over the per-seed ``rows`` whose keys equal ``match``."""
+  return {int(r["seed"]): float(r[field]) for r in rows
+          if all(r[k] == v for k, v in match.items())}
 
-  A NaN mean (a time, samples or speedup to a target) means "never reached the target".
+
+def paired_claim(ours: Mapping[int, float], baseline: Mapping[int, float],
+                 lower_is_better: bool = True) -> str:
+  """The protocol's verdict on "ours beats the baseline", on per-seed pairs (SPEC.md).
+
+  Reproduced only if the mean paired difference (same seed) has the claimed sign and exceeds
+  two standard deviations of the differences (ddof=1), as the other experiments' verdicts.
+  NaN means "never reached the target": ours must reach it in every seed; a seed where only
+  the baseline missed it is not a pair (said in the verdict), and a baseline that never
+  reached it while ours always did is reproduced. One seed has no spread: never reproduced.
   """
-  a_ok, b_ok = np.isfinite(a_mean), np.isfinite(b_mean)
-  if not (a_ok and b_ok):
-    if a_ok and not b_ok:
-      return "reproduced (the baseline never reached the target)"
-    if b_ok and not a_ok:
-      return "not reproduced at this scale (ours never reached the target)"
-    return "not decidable (neither reached the target)"
-  diff = (b_mean - a_mean) if lower_is_better else (a_mean - b_mean)
-  spread = 2 * float(np.hypot(a_std if np.isfinite(a_std) else 0, b_std if np.isfinite(b_std) else 0))
-  if diff > spread:
-    return "reproduced"
-  return "not reproduced at this scale"
+  seeds = sorted(set(ours) & set(baseline))
+  n = len(seeds)
+  if n == 0:
+    return "not decidable (no seeds)"
+  a = np.array([ours[s] for s in seeds], float)
+  b = np.array([baseline[s] for s in seeds], float)
+  if not np.isfinite(a).all():
+    return (f"not reproduced at this scale (ours reached the target in "
+            f"{int(np.isfinite(a).sum())}/{n} seeds)")
+  if n < 2:
+    return "not reproduced at this scale (1 seed: no spread)"
+  both = np.isfinite(b)
+  if not both.any():
+    return f"reproduced (ours reached the target in all {n} seeds, the baseline in none)"
+  note = "" if both.all() else f"; the baseline reached the target in {int(both.sum())}/{n} seeds"
+  if both.sum() < 2:
+    return f"not reproduced at this scale (fewer than 2 paired seeds{note})"
+  d = (b - a) if lower_is_better else (a - b)
+  d = d[both]
+  mean, std = float(d.mean()), float(d.std(ddof=1))
+  if mean > 0 and mean > 2 * std:
+    return f"reproduced{' (' + note[2:] + ')' if note else ''}"
+  return f"not reproduced at this scale{' (' + note[2:] + ')' if note else ''}"
+
+
+def holds_in_every_seed(values: Mapping[int, bool]) -> str:
+  """Verdict of a qualitative claim checked per seed: reproduced only if it holds in every one
+  of at least two seeds."""
+  n, k = len(values), sum(bool(v) for v in values.values())
+  if n < 2:
+    return f"{'consistent' if k else 'not seen'} in 1 seed (not a test: the protocol needs several)"
+  return "reproduced" if k == n else f"not reproduced at this scale (holds in {k}/{n} seeds)"
 
 
 def setup_lines(c, ds, model_desc: str, networks: Sequence[Any], extra: str = "") -> list[str]:
