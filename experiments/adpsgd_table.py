@@ -302,8 +302,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
           rows, ["algorithm", "acc", "loss", "collectives", "bytes", "measured_s",
                  "proj_10gbit", "speedup_10gbit", "proj_100gbit", "speedup_100gbit"],
           ["algorithm", "test acc", "final train loss", "collectives/worker", "bytes/worker",
-           "measured (s)", "projected 10 Gbit/s (s)", f"vs {full_ref} @10G",
-           "projected 100 Gbit/s (s)", f"vs {full_ref} @100G"]),
+           "measured (s)", "projected 10 Gbit/s (s)", f"projected speedup vs {full_ref} @10G",
+           "projected 100 Gbit/s (s)", f"projected speedup vs {full_ref} @100G"]),
       "\n## Fig. 6: projected speedup over single-node SGD\n",
       f"Single node: {n * w} steps x {t_step * 1e3:.3f} ms; m workers: {n * w}/m steps; FULLSGD "
       f"all-reduces {param_bytes:,} B every step; ADPSGD on a fraction {sync_frac:.3f} of steps "

@@ -14,7 +14,7 @@ timing emulates ResNet101/Cifar100 (seed Tables 2 and 4) while the optimisation
 runs on the small model, a mixed-scale simulation stated in the report.
 
 Hardware/runtime: CPU; full preset (16 workers, 30 epochs, 3 seeds, 2 networks,
-8 algorithms = 48 runs) about 20-40 min on 2 shared CPU cores; ``--quick`` < 25 s.
+9 algorithms = 54 runs) about 20-40 min on 2 shared CPU cores; ``--quick`` < 25 s.
 Expected (paper): the seed's model needs fewer steps and less time than every
 baseline, with a larger gain at 100 Gbit/s than at 10 Gbit/s.
 """
@@ -38,7 +38,7 @@ SEED_MODELS = (SEED_MODEL, "KSync[working,reaverage]")
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config. Command: ``python -m experiments async_convergence`` (``--quick`` for CI).
 
-  Hardware: CPU. Runtime: full ~20-40 min on 2 CPU cores (48 simulated runs); quick < 25 s.
+  Hardware: CPU. Runtime: full ~20-40 min on 2 CPU cores (54 simulated runs); quick < 25 s.
   Expected metric: simulated time to the target test accuracy per algorithm and network.
   """
   c = suite.base_config(quick)

@@ -155,7 +155,8 @@ def _write_report(c, workdir, dataset, aggs, lrs, meshes, claims, samples, steps
       "examples (accuracy on the test split)",
       f"- Model: CNN features {tuple(c.features)}, BatchNorm per worker",
       f"- Global batch {c.global_batch}; per-worker batch = {c.global_batch} / workers; "
-      f"{steps} steps = {samples:,} samples per run ({c.epochs} epochs) for every cell",
+      f"{steps} steps = {steps * c.global_batch:,} samples per run ({c.epochs} epochs = "
+      f"{samples:,}, rounded to whole steps) for every cell",
       "- Learning rates: " + ", ".join(f"{o} {v:g}" for o, v in lrs.items())
       + f" (linear scaling {c.base_lr} @ {c.base_batch}); Adam MF2 {c.mf2}",
       "- Effective SGD/NAG step lr/(1-MF): " + ", ".join(

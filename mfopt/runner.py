@@ -61,6 +61,11 @@ def list_experiments() -> list[str]:
   for info in pkgutil.iter_modules(pkg.__path__):
     if info.name.startswith("_") or info.name.startswith("bench_"):
       continue
+    # tools with their own CLI (profile_step: `python -m experiments.profile_step`) are not
+    # experiments; read the source rather than importing every module to list them
+    path = pathlib.Path(info.module_finder.path) / f"{info.name}.py"
+    if path.exists() and "\ndef get_config(" not in path.read_text():
+      continue
     names.append(info.name)
   return sorted(names)
 
@@ -68,6 +73,10 @@ def list_experiments() -> list[str]:
 def load_experiment(name: str) -> ModuleType:
   known = list_experiments()
   if name not in known:
+    pkg = importlib.import_module(EXPERIMENTS_PACKAGE)
+    if (pathlib.Path(pkg.__path__[0]) / f"{name}.py").exists() and not name.startswith("_"):
+      raise ConfigError(f"{name!r} is a tool with its own command line, not an experiment: "
+                        f"python -m {EXPERIMENTS_PACKAGE}.{name} --help")
     raise ConfigError(f"unknown experiment {name!r}; known experiments: {', '.join(known)}")
   module = importlib.import_module(f"{EXPERIMENTS_PACKAGE}.{name}")
   for attr in ("get_config", "run"):

@@ -16,6 +16,8 @@ def _raises(match, name, *overrides, quick=True):
 
 def test_unknown_experiment_names_it_and_lists_known():
   _raises(r"unknown experiment 'nope'.*quickstart", "nope")
+  _raises(r"'profile_step' is a tool .*python -m experiments.profile_step --help", "profile_step")
+  _raises(r"'bench_update' is a tool", "bench_update")
 
 
 def test_unknown_config_key():
@@ -66,10 +68,10 @@ def test_field_conventions_are_checked_in_every_experiment(name, override, match
 
 
 def test_every_preset_meets_the_field_conventions():
-  for name in runner.list_experiments():
-    module = runner.load_experiment(name) if name != "profile_step" else None
-    if module is None:
-      continue
+  names = runner.list_experiments()
+  assert "quickstart" in names and "profile_step" not in names  # a tool, not an experiment
+  for name in names:
+    module = runner.load_experiment(name)
     for quick in (False, True):
       runner.check_conventions(module.get_config(quick))
 
