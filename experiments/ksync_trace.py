@@ -44,6 +44,9 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 def validate(c: ml_collections.ConfigDict) -> None:
   suite.validate_base(c)
   runner.require_positive(c, "fixed_k")
+  if any(k > c.num_workers for k in c.fixed_k):
+    raise runner.ConfigError(f"config field 'fixed_k' must hold k <= num_workers={c.num_workers} "
+                             f"(a larger k would be clipped to M), got {c.fixed_k!r}")
   runner.require_choice(c, "presets", ("working", "faithful"))
   runner.require_choice(c, "network", ("1gbit", "10gbit", "100gbit", "nvlink", "ndr400"))
 
