@@ -14,9 +14,14 @@ timing emulates ResNet101/Cifar100 (seed Tables 2 and 4) while the optimisation
 runs on the small model, a mixed-scale simulation stated in the report.
 
 Hardware/runtime: CPU; full preset (16 workers, 30 epochs, 3 seeds, 2 networks,
-9 algorithms = 54 runs) about 20-40 min on 2 shared CPU cores; ``--quick`` < 25 s.
+9 algorithms = 54 runs) 194 s on a quiet 2-core CPU (2026-11-24; earlier 20-40 min at load
+~20); ``--quick`` < 25 s.
 Expected (paper): the seed's model needs fewer steps and less time than every
 baseline, with a larger gain at 100 Gbit/s than at 10 Gbit/s.
+Measured (2026-11-24, full preset, BB workers charged for their Armijo trials and exact-ν
+gradients): not reproduced. KSync[working] never reached 0.45 test accuracy in 30 epochs (0/3
+seeds, both networks); KSync[working,reaverage] reached it in 617 +- 140 / 425 +- 32 simulated
+s (10 / 100 Gbit/s) against ASP's 169 +- 18 / 66 +- 2 s and SSP's 217 +- 28 / 93 +- 23 s.
 """
 
 from __future__ import annotations
