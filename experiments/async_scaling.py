@@ -9,9 +9,12 @@ accuracy. **Times are simulated** (mfopt.sim), with ResNet101/Cifar100 timing
 (seed Tables 2 and 4) on a 100 Gbit/s server link (the seed's network for
 Fig. 12 was lost with its equations; an assumption).
 
-Hardware/runtime: CPU; full preset (M in 1..32, 2 algorithms, 3 seeds) about
-15-30 min on 2 CPU cores; ``--quick`` < 25 s.
+Hardware/runtime: CPU; full preset (M in 1..32, 2 algorithms, 3 seeds) 108 s on a quiet
+2-core CPU (2026-11-24); ``--quick`` < 25 s.
 Expected (paper): the seed's model scales better than ASP.
+Measured (2026-11-24, full preset, simulated): on training steps KSync[working]'s speedup beats
+ASP's at M = 4 and 8 (1.67 vs 0.87, 1.64 vs 0.75; reproduced), not at M = 2, and it never
+reached the 0.45 target at M = 16 and 32; in simulated time ASP scales better at every M.
 """
 
 from __future__ import annotations

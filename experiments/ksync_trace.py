@@ -9,10 +9,13 @@ preset otherwise). Reported: the k trace against simulated time, its range
 and server steps / simulated time to the target. **Times are simulated**
 (mfopt.sim; ResNet101/Cifar100 timing, 100 Gbit/s).
 
-Hardware/runtime: CPU; full preset (6 variants x 3 seeds) about 15-30 min on 2
-CPU cores; ``--quick`` < 25 s.
+Hardware/runtime: CPU; full preset (6 variants x 3 seeds) 56 s on a quiet 2-core CPU
+(2026-11-24); ``--quick`` < 25 s.
 Expected (paper): k is non-monotone and small ("usually less than 5"); fixed
 large k loses accuracy; fixed small k needs more steps and time than adaptive k.
+Measured (2026-11-24, full preset, simulated): k is non-monotone and < 5 in 97 % (working) and
+93 % (faithful) of steps in every seed (reproduced); adaptive k did not reach the target and
+fixed k = 8 and 16 reached higher accuracy (0.579, 0.511 vs 0.376; not reproduced).
 """
 
 from __future__ import annotations
