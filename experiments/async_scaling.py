@@ -31,7 +31,7 @@ from mfopt.sim import suite
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config. Command: ``python -m experiments async_scaling`` (``--quick`` for CI).
 
-  Hardware: CPU. Runtime: full ~15-30 min on 2 CPU cores; quick < 25 s.
+  Hardware: CPU. Runtime: full preset measured 108 s on a quiet 2-core CPU; quick < 25 s.
   Expected metric: speedup T(1)/T(M) in simulated time to the target accuracy.
   """
   c = suite.base_config(quick)

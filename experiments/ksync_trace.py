@@ -34,7 +34,7 @@ from mfopt.sim import suite
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config. Command: ``python -m experiments ksync_trace`` (``--quick`` for CI).
 
-  Hardware: CPU. Runtime: full ~15-30 min on 2 CPU cores; quick < 25 s.
+  Hardware: CPU. Runtime: full preset measured 56 s on a quiet 2-core CPU; quick < 25 s.
   Expected metric: k trace range and time to the target accuracy for adaptive vs fixed k.
   """
   c = suite.base_config(quick)
