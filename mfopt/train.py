@@ -604,8 +604,9 @@ def check_finite(window: list[Mapping[str, Any]], first_step: int, *, detected_a
   for i, metrics in enumerate(window):
     for name, value in metrics.items():
       value = np.asarray(value)
-      if value.dtype.kind not in "fc":
+      if not jnp.issubdtype(value.dtype, jnp.inexact):  # bfloat16's kind is 'V', not 'f'
         continue
+      value = value.astype(np.float32) if value.dtype.kind == "V" else value
       bad = np.flatnonzero(~np.isfinite(value.reshape(value.shape[0], -1)).all(axis=1)
                            if value.ndim else ~np.isfinite(value.reshape(1)))
       if bad.size:
@@ -675,7 +676,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   examples per step (``mfopt.data.WorkerBatcher`` seeded by ``seed``); the global
   batch is ``num_workers * per_worker_batch``. Metrics are fetched every
   ``log_every`` steps and at the end; the test set is evaluated every
-  ``eval_every`` steps (if given) and at the end, on the worker-averaged model.
+  ``eval_every`` steps (if given; a multiple of ``log_every``) and at the end, on the
+  worker-averaged model.
 
   Checkpointing (``mfopt.checkpoint``): with ``checkpoint_dir`` (or inside
   ``mfopt.checkpoint.auto_checkpoint``, which the runner sets up for
@@ -695,7 +697,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
 
   Args:
     learning_rate: optional ``step -> lr`` (the schedule the transform uses),
-      logged beside the metrics.
+      logged beside the metrics at the global step: the nominal schedule. Steps that fp16
+      loss scaling skips do not advance the optimizer's own count, so after overflows the
+      optimizer runs that many steps behind the logged value.
     on_log: called with every history row as soon as it exists (the runner
       appends it to ``metrics.jsonl``). After a resume, rows logged after the
       restored checkpoint by the interrupted run are logged again.
@@ -737,6 +741,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     _checks.positive_int(name, value)
   if eval_every is not None:
     _checks.positive_int("eval_every", eval_every)
+    if eval_every % log_every:  # evaluations are added to logged rows
+      raise ValueError(f"eval_every must be a multiple of log_every={log_every} (the test set "
+                       f"is evaluated on a logged step), got {eval_every!r}")
   policy = ckpt_lib.active_policy() if checkpoint_dir is None else None
   if policy is not None:
     checkpoint_dir = policy.next_run_dir(desc)
@@ -784,9 +791,14 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       state, start = restored.state, restored.step
       history = restored.meta["history"]
       train_s, compile_s = restored.meta["train_s"], restored.meta["compile_s"]
-      if restored.meta.get("summary") is not None:  # finished: return the saved result
+      if start > num_steps:
         ckpt.close()
+        raise ValueError(f"{checkpoint_dir} holds a run at step {start}, past num_steps="
+                         f"{num_steps}; use another checkpoint_dir or num_steps >= {start}")
+      if restored.meta.get("summary") is not None and start == num_steps:
+        ckpt.close()  # finished: return the saved result
         return FitResult(history=history, summary=restored.meta["summary"], state=state)
+      # (a finished run resumed with a larger num_steps, allow_mismatch=True: trains on)
 
   train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn,
                                lowering=lowering, host_gates=host_gates)

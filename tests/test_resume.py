@@ -222,6 +222,45 @@ def test_check_finite_names_first_step_and_workers():
     train.check_finite([ok, ok, bad, bad], 11, detected_at=14, checkpoint="step 10 at /x")
 
 
+def test_check_finite_sees_bfloat16_metrics():
+  """bfloat16's NumPy kind is 'V', not 'f': a bf16 loss must still be checked."""
+  import ml_dtypes
+  bad = {"loss": np.array([1, np.nan], ml_dtypes.bfloat16), "step": np.array([3, 3], np.int32)}
+  with pytest.raises(train.NonFiniteError, match=r"non-finite loss at step 5 on worker\(s\) \[1\]"):
+    train.check_finite([bad], 5, detected_at=5)
+
+
+def _small_fit(num_steps, **kw):
+  dataset = data.load("digits")
+  model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
+  return train.fit(model=model, tx=_sync_sgd(), dataset=dataset, num_workers=8, per_worker_batch=4,
+                   num_steps=num_steps, log_every=2, seed=2, progress=False,
+                   mesh=parallel.make_mesh(), **kw)
+
+
+def test_finished_run_extended_with_allow_mismatch_trains_on(tmp_path):
+  """fit(num_steps=10, allow_mismatch=True) on a finished 6-step checkpoint continues to step 10
+  (it returned the 6-step result unchanged) and equals an uninterrupted 10-step run; a
+  num_steps below the checkpoint's step is refused."""
+  _small_fit(6, checkpoint_dir=tmp_path)
+  longer = _small_fit(10, checkpoint_dir=tmp_path, allow_mismatch=True)
+  straight = _small_fit(10)
+  assert longer.summary["steps"] == 10 and longer.history[-1]["step"] == 10
+  # the same rows, except that the 6-step run evaluated the test set at its last step, 6
+  drop = lambda h: [{k: v for k, v in r.items() if not k.startswith("test_")} for r in h]  # noqa: E731
+  assert drop(_strip(longer.history)) == drop(_strip(straight.history))
+  assert longer.history[-1]["test_accuracy"] == straight.history[-1]["test_accuracy"]
+  for a, b in zip(jax.tree.leaves(longer.state.params), jax.tree.leaves(straight.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match=r"holds a run at step 10, past num_steps=4"):
+    _small_fit(4, checkpoint_dir=tmp_path, allow_mismatch=True)
+
+
+def test_eval_every_must_be_a_multiple_of_log_every():
+  with pytest.raises(ValueError, match=r"eval_every must be a multiple of log_every=2.*got 3"):
+    _small_fit(6, eval_every=3)
+
+
 # ---------------------------------------------------------------------------------------------
 # Runner: --workdir resume, finished runs skipped, a different config refused
 
