@@ -22,6 +22,11 @@ single-node SGD for 2..16 workers, assuming ADPSGD's sync fraction measured at
 ``num_workers``. The report also tabulates QSGD's all-gather wire bytes against
 a ring all-reduce of fp32 as workers grow (the crossover).
 
+A run that diverges (a non-finite loss or update) is an outcome, not an abort
+(``_averaging_common.run``): ``runs.json`` marks it ``diverged`` with the error,
+tables show ``diverged (k/n)``, it is left out of means, best choices and
+projections, and a claim that involves it is "not reproduced at this scale".
+
 Hardware/runtime: full preset (3 seeds, 1000 steps, 8 workers, CPSGD p in {2,
 4, 8, 16}, FULLSGD lr in {0.1, 0.2, 0.4}) measured 944 s wall on 2 CPU cores
 shared with other jobs (load average ~20); quick preset ~3-4 s of CPU
@@ -166,60 +171,80 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                            {"algorithm": name, "seed": seed, **row}))
       s = res.summary
       row = {"seed": seed, "algorithm": name, "group": spec["group"], "lr": spec["lr"],
-             "workers": workers, "steps": steps, "test_accuracy": s["test_accuracy"],
-             "final_train_loss": s["final_train_loss"], "collectives": s["collectives"],
-             "payload_bytes": s["payload_bytes"], "train_s": s["train_s"]}
+             "workers": workers, "steps": steps, "diverged": res.diverged,
+             "test_accuracy": s["test_accuracy"], "final_train_loss": s["final_train_loss"],
+             "collectives": s["collectives"], "payload_bytes": s["payload_bytes"],
+             "train_s": s["train_s"]}
+      if res.diverged:
+        row["error"] = res.error
       if spec["group"] in ("ADPSGD", "CPSGD", "DECREASING"):
-        row.update(common.averaging_comm(res.state.opt_state))
+        row.update(dict.fromkeys(("param_syncs", "param_bytes", "scalar_syncs"), float("nan"))
+                   if res.diverged else common.averaging_comm(res.state.opt_state))
       for net in NETS:
-        row[f"comm_s_{net}"] = _comm_time(res, workers, net) if workers > 1 else 0.0
+        row[f"comm_s_{net}"] = (float("nan") if res.diverged else
+                                _comm_time(res, workers, net) if workers > 1 else 0.0)
       per_seed.setdefault(name, []).append(row)
   report.write_json(workdir / "runs.json", per_seed)
 
-  # Projection inputs: per-worker compute time per step, measured on one worker.
-  small_names = [k for k in per_seed if per_seed[k][0]["group"] == "SMALL_BATCH"]
-  t_step = float(np.mean([r["train_s"] / r["steps"] for k in small_names for r in per_seed[k]]))
   names = list(per_seed)
-  mean_acc = {k: float(np.mean([r["test_accuracy"] for r in v])) for k, v in per_seed.items()}
-  best = {}
+  flags = {k: [r["diverged"] for r in v] for k, v in per_seed.items()}
+  ok = lambda k: [r for r in per_seed[k] if not r["diverged"]]  # noqa: E731
+  # Projection inputs: per-worker compute time per step, measured on one worker
+  # (SMALL_BATCH runs that did not diverge; none: every projection is n/a).
+  small_names = [k for k in names if per_seed[k][0]["group"] == "SMALL_BATCH"]
+  small_ok = [r for k in small_names for r in ok(k)]
+  t_step = float(np.mean([r["train_s"] / r["steps"] for r in small_ok])) if small_ok else np.nan
+  best: dict[str, str | None] = {}
   for group in ("SMALL_BATCH", "CPSGD", "FULLSGD"):
-    cands = [k for k in names if per_seed[k][0]["group"] == group]
-    best[group] = max(cands, key=lambda k: mean_acc[k])
+    best[group] = common.pick_best({k: per_seed[k] for k in names
+                                    if per_seed[k][0]["group"] == group})
+  nobest = {"SMALL_BATCH": "every SMALL_BATCH lr diverged", "CPSGD": "every CPSGD period diverged",
+            "FULLSGD": "every FULLSGD lr diverged"}
+
+  def fmt(k, key, digits=4):
+    return common.fmt_ms([r[key] for r in per_seed[k]], digits, diverged=flags[k])
+
+  def projected(k, net):
+    """Projected seconds of ``k``'s runs that did not diverge (per-worker compute + comm)."""
+    return [r["steps"] * t_step + r[f"comm_s_{net}"] for r in ok(k)]
 
   full_ref = best["FULLSGD"]
+  ref_name = full_ref or "best FULLSGD (none: every lr diverged)"
   rows = []
   for name in names:
-    rs = per_seed[name]
-    r0 = rs[0]
-    compute_s = r0["steps"] * t_step
     row = {"algorithm": name + (" (best)" if name in best.values() else ""),
-           "acc": common.fmt_ms([r["test_accuracy"] for r in rs]),
-           "loss": common.fmt_ms([r["final_train_loss"] for r in rs]),
-           "collectives": common.fmt_ms([r["collectives"] for r in rs], 1),
-           "bytes": common.fmt_ms([r["payload_bytes"] for r in rs], 0),
-           "measured_s": common.fmt_ms([r["train_s"] for r in rs], 1)}
+           "acc": fmt(name, "test_accuracy"), "loss": fmt(name, "final_train_loss"),
+           "collectives": fmt(name, "collectives", 1), "bytes": fmt(name, "payload_bytes", 0),
+           "measured_s": fmt(name, "train_s", 1)}
     for net in NETS:
-      proj = [compute_s + r[f"comm_s_{net}"] for r in rs]
-      ref = [r0f["steps"] * t_step + r0f[f"comm_s_{net}"] for r0f in per_seed[full_ref]]
-      row[f"proj_{net}"] = common.fmt_ms(proj, 3)
-      row[f"speedup_{net}"] = f"{np.mean(ref) / np.mean(proj):.2f}x"
+      proj = [r["steps"] * t_step + r[f"comm_s_{net}"] for r in per_seed[name]]  # nan: diverged
+      row[f"proj_{net}"] = common.fmt_ms(proj, 3, diverged=flags[name]) if small_ok else "n/a"
+      ref = projected(full_ref, net) if full_ref and small_ok else []
+      mine = projected(name, net) if small_ok else []
+      row[f"speedup_{net}"] = f"{np.mean(ref) / np.mean(mine):.2f}x" if ref and mine else "n/a"
     rows.append(row)
 
-  # Table I layout: one column per method.
-  table1 = [{"SMALL_BATCH": f"{common.fmt_ms([r['test_accuracy'] for r in per_seed[best['SMALL_BATCH']]])} "
-                            f"({best['SMALL_BATCH'].split()[-1]})",
-             "ADPSGD": common.fmt_ms([r["test_accuracy"] for r in per_seed["ADPSGD"]]),
-             "CPSGD": f"{common.fmt_ms([r['test_accuracy'] for r in per_seed[best['CPSGD']]])} "
-                      f"({best['CPSGD'].split()[-1]})",
-             "FULLSGD": f"{common.fmt_ms([r['test_accuracy'] for r in per_seed[full_ref]])} "
-                        f"({full_ref.split()[-1]})"}]
+  def best_cell(group):
+    k = best[group]
+    return f"{fmt(k, 'test_accuracy')} ({k.split()[-1]})" if k else nobest[group]
 
-  # Fig. 6: projected speedups over single-node SGD.
-  param_bytes = per_seed["ADPSGD"][0]["param_bytes"]
-  sync_frac = float(np.mean([r["param_syncs"] / r["steps"] for r in per_seed["ADPSGD"]]))
+  # Table I layout: one column per method.
+  table1 = [{"SMALL_BATCH": best_cell("SMALL_BATCH"), "ADPSGD": fmt("ADPSGD", "test_accuracy"),
+             "CPSGD": best_cell("CPSGD"), "FULLSGD": best_cell("FULLSGD")}]
+
+  # Fig. 6 and the QSGD crossover: the parameter payload of one sync, measured on any
+  # periodic-averaging run that did not diverge, and ADPSGD's measured sync fraction.
+  avg_ok = [r for k in names if per_seed[k][0]["group"] in ("ADPSGD", "CPSGD", "DECREASING")
+            for r in ok(k)]
+  param_bytes = int(avg_ok[0]["param_bytes"]) if avg_ok else None
+  sync_frac = (float(np.mean([r["param_syncs"] / r["steps"] for r in ok("ADPSGD")]))
+               if ok("ADPSGD") else np.nan)
   total_steps_single = n * w
   fig6_rows, fig6_curves = [], {}
-  for net in NETS:
+  fig6_na = ("every SMALL_BATCH run diverged: no per-worker compute time was measured"
+             if not small_ok else "every periodic-averaging run diverged: no parameter "
+             "payload was measured" if param_bytes is None else None)
+  for net in NETS if fig6_na is None else ():
     fig6_curves[net] = {"FULLSGD": ([], []), "ADPSGD": ([], [])}
     for m in c.fig6_workers:
       steps_m = total_steps_single / m
@@ -228,58 +253,72 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       ad_t = steps_m * t_step + steps_m * sync_frac * (
           costmodel.all_reduce_time(param_bytes, m, net) + costmodel.all_reduce_time(4, m, net))
       fig6_rows.append({"net": net, "workers": m, "fullsgd": f"{single / full_t:.2f}x",
-                        "adpsgd": f"{single / ad_t:.2f}x"})
+                        "adpsgd": f"{single / ad_t:.2f}x" if np.isfinite(ad_t) else
+                        "n/a (ADPSGD diverged)"})
       for label, t in (("FULLSGD", full_t), ("ADPSGD", ad_t)):
-        fig6_curves[net][label][0].append(m)
-        fig6_curves[net][label][1].append(single / t)
-  report.plot_curves(workdir / "fig6_projected_speedups.png",
-                     {f"{net} (projected)": v for net, v in fig6_curves.items()},
-                     xlabel="workers", ylabel="speedup over single-node SGD (projected)",
-                     title="Fig. 6 (projected with the cost model)")
+        if np.isfinite(t):
+          fig6_curves[net][label][0].append(m)
+          fig6_curves[net][label][1].append(single / t)
+  if fig6_na is None:
+    report.plot_curves(workdir / "fig6_projected_speedups.png",
+                       {f"{net} (projected)": v for net, v in fig6_curves.items()},
+                       xlabel="workers", ylabel="speedup over single-node SGD (projected)",
+                       title="Fig. 6 (projected with the cost model)")
 
   # QSGD all-gather vs ring all-reduce wire bytes.
-  num_params = param_bytes // 4
-  q_payload = qsgd_payload_bytes(num_params, c.qsgd_bits, c.qsgd_bucket)
+  num_params = param_bytes // 4 if param_bytes is not None else None
   cross = []
-  for m in (2, 4, 8, 16, 32, 64):
-    ag = costmodel.wire_bytes(q_payload, m, CollectiveKind.ALL_GATHER)
-    ar = costmodel.wire_bytes(param_bytes, m, CollectiveKind.ALL_REDUCE)
-    cross.append({"workers": m, "qsgd_wire": f"{ag:,.0f}", "allreduce_wire": f"{ar:,.0f}",
-                  "ratio": f"{ag / ar:.2f}",
-                  "t_q": f"{1e3 * costmodel.all_gather_time(q_payload, m, '10gbit'):.3f}",
-                  "t_ar": f"{1e3 * costmodel.all_reduce_time(param_bytes, m, '10gbit'):.3f}"})
+  if num_params is not None:
+    q_payload = qsgd_payload_bytes(num_params, c.qsgd_bits, c.qsgd_bucket)
+    for m in (2, 4, 8, 16, 32, 64):
+      ag = costmodel.wire_bytes(q_payload, m, CollectiveKind.ALL_GATHER)
+      ar = costmodel.wire_bytes(param_bytes, m, CollectiveKind.ALL_REDUCE)
+      cross.append({"workers": m, "qsgd_wire": f"{ag:,.0f}", "allreduce_wire": f"{ar:,.0f}",
+                    "ratio": f"{ag / ar:.2f}",
+                    "t_q": f"{1e3 * costmodel.all_gather_time(q_payload, m, '10gbit'):.3f}",
+                    "t_ar": f"{1e3 * costmodel.all_reduce_time(param_bytes, m, '10gbit'):.3f}"})
 
-  verdicts = []
-  accs = lambda k: [r["test_accuracy"] for r in per_seed[k]]  # noqa: E731
-  verdicts.append(common.verdict(accs("ADPSGD"), accs(best["CPSGD"]), expect_greater=True,
-                                 what=f"Table I: ADPSGD beats the best CPSGD ({best['CPSGD']}) "
-                                      "in test accuracy"))
-  verdicts.append(common.verdict(accs("ADPSGD"), accs(full_ref), expect_greater=True,
-                                 what=f"Table I: ADPSGD beats the best FULLSGD ({full_ref})"))
-  verdicts.append(common.verdict(accs(best["SMALL_BATCH"]), accs("ADPSGD"), expect_greater=True,
-                                 what=f"Table I: SMALL_BATCH ({best['SMALL_BATCH']}) beats ADPSGD"))
+  def claim(a, b, what, key="test_accuracy", sign=1.0, group=None):
+    """SPEC.md verdict on ``sign * key``: ``a`` > ``b`` paired by seed (diverged: not reproduced).
+
+    ``a`` or ``b`` is ``None`` when every candidate of ``group`` diverged: not testable.
+    """
+    if a is None or b is None:
+      return common.no_verdict(what, nobest[group])
+    return common.verdict([sign * r[key] for r in per_seed[a]],
+                          [sign * r[key] for r in per_seed[b]], expect_greater=True, what=what,
+                          diverged=np.logical_or(flags[a], flags[b]).tolist())
+
+  def label(group):
+    return best[group] or "none"
+
+  verdicts = [
+      claim("ADPSGD", best["CPSGD"],
+            f"Table I: ADPSGD beats the best CPSGD ({label('CPSGD')}) in test accuracy",
+            group="CPSGD"),
+      claim("ADPSGD", full_ref, f"Table I: ADPSGD beats the best FULLSGD ({label('FULLSGD')})",
+            group="FULLSGD"),
+      claim(best["SMALL_BATCH"], "ADPSGD",
+            f"Table I: SMALL_BATCH ({label('SMALL_BATCH')}) beats ADPSGD", group="SMALL_BATCH")]
   dec = f"DECREASING {c.decreasing_periods[0]}->{c.decreasing_periods[1]}"
-  verdicts.append(common.verdict(accs("ADPSGD"), accs(dec), expect_greater=True,
-                                 what=f"§V.B: ADPSGD beats the decreasing period ({c.decreasing_periods[0]} then "
-                                      f"{c.decreasing_periods[1]})"))
+  verdicts.append(claim("ADPSGD", dec, f"§V.B: ADPSGD beats the decreasing period "
+                                       f"({c.decreasing_periods[0]} then "
+                                       f"{c.decreasing_periods[1]})"))
   qname = f"QSGD-{c.qsgd_bits}bit"
-  verdicts.append(common.verdict(
-      [-r["final_train_loss"] for r in per_seed["ADPSGD"]],
-      [-r["final_train_loss"] for r in per_seed[qname]], expect_greater=True,
-      what=f"§IV-B: ADPSGD reaches a smaller training loss than {qname}"))
+  verdicts.append(claim("ADPSGD", qname,
+                        f"§IV-B: ADPSGD reaches a smaller training loss than {qname}",
+                        key="final_train_loss", sign=-1.0))
   if "CPSGD p=8" in per_seed:
-    verdicts.append(common.verdict(
-        [r["param_syncs"] for r in per_seed["CPSGD p=8"]],
-        [r["param_syncs"] for r in per_seed["ADPSGD"]], expect_greater=True,
-        what="§IV-B: ADPSGD syncs no more often than CPSGD p=8"))
+    verdicts.append(claim("CPSGD p=8", "ADPSGD",
+                          "§IV-B: ADPSGD syncs no more often than CPSGD p=8", key="param_syncs"))
 
   env = report.environment()
   dsz = f"{len(dataset.train):,} train / {len(dataset.test):,} test"
   lines = [
       "# adpsgd_table: seed 001 Table I, §V.B, QSGD and Fig. 6 at small scale\n",
       report.environment_markdown(env),
-      f"- Dataset: {c.dataset} ({dsz}); model: {c.model} hidden {tuple(c.hidden)} "
-      f"({num_params:,} parameters)",
+      f"- Dataset: {c.dataset} ({dsz}); model: {c.model} hidden {tuple(c.hidden)}"
+      + (f" ({num_params:,} parameters)" if num_params is not None else ""),
       f"- Workers: {w} (virtual, {env['device_count']} device(s)); per-worker batch {b} "
       f"(global {w * b}); {n} steps ({n * w * b:,} samples) for every distributed run; "
       f"SMALL_BATCH: 1 worker, batch {b}, {n * w} steps (same samples); seeds {tuple(c.seeds)}",
@@ -291,9 +330,12 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       f"CIFAR-10; {w} workers instead of 16.",
       "- Collectives and bytes are per worker, counted by the transforms (payload). "
       "'measured (s)' is this machine's training time. Projected times (cost model, SPEC.md) = "
-      f"per-worker compute {t_step * 1e3:.3f} ms/step (measured on SMALL_BATCH: 1 worker, batch "
-      f"{b}) x steps + modeled communication; they are **projected**, not measured. "
-      "Mean ± std over seeds.\n",
+      + (f"per-worker compute {t_step * 1e3:.3f} ms/step (measured on SMALL_BATCH: 1 worker, "
+         f"batch {b}) x steps + modeled communication; they are **projected**, not measured. "
+         if small_ok else "per-worker compute x steps + modeled communication: **n/a** here, "
+         "as every SMALL_BATCH run (which measures the per-worker compute) diverged. ")
+      + "Mean ± std over seeds; diverged runs are left out of means and best choices "
+      "(counted as 'k/n diverged').\n",
       "## Table I (test accuracy)\n",
       report.markdown_table(table1, ["SMALL_BATCH", "ADPSGD", "CPSGD", "FULLSGD"],
                             ["SMALL_BATCH", "ADPSGD", "best CPSGD", "best FULLSGD"]),
@@ -302,23 +344,32 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
           rows, ["algorithm", "acc", "loss", "collectives", "bytes", "measured_s",
                  "proj_10gbit", "speedup_10gbit", "proj_100gbit", "speedup_100gbit"],
           ["algorithm", "test acc", "final train loss", "collectives/worker", "bytes/worker",
-           "measured (s)", "projected 10 Gbit/s (s)", f"projected speedup vs {full_ref} @10G",
-           "projected 100 Gbit/s (s)", f"projected speedup vs {full_ref} @100G"]),
+           "measured (s)", "projected 10 Gbit/s (s)", f"projected speedup vs {ref_name} @10G",
+           "projected 100 Gbit/s (s)", f"projected speedup vs {ref_name} @100G"]),
+      *common.diverged_lines([(f"{r['algorithm']}, seed {r['seed']}", r)
+                              for k in names for r in per_seed[k]],
+                             "every mean, best choice and projection"),
       "\n## Fig. 6: projected speedup over single-node SGD\n",
-      f"Single node: {n * w} steps x {t_step * 1e3:.3f} ms; m workers: {n * w}/m steps; FULLSGD "
-      f"all-reduces {param_bytes:,} B every step; ADPSGD on a fraction {sync_frac:.3f} of steps "
-      f"(measured at {w} workers). All **projected**.\n",
-      report.markdown_table(fig6_rows, ["net", "workers", "fullsgd", "adpsgd"],
-                            ["network", "workers", "FULLSGD", "ADPSGD"]),
+      f"n/a: {fig6_na}.\n" if fig6_na else
+      (f"Single node: {n * w} steps x {t_step * 1e3:.3f} ms; m workers: {n * w}/m steps; FULLSGD "
+       f"all-reduces {param_bytes:,} B every step; ADPSGD on a fraction "
+       + (f"{sync_frac:.3f} of steps (measured at {w} workers)" if np.isfinite(sync_frac) else
+          "n/a of steps (every ADPSGD run diverged)")
+       + ". All **projected**.\n\n"
+       + report.markdown_table(fig6_rows, ["net", "workers", "fullsgd", "adpsgd"],
+                               ["network", "workers", "FULLSGD", "ADPSGD"])),
       "\n## QSGD all-gather vs ring all-reduce (wire bytes per worker per exchange, cost model)\n",
-      f"QSGD-{c.qsgd_bits}bit payload {q_payload:,} B (int8 + bucket norms) vs fp32 all-reduce "
-      f"payload {param_bytes:,} B; wire = (n-1) x payload for the all-gather, 2(n-1)/n x payload "
-      "for the ring all-reduce; times at 10 Gbit/s (ms, projected).\n",
-      report.markdown_table(cross, ["workers", "qsgd_wire", "allreduce_wire", "ratio", "t_q", "t_ar"],
-                            ["workers", "QSGD all-gather wire B", "fp32 ring all-reduce wire B",
-                             "ratio", "QSGD ms", "all-reduce ms"]),
+      "n/a: every periodic-averaging run diverged, so no parameter payload was measured.\n"
+      if num_params is None else
+      (f"QSGD-{c.qsgd_bits}bit payload {q_payload:,} B (int8 + bucket norms) vs fp32 all-reduce "
+       f"payload {param_bytes:,} B; wire = (n-1) x payload for the all-gather, 2(n-1)/n x payload "
+       "for the ring all-reduce; times at 10 Gbit/s (ms, projected).\n\n"
+       + report.markdown_table(cross, ["workers", "qsgd_wire", "allreduce_wire", "ratio", "t_q",
+                                       "t_ar"],
+                               ["workers", "QSGD all-gather wire B", "fp32 ring all-reduce wire B",
+                                "ratio", "QSGD ms", "all-reduce ms"])),
       "\n## Claims\n", *common.verdict_lines(verdicts),
-      "\n![Fig. 6](fig6_projected_speedups.png)\n",
+      "" if fig6_na else "\n![Fig. 6](fig6_projected_speedups.png)\n",
   ]
   (workdir / "report.md").write_text("\n".join(lines) + "\n")
   return {"table1": table1, "rows": rows, "fig6": fig6_rows, "crossover": cross,

@@ -14,7 +14,10 @@ the first epoch (warm-up), then Alg. 2 with ``p_init = 4`` and ``K_s = 0.25 K``.
 Reported: Fig. 1 (V_t vs step for CPSGD), Fig. 2 (ADPSGD vs CPSGD p=8), Fig. 3
 (ADPSGD's period), and a table of syncs, the lr-weighted mean variance (eq. 9),
 mean V_t per learning-rate phase, final train loss and test accuracy, mean ± std
-over seeds; plus verdicts on the paper's claims by SPEC.md's rule.
+over seeds; plus verdicts on the paper's claims by SPEC.md's rule. A run that
+diverges is recorded (``runs.json``: ``diverged`` and the error), shown as
+``diverged (k/n)``, left out of means and plots, and makes any claim involving it
+"not reproduced at this scale".
 
 Hardware/runtime: full preset (3 seeds, 600 steps, 8 workers) measured 168 s wall
 on 2 CPU cores shared with other jobs (load average ~20); quick < 1 min.
@@ -110,7 +113,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                                                 p_init=c.p_init, warmup_steps=warmup)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   results: dict[str, list[dict[str, Any]]] = {a: [] for a in algos}
-  traces: dict[str, dict[str, np.ndarray]] = {}
+  traces: dict[str, tuple[int, dict[str, np.ndarray]]] = {}  # first seed that did not diverge
+  nan = float("nan")
   for seed in c.seeds:
     for name, make_ctl in algos.items():
       tx = mfopt.periodic_averaging(inner(), mfopt.WORKER_AXES, make_ctl(), track_variance=True,
@@ -121,72 +125,104 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                        model_kwargs={"hidden": tuple(c.hidden)},
                        on_log=lambda row, name=name, seed=seed: log(
                            {"algorithm": name, "seed": seed, **row}))
-      trace = mfopt.sync_trace(res.state.opt_state)
-      if seed == c.seeds[0]:
-        traces[name] = trace
-      results[name].append({
-          "syncs": int(len(trace["step"])),
-          "weighted_variance": _weighted_variance(trace, schedule),
-          "phase_v": _phase_means(trace, n),
-          "final_train_loss": res.summary["final_train_loss"],
-          "test_accuracy": res.summary["test_accuracy"],
-          "bytes": res.summary["payload_bytes"],
-      })
-      report.write_json(workdir / f"trace_{name.replace(' ', '_').replace('=', '')}_seed{seed}.json",
-                        {k: v.tolist() for k, v in trace.items()})
+      row = {"seed": seed, "diverged": res.diverged,
+             "final_train_loss": res.summary["final_train_loss"],
+             "test_accuracy": res.summary["test_accuracy"],
+             "bytes": res.summary["payload_bytes"]}
+      if res.diverged:  # no state, so no variance trace
+        row.update(syncs=nan, weighted_variance=nan, phase_v=[nan, nan, nan], error=res.error)
+      else:
+        trace = mfopt.sync_trace(res.state.opt_state)
+        traces.setdefault(name, (seed, trace))
+        row.update(syncs=int(len(trace["step"])),
+                   weighted_variance=_weighted_variance(trace, schedule),
+                   phase_v=_phase_means(trace, n))
+        report.write_json(
+            workdir / f"trace_{name.replace(' ', '_').replace('=', '')}_seed{seed}.json",
+            {k: v.tolist() for k, v in trace.items()})
+      results[name].append(row)
+  report.write_json(workdir / "runs.json", results)
+  flags = {name: [r["diverged"] for r in rs] for name, rs in results.items()}
+
+  def fmt(name, get, digits):
+    return common.fmt_ms([get(r) for r in results[name]], digits, diverged=flags[name])
 
   rows = []
-  for name, rs in results.items():
+  for name in results:
     rows.append({
         "algorithm": name,
-        "syncs": common.fmt_ms([r["syncs"] for r in rs], 1),
-        "bytes/worker": common.fmt_ms([r["bytes"] for r in rs], 0),
-        "eq9": common.fmt_ms([r["weighted_variance"] for r in rs], 5),
-        "V1": common.fmt_ms([r["phase_v"][0] for r in rs], 5),
-        "V2": common.fmt_ms([r["phase_v"][1] for r in rs], 6),
-        "V3": common.fmt_ms([r["phase_v"][2] for r in rs], 7),
-        "loss": common.fmt_ms([r["final_train_loss"] for r in rs]),
-        "acc": common.fmt_ms([r["test_accuracy"] for r in rs]),
+        "syncs": fmt(name, lambda r: r["syncs"], 1),
+        "bytes/worker": fmt(name, lambda r: r["bytes"], 0),
+        "eq9": fmt(name, lambda r: r["weighted_variance"], 5),
+        "V1": fmt(name, lambda r: r["phase_v"][0], 5),
+        "V2": fmt(name, lambda r: r["phase_v"][1], 6),
+        "V3": fmt(name, lambda r: r["phase_v"][2], 7),
+        "loss": fmt(name, lambda r: r["final_train_loss"], 4),
+        "acc": fmt(name, lambda r: r["test_accuracy"], 4),
     })
+
+  def claim(a, b, get_a, get_b, what):
+    """SPEC.md verdict on ``get_a(a) > get_b(b)``, paired by seed (diverged: not reproduced)."""
+    return common.verdict([get_a(r) for r in results[a]], [get_b(r) for r in results[b]],
+                          expect_greater=True, what=what,
+                          diverged=np.logical_or(flags[a], flags[b]).tolist())
 
   verdicts = []
   for p in c.periods:
-    rs = results[f"CPSGD p={p}"]
-    verdicts.append(common.verdict([r["phase_v"][0] for r in rs], [r["phase_v"][1] for r in rs],
-                                   expect_greater=True,
-                                   what=f"Fig. 1: V_t of CPSGD p={p} drops after the first lr decay"))
+    verdicts.append(claim(f"CPSGD p={p}", f"CPSGD p={p}", lambda r: r["phase_v"][0],
+                          lambda r: r["phase_v"][1],
+                          f"Fig. 1: V_t of CPSGD p={p} drops after the first lr decay"))
   small, large = min(c.periods), max(c.periods)
-  verdicts.append(common.verdict(
-      [r["weighted_variance"] for r in results[f"CPSGD p={large}"]],
-      [r["weighted_variance"] for r in results[f"CPSGD p={small}"]], expect_greater=True,
-      what=f"Eq. (10): a larger period has a larger variance (p={large} vs p={small}, eq. 9)"))
-  verdicts.append(common.verdict(
-      [r["weighted_variance"] for r in results["CPSGD p=8"]],
-      [r["weighted_variance"] for r in results["ADPSGD"]], expect_greater=True,
-      what="Fig. 2: ADPSGD has a smaller lr-weighted variance (eq. 9) than CPSGD p=8"))
-  verdicts.append(common.verdict(
-      [r["syncs"] for r in results["CPSGD p=8"]], [r["syncs"] for r in results["ADPSGD"]],
-      expect_greater=True, what="§III-B: ADPSGD needs fewer syncs than CPSGD p=8"))
-  ad = traces["ADPSGD"]
-  period_late = float(np.mean(ad["period"][ad["step"] > 0.75 * n])) if (ad["step"] > 0.75 * n).any() \
-      else float("nan")
-  period_samp = float(np.mean(ad["period"][(ad["step"] > warmup) & (ad["step"] <= k_s)])) \
-      if ((ad["step"] > warmup) & (ad["step"] <= k_s)).any() else float("nan")
+  eq9 = lambda r: r["weighted_variance"]  # noqa: E731
+  syncs = lambda r: r["syncs"]  # noqa: E731
+  verdicts.append(claim(
+      f"CPSGD p={large}", f"CPSGD p={small}", eq9, eq9,
+      f"Eq. (10): a larger period has a larger variance (p={large} vs p={small}, eq. 9)"))
+  verdicts.append(claim("CPSGD p=8", "ADPSGD", eq9, eq9,
+                        "Fig. 2: ADPSGD has a smaller lr-weighted variance (eq. 9) than CPSGD p=8"))
+  verdicts.append(claim("CPSGD p=8", "ADPSGD", syncs, syncs,
+                        "§III-B: ADPSGD needs fewer syncs than CPSGD p=8"))
+  if "ADPSGD" in traces:
+    ad_seed, ad = traces["ADPSGD"]
+    late, samp = ad["step"] > 0.75 * n, (ad["step"] > warmup) & (ad["step"] <= k_s)
+    period_late = float(np.mean(ad["period"][late])) if late.any() else float("nan")
+    period_samp = float(np.mean(ad["period"][samp])) if samp.any() else float("nan")
+    period_text = (f"ADPSGD mean period during sampling: {period_samp:.2f}; after the second "
+                   f"decay: {period_late:.2f} (seed {ad_seed}; paper: 4 then up to 43).")
+  else:
+    period_late = period_samp = float("nan")
+    period_text = "ADPSGD's period trace: n/a (every ADPSGD run diverged)."
 
-  # Plots: Fig. 1, Fig. 2, Fig. 3 (first seed).
-  fig1 = {"Fig. 1: CPSGD V_t": {f"p={p}": (traces[f"CPSGD p={p}"]["step"].tolist(),
-                                            np.maximum(traces[f"CPSGD p={p}"]["mean_variance"],
-                                                       1e-12).tolist()) for p in c.periods}}
-  report.plot_curves(workdir / "fig1_cpsgd_vt.png", fig1, xlabel="iteration k",
-                     ylabel="V_t (eq. 11)", logy=True, title="V_t of CPSGD, lr decay at 50%/75%")
-  fig2 = {"Fig. 2": {name: (traces[name]["step"].tolist(),
-                            np.maximum(traces[name]["mean_variance"], 1e-12).tolist())
-                     for name in ("ADPSGD", "CPSGD p=8")}}
-  report.plot_curves(workdir / "fig2_adpsgd_vt.png", fig2, xlabel="iteration k",
-                     ylabel="V_t (eq. 11)", logy=True, title="ADPSGD vs CPSGD p=8")
-  fig3 = {"Fig. 3": {"ADPSGD period": (ad["step"].tolist(), ad["period"].astype(float).tolist())}}
-  report.plot_curves(workdir / "fig3_adpsgd_period.png", fig3, xlabel="iteration k",
-                     ylabel="averaging period p", title="ADPSGD period trace")
+  # Plots: Fig. 1, Fig. 2, Fig. 3 (the first seed that did not diverge; diverged: no curve).
+  def vt(name):
+    _, tr = traces[name]
+    return (tr["step"].tolist(), np.maximum(tr["mean_variance"], 1e-12).tolist())
+
+  def seed_of(name):
+    return "" if traces[name][0] == c.seeds[0] else f" (seed {traces[name][0]})"
+
+  figures = []
+  fig1 = {f"p={p}" + seed_of(f"CPSGD p={p}"): vt(f"CPSGD p={p}") for p in c.periods
+          if f"CPSGD p={p}" in traces}
+  if fig1:
+    report.plot_curves(workdir / "fig1_cpsgd_vt.png", {"Fig. 1: CPSGD V_t": fig1},
+                       xlabel="iteration k", ylabel="V_t (eq. 11)", logy=True,
+                       title="V_t of CPSGD, lr decay at 50%/75%")
+    figures.append("![Fig. 1](fig1_cpsgd_vt.png)")
+  fig2 = {name + seed_of(name): vt(name) for name in ("ADPSGD", "CPSGD p=8") if name in traces}
+  if fig2:
+    report.plot_curves(workdir / "fig2_adpsgd_vt.png", {"Fig. 2": fig2}, xlabel="iteration k",
+                       ylabel="V_t (eq. 11)", logy=True, title="ADPSGD vs CPSGD p=8")
+    figures.append("![Fig. 2](fig2_adpsgd_vt.png)")
+  if "ADPSGD" in traces:
+    fig3 = {"Fig. 3": {"ADPSGD period" + seed_of("ADPSGD"):
+                       (ad["step"].tolist(), ad["period"].astype(float).tolist())}}
+    report.plot_curves(workdir / "fig3_adpsgd_period.png", fig3, xlabel="iteration k",
+                       ylabel="averaging period p", title="ADPSGD period trace")
+    figures.append("![Fig. 3](fig3_adpsgd_period.png)")
+  missing = [name for name in results if name not in traces]
+  if missing:
+    figures.insert(0, "Not plotted (every seed diverged): " + ", ".join(missing) + ".\n")
 
   env = report.environment()
   lines = [
@@ -200,16 +236,17 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       f"{int(0.75 * n)}; ADPSGD warm-up {warmup} steps (period 1), p_init={c.p_init}, "
       f"K_s={k_s}",
       "- Variances are measured in-graph (not simulated); eq. 9 is the lr-weighted mean of "
-      "Var[W_k]; V1/V2/V3 are mean V_t in the three lr phases. Mean ± std over seeds.\n",
+      "Var[W_k]; V1/V2/V3 are mean V_t in the three lr phases. Mean ± std over seeds; diverged "
+      "runs are left out of means (counted as 'k/n diverged').\n",
       report.markdown_table(rows, ["algorithm", "syncs", "bytes/worker", "eq9", "V1", "V2", "V3",
                                    "loss", "acc"],
                             ["algorithm", "syncs", "bytes sent/worker", "eq. (9)", "V_t lr 1",
                              "V_t lr 2", "V_t lr 3", "final train loss", "test acc"]),
-      f"\nADPSGD mean period during sampling: {period_samp:.2f}; after the second decay: "
-      f"{period_late:.2f} (seed {c.seeds[0]}; paper: 4 then up to 43).\n",
-      "## Claims\n", *common.verdict_lines(verdicts),
-      "\n![Fig. 1](fig1_cpsgd_vt.png)\n![Fig. 2](fig2_adpsgd_vt.png)\n"
-      "![Fig. 3](fig3_adpsgd_period.png)\n",
+      f"\n{period_text}\n",
+      *common.diverged_lines([(f"{name}, seed {r['seed']}", r)
+                              for name, rs in results.items() for r in rs]),
+      "\n## Claims\n", *common.verdict_lines(verdicts),
+      "", *figures, "",
   ]
   (workdir / "report.md").write_text("\n".join(lines) + "\n")
   return {"rows": rows, "verdicts": verdicts, "adpsgd_period_sampling": period_samp,

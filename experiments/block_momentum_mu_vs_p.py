@@ -11,6 +11,9 @@ seeds), the empirical best mu per P, and the bound-optimal mu per P from
 model at initialisation (``theory.estimate_constants``, labelled as a theory
 prediction, not a measurement). P that the device count does not divide run on
 the largest dividing sub-mesh (P = 6 on 8 devices: 2 devices x 3 workers).
+A run that diverges is recorded (``runs.json``: ``diverged`` and the error), shown
+as ``diverged (k/n)`` and never chosen as a best mu; a claim involving it is "not
+reproduced at this scale".
 
 Hardware/runtime: full preset (4 P x 5 mu x 3 seeds) measured 680 s wall on 2 CPU
 cores shared with other jobs (load average ~20); quick < 1.5 min there.
@@ -89,6 +92,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   b, k = c.per_worker_batch, c.period
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   acc: dict[tuple[int, float], list[float]] = {}
+  div: dict[tuple[int, float], list[bool]] = {}  # per seed: the run diverged (its acc is nan)
+  runs = []
   for seed in c.seeds:
     for p in c.workers:
       steps = c.samples // (p * b)
@@ -101,6 +106,11 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                          on_log=lambda row, p=p, mu=mu, seed=seed: log(
                              {"P": p, "mu": mu, "seed": seed, **row}))
         acc.setdefault((p, mu), []).append(res.summary["test_accuracy"])
+        div.setdefault((p, mu), []).append(res.diverged)
+        runs.append({"P": p, "mu": mu, "seed": seed, "steps": steps,
+                     "test_accuracy": res.summary["test_accuracy"], "diverged": res.diverged,
+                     **({"error": res.error} if res.diverged else {})})
+  report.write_json(workdir / "runs.json", runs)
 
   consts = _estimated_constants(c, dataset)
   # Largest step (x0.9) at which Theorem 1's first condition holds with mu = 0:
@@ -109,34 +119,46 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   x = (-qb + np.sqrt(qb * qb + 4 * qa)) / (2 * qa) if qa > 0 else 1 / qb
   eta_valid = 0.9 * x / consts.L
   rows, best_rows, curves = [], [], {}
-  best_per_seed = {p: [] for p in c.workers}
+  # Best mu per seed among the runs that did not diverge (nan: every mu diverged).
+  best_per_seed: dict[int, list[float]] = {p: [] for p in c.workers}
   for i, _ in enumerate(c.seeds):
     for p in c.workers:
-      best_per_seed[p].append(max(c.momenta, key=lambda m: acc[(p, m)][i]))
+      finite = [m for m in c.momenta if not div[(p, m)][i]]
+      best_per_seed[p].append(max(finite, key=lambda m: acc[(p, m)][i]) if finite else np.nan)
   for p in c.workers:
     row = {"P": p, "steps": c.samples // (p * b)}
     for mu in c.momenta:
-      row[f"mu={mu:g}"] = common.fmt_ms(np.multiply(acc[(p, mu)], 100), 2)
+      row[f"mu={mu:g}"] = common.fmt_ms(np.multiply(acc[(p, mu)], 100), 2, diverged=div[(p, mu)])
     rows.append(row)
-    best_mean = max(c.momenta, key=lambda m: float(np.mean(acc[(p, m)])))
+    best_mean = common.pick_best({m: [{"test_accuracy": a, "diverged": d}
+                                      for a, d in zip(acc[(p, m)], div[(p, m)])]
+                                  for m in c.momenta})
     mu_theory = theory.optimal_momentum(p, samples=c.samples, eta=c.learning_rate, B=b, K=k,
                                         c=consts)
     mu_valid = theory.optimal_momentum(p, samples=c.samples, eta=eta_valid, B=b, K=k, c=consts)
-    best_rows.append({"P": p, "best_mean": f"{best_mean:g}",
-                      "best_per_seed": ", ".join(f"{m:g}" for m in best_per_seed[p]),
+    best_rows.append({"P": p,
+                      "best_mean": "n/a (every mu diverged)" if best_mean is None
+                      else f"{best_mean:g}",
+                      "best_per_seed": ", ".join("n/a (diverged)" if np.isnan(m) else f"{m:g}"
+                                                 for m in best_per_seed[p]),
                       "theory": "conditions fail" if np.isnan(mu_theory) else f"{mu_theory:.3f}",
                       "theory_valid": f"{mu_valid:.3f}"})
-    curves[f"P={p}"] = {"test accuracy": (list(c.momenta),
-                                          [float(np.mean(acc[(p, m)])) for m in c.momenta])}
+    kept = [m for m in c.momenta if not all(div[(p, m)])]  # a mu that always diverged: no point
+    curves[f"P={p}"] = {"test accuracy": (
+        kept, [float(np.mean([a for a, d in zip(acc[(p, m)], div[(p, m)]) if not d]))
+               for m in kept])}
   report.plot_curves(workdir / "figs9_12_mu_vs_p.png", curves, xlabel="block momentum mu",
                      ylabel="test accuracy (mean over seeds)", title="Figs. 9-12: mu vs P")
   report.write_json(workdir / "accuracy.json", {f"P={p},mu={m}": v for (p, m), v in acc.items()})
   cond = theory.conditions(0.0, c.learning_rate, K=k, c=consts)
   conditions_ok = cond["ok"]
   p_lo, p_hi = min(c.workers), max(c.workers)
+  # A seed on which any run at P_lo or P_hi diverged has no trustworthy best mu there.
+  seed_diverged = [any(div[(p, m)][i] for p in (p_lo, p_hi) for m in c.momenta)
+                   for i, _ in enumerate(c.seeds)]
   verdicts = [common.verdict(best_per_seed[p_hi], best_per_seed[p_lo], expect_greater=True,
                              what=f"Figs. 9-12 / Lemma 6: the best mu at P={p_hi} exceeds the "
-                                  f"best mu at P={p_lo}")]
+                                  f"best mu at P={p_lo}", diverged=seed_diverged)]
   env = report.environment()
   mu_cols = [f"mu={m:g}" for m in c.momenta]
   lines = [
@@ -146,8 +168,11 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       f"{c.model} hidden {tuple(c.hidden)}; plain-SGD learners lr {c.learning_rate}, K={k}, B={b}",
       f"- Equal samples S = N P B K = {c.samples:,} for every run (steps = S/(P B)); seeds "
       f"{tuple(c.seeds)}; virtual workers on {env['device_count']} device(s)",
-      "- Test accuracy in percent, measured, mean ± std over seeds.\n",
+      "- Test accuracy in percent, measured, mean ± std over seeds; diverged runs are left out "
+      "of means and of the best mu (counted as 'k/n diverged').\n",
       report.markdown_table(rows, ["P", "steps", *mu_cols], ["P", "steps", *mu_cols]),
+      *common.diverged_lines([(f"P={r['P']} mu={r['mu']:g}, seed {r['seed']}", r) for r in runs],
+                             "every mean and best mu"),
       "\n## Best mu per P\n",
       "Theory: bound-optimal mu of Theorem 1 at S fixed (Lemma 6), with constants estimated at "
       f"initialisation: L={consts.L:.3g}, sigma^2={consts.sigma2:.3g}, M={consts.M:.3g}, "

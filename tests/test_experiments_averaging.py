@@ -1,9 +1,11 @@
-"""One --quick smoke run per seed 001/003 experiment; each asserts the table's content."""
+"""One --quick smoke run per seed 001/003 experiment (each asserts the table's content), and runs
+with a diverging cell: recorded and reported as diverged, never a mean, a best choice or a claim."""
 
 import json
 
 import numpy as np
 
+from experiments import _averaging_common as common
 from mfopt import runner
 
 
@@ -62,3 +64,121 @@ def test_block_momentum_mu_vs_p_quick(tmp_path):
   assert set(acc) == {"P=6,mu=0.0", "P=6,mu=0.9", "P=12,mu=0.0", "P=12,mu=0.9"}
   assert summary["constants"]["L"] > 0 and summary["constants"]["sigma2"] > 0
   assert np.isfinite(float(summary["best"][0]["theory_valid"]))
+
+
+# --- diverged runs: recorded, never a number, never a "best", never a reproduced claim ---------
+
+def test_fmt_ms_leaves_diverged_seeds_out_and_counts_them():
+  assert common.fmt_ms([0.5, 0.7], 2) == "0.60 ± 0.14"
+  assert common.fmt_ms([0.5, np.nan, 0.7], 2, diverged=[False, True, False]) == \
+      "0.60 ± 0.14 (1/3 diverged)"
+  assert common.fmt_ms([0.5, np.nan], 2, diverged=[False, True]) == "0.50 (1 seed; 1/2 diverged)"
+  assert common.fmt_ms([np.nan, np.nan], 2, diverged=[True, True]) == "diverged (2/2)"
+  assert common.fmt_diff(np.nan, np.nan, 0) == "n/a"
+
+
+def test_verdict_with_a_diverged_or_nan_seed_is_not_reproduced_with_the_reason():
+  a, b = [0.9, 0.91, 0.92], [0.5, 0.5, 0.5]
+  assert common.verdict(a, b, expect_greater=True, what="x")["verdict"] == "reproduced"
+  # Every other seed agrees, but one run diverged: not reproduced, and the report says why.
+  v = common.verdict(a + [np.nan], b + [0.5], expect_greater=True, what="x",
+                     diverged=[False, False, False, True])
+  assert v["verdict"] == "not reproduced at this scale"
+  assert v["reason"] == "1 of 4 seed(s) had a diverged run"
+  assert v["seeds"] == 3 and v["excluded"] == 1 and abs(v["mean_diff"] - 0.41) < 1e-9
+  line, = common.verdict_lines([v])
+  assert line.startswith("- **not reproduced at this scale** (1 of 4 seed(s) had a diverged run)")
+  assert "3 other seeds" in line
+  # nan without a flag (e.g. a claim expecting a < b, where nan > 0 is False) is not a pass either.
+  v = common.verdict([np.nan, np.nan], [1.0, 2.0], expect_greater=False, what="y")
+  assert v["verdict"] == "not reproduced at this scale" and v["seeds"] == 0
+  assert v["reason"] == "2 of 2 seed(s) had a non-finite value"
+  assert common.verdict_lines([v])[0].endswith("y (no finite pair)")
+
+
+def test_pick_best_never_picks_a_diverged_candidate():
+  def rows(*accs):
+    return [{"test_accuracy": a, "diverged": not np.isfinite(a)} for a in accs]
+  # A naive max over means keeps the first candidate when its mean is nan.
+  assert common.pick_best({"lr=1e4": rows(np.nan), "lr=0.1": rows(0.3)}) == "lr=0.1"
+  # A candidate that never diverged beats one that sometimes did, whatever its mean.
+  assert common.pick_best({"a": rows(0.9, np.nan), "b": rows(0.5, 0.5)}) == "b"
+  assert common.pick_best({"a": rows(np.nan), "b": rows(np.nan)}) is None
+
+
+def test_adpsgd_table_records_diverged_runs(tmp_path):
+  # SMALL_BATCH lr=1e6 diverges (lr=0.1 does not); the only FULLSGD lr, 1e4, diverges.
+  summary = runner.run_experiment("adpsgd_table", quick=True, workdir=tmp_path, overrides=[
+      "small_batch_lrs=(1e6, 0.1)", "fullsgd_lrs=(1e4,)"])
+  report = (tmp_path / "report.md").read_text()
+  runs = json.loads((tmp_path / "runs.json").read_text())
+  diverged = {name: [r["diverged"] for r in rs] for name, rs in runs.items()}
+  assert diverged == {"SMALL_BATCH lr=1e+06": [True], "SMALL_BATCH lr=0.1": [False],
+                      "ADPSGD": [False], "CPSGD p=8": [False], "FULLSGD lr=10000": [True],
+                      "DECREASING 4->2": [False], "QSGD-8bit": [False]}
+  assert runs["FULLSGD lr=10000"][0]["error"].startswith("non-finite ")
+  rows = {r["algorithm"]: r for r in summary["rows"]}
+  # The best SMALL_BATCH is the one that did not diverge (listed second: a naive max keeps nan).
+  assert "SMALL_BATCH lr=0.1 (best)" in rows and "SMALL_BATCH lr=1e+06" in rows
+  assert rows["FULLSGD lr=10000"]["acc"] == "diverged (1/1)"
+  assert rows["FULLSGD lr=10000"]["proj_10gbit"] == "diverged (1/1)"
+  assert rows["ADPSGD"]["speedup_10gbit"] == "n/a"  # no FULLSGD reference left
+  assert summary["table1"][0]["FULLSGD"] == "every FULLSGD lr diverged"
+  assert summary["table1"][0]["SMALL_BATCH"].endswith("(lr=0.1)")
+  v = {x["claim"].split(" (")[0]: x for x in summary["verdicts"]}
+  assert v["Table I: ADPSGD beats the best FULLSGD"]["verdict"] == "not reproduced at this scale"
+  assert v["Table I: ADPSGD beats the best FULLSGD"]["reason"] == "every FULLSGD lr diverged"
+  assert "| FULLSGD lr=10000 | diverged (1/1) |" in report
+  assert "## Diverged runs" in report and "- FULLSGD lr=10000, seed 0: non-finite" in report
+  assert ("**not reproduced at this scale** (every FULLSGD lr diverged): Table I: ADPSGD beats "
+          "the best FULLSGD (none)") in report
+  assert "nan" not in report.replace("non-finite", "")
+
+
+def test_block_momentum_mu_vs_p_records_a_diverged_row(tmp_path):
+  # lr 100: P=6 (16 steps) overflows, P=12 (8 steps) ends finite (if meaningless).
+  summary = runner.run_experiment("block_momentum_mu_vs_p", quick=True, workdir=tmp_path,
+                                  overrides=["learning_rate=100.0", "estimate_examples=16",
+                                             "power_iters=1"])
+  report = (tmp_path / "report.md").read_text()
+  runs = json.loads((tmp_path / "runs.json").read_text())
+  assert {(r["P"], r["mu"]): r["diverged"] for r in runs} == {
+      (6, 0.0): True, (6, 0.9): True, (12, 0.0): False, (12, 0.9): False}
+  assert all(r["error"].startswith("non-finite ") for r in runs if r["diverged"])
+  assert "| 6 | 16 | diverged (1/1) | diverged (1/1) |" in report
+  best = {r["P"]: r for r in summary["best"]}
+  assert best[6]["best_mean"] == "n/a (every mu diverged)"
+  assert best[6]["best_per_seed"] == "n/a (diverged)"
+  assert best[12]["best_mean"] in ("0", "0.9")
+  v, = summary["verdicts"]
+  assert v["verdict"] == "not reproduced at this scale"
+  assert v["reason"] == "1 of 1 seed(s) had a diverged run"
+  assert "(1 of 1 seed(s) had a diverged run): Figs. 9-12" in report
+  assert (tmp_path / "figs9_12_mu_vs_p.png").stat().st_size > 1000
+
+
+def test_block_momentum_table_records_a_diverged_pair(tmp_path):
+  summary = runner.run_experiment("block_momentum_table", quick=True, workdir=tmp_path,
+                                  overrides=["learning_rate=1e4", "pairs=(('mnist1d', 'mlp'),)"])
+  report = (tmp_path / "report.md").read_text()
+  runs = json.loads((tmp_path / "runs.json").read_text())
+  assert runs["mnist1d/mlp"]["diverged"] == {"K-AVG": [True], "M-AVG": [True]}
+  row, = summary["rows"]
+  assert row["kavg"] == row["mavg"] == "diverged (1/1)" and row["diff"] == "n/a"
+  assert row["verdict"] == "not reproduced at this scale (1 of 1 seed(s) had a diverged run)"
+  assert "| mnist1d/mlp | diverged (1/1) | diverged (1/1) | n/a |" in report
+  assert (tmp_path / "train_accuracy.png").stat().st_size > 1000
+
+
+def test_adpsgd_variance_records_diverged_runs(tmp_path):
+  summary = runner.run_experiment("adpsgd_variance", quick=True, workdir=tmp_path,
+                                  overrides=["learning_rate=1e4", "periods=(8,)"])
+  report = (tmp_path / "report.md").read_text()
+  runs = json.loads((tmp_path / "runs.json").read_text())
+  assert {k: [r["diverged"] for r in v] for k, v in runs.items()} == {
+      "CPSGD p=8": [True], "ADPSGD": [True]}
+  assert all(r["eq9"] == "diverged (1/1)" for r in summary["rows"])
+  assert all(v["verdict"] == "not reproduced at this scale" and "diverged run" in v["reason"]
+             for v in summary["verdicts"])
+  assert "every ADPSGD run diverged" in report and "Not plotted (every seed diverged)" in report
+  assert not list(tmp_path.glob("trace_*.json")) and not list(tmp_path.glob("fig*.png"))
