@@ -10,12 +10,22 @@ with the seed's hyperparameter rules (§3.1): per-worker lr ``base_lr`` scaled b
 * ``warmup_sgd``: gradual warmup + linear-scaling SGD (Goyal et al.): lr rises linearly from
   ``base_lr`` to ``base_lr*N`` over the same T epochs, then the same exponential decay as the
   hybrid; momentum 0.9, weight decay 1e-4, no LARS.
+
+A run that diverges (``mfopt.train.fit`` raises :class:`mfopt.train.NonFiniteError`) is an
+outcome, not an abort (the seed 000 scripts' ``_mf_common.run_cell`` rule): :func:`run_one`
+returns it marked ``diverged`` with ``nan`` metrics and no history; :func:`add_efficiency`
+gives it no efficiency and no epochs to target; :func:`fmt_runs` / :func:`fmt_ms` leave it out
+of every mean and count it (``diverged (k/n)``); :func:`auto_target` ignores it;
+:func:`censored_epochs` gives it ``nan`` and :func:`verdict` calls any claim involving it "not
+reproduced at this scale (k of n runs diverged)". In the helpers' per-seed value lists a
+``nan`` therefore means "this run diverged".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +42,12 @@ from mfopt import models as models_lib
 ALGORITHMS = ("hybrid", "adabound", "warmup_sgd")
 LABELS = {"hybrid": "AdaBound warmup + LARS SGD (hybrid)", "adabound": "AdaBound",
           "warmup_sgd": "gradual warmup + linear-scaling SGD"}
+NOT_REPRODUCED = "not reproduced at this scale"
+
+# Summary fields a diverged run has no value for (metrics, timings, counters): ``nan``.
+_NAN_SUMMARY = ("final_train_loss", "final_train_accuracy", "test_loss", "test_accuracy",
+                "samples", "epochs", "compile_s", "train_s", "collectives", "payload_bytes",
+                "all_reduces", "all_gathers", "all_reduce_bytes", "all_gather_bytes")
 
 
 def base_config(quick: bool) -> ml_collections.ConfigDict:
@@ -116,7 +132,18 @@ def make_tx(algo: str, c, *, num_workers: int, steps_per_epoch: int,
 def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
             per_worker_batch: int | None = None, warmup_epochs: float | None = None,
             bn: str | None = None, desc: str = "", on_log=None) -> dict[str, Any]:
-  """One training run; returns history, summary and the seed-004 efficiency metrics."""
+  """One training run; a divergence is returned, not raised.
+
+  Returns:
+    ``{"history", "summary", "steps_per_epoch", "num_devices", "per_worker_batch", "seed",
+    "diverged", "error", "diverged_at_step"}``. A finished run has ``diverged`` false (in
+    its summary too) and ``error`` / ``diverged_at_step`` ``None``. If ``mfopt.train.fit`` raised
+    ``NonFiniteError`` (a non-finite loss or update), the run is the one
+    :func:`diverged_run` builds: ``diverged`` true, the error's first line, the first
+    non-finite step, an empty history and ``nan`` summary metrics; a line naming it goes to
+    stderr. Rerunning in the same workdir retrains it from its last good checkpoint and it
+    diverges again (deterministic), so the experiment still finishes and reports it.
+  """
   b = per_worker_batch or c.per_worker_batch
   global_batch = c.num_workers * b
   spe = max(len(dataset.train) // global_batch, 1)
@@ -130,28 +157,93 @@ def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
       make_tx(algo, c, num_workers=c.num_workers, steps_per_epoch=spe,
               warmup_epochs=warmup_epochs), policy)
   mesh = mesh_for(c.num_workers)
-  result = train.fit(model=model, tx=tx, dataset=dataset, num_workers=c.num_workers,
-                     per_worker_batch=b, num_steps=num_steps, mesh=mesh, seed=seed,
-                     log_every=spe, eval_every=spe, progress=c.progress, desc=desc,
-                     on_log=on_log)
-  return {"history": result.history, "summary": result.summary, "steps_per_epoch": spe,
-          "num_devices": mesh.shape[parallel.DATA_AXIS], "per_worker_batch": b}
+  num_devices = mesh.shape[parallel.DATA_AXIS]
+  try:
+    result = train.fit(model=model, tx=tx, dataset=dataset, num_workers=c.num_workers,
+                       per_worker_batch=b, num_steps=num_steps, mesh=mesh, seed=seed,
+                       log_every=spe, eval_every=spe, progress=c.progress, desc=desc,
+                       on_log=on_log)
+  except train.NonFiniteError as e:
+    return diverged_run(e, seed=seed, desc=desc, num_workers=c.num_workers, per_worker_batch=b,
+                        num_steps=num_steps, steps_per_epoch=spe, num_devices=num_devices)
+  return {"history": result.history, "summary": {**result.summary, "diverged": False},
+          "steps_per_epoch": spe, "num_devices": num_devices, "per_worker_batch": b,
+          "seed": seed, "diverged": False, "error": None, "diverged_at_step": None}
+
+
+def diverged_run(error: train.NonFiniteError, *, seed: int, desc: str, num_workers: int,
+                 per_worker_batch: int, num_steps: int, steps_per_epoch: int,
+                 num_devices: int) -> dict[str, Any]:
+  """The run record of a run stopped by ``error`` (the shape :func:`run_one` returns).
+
+  ``diverged`` is true, ``error`` the message's first line, ``diverged_at_step`` its first
+  non-finite step; ``history`` is empty (the rows logged before the divergence are in
+  ``metrics.jsonl``); the summary keeps the planned ``steps`` / ``num_workers`` /
+  ``per_worker_batch`` / ``global_batch`` and has ``nan`` for every metric, timing and
+  communication counter, plus the same ``diverged`` / ``error`` / ``diverged_at_step``.
+  """
+  text = str(error).splitlines()[0]
+  print(f"{desc or f'seed {seed}'}: diverged: {text}", file=sys.stderr)
+  summary: dict[str, Any] = {k: math.nan for k in _NAN_SUMMARY}
+  summary.update(steps=num_steps, num_workers=num_workers, per_worker_batch=per_worker_batch,
+                 global_batch=num_workers * per_worker_batch, diverged=True, error=text,
+                 diverged_at_step=error.step)
+  return {"history": [], "summary": summary, "steps_per_epoch": steps_per_epoch,
+          "num_devices": num_devices, "per_worker_batch": per_worker_batch, "seed": seed,
+          "diverged": True, "error": text, "diverged_at_step": error.step}
+
+
+def is_diverged(run: Mapping[str, Any]) -> bool:
+  """Whether a run record (from :func:`run_one` or :func:`diverged_run`) diverged."""
+  return bool(run.get("diverged"))
+
+
+def first_ok(runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+  """The first run that did not diverge (``None`` if every one did)."""
+  return next((r for r in runs if not is_diverged(r)), None)
 
 
 def add_efficiency(runs: Sequence[dict[str, Any]], target: float, c, dataset) -> None:
+  """Adds ``run["efficiency"]`` (``mfopt.metrics.efficiency_report``) to every run.
+
+  A diverged run gets the same keys with no values: ``nan`` speeds, times and efficiency
+  (``efficiency_source`` "n/a (run diverged)"), ``epochs_to_target`` ``None`` (never reached)
+  and ``convergence_rate`` 0.
+  """
   device = jax.devices()[0].device_kind if jax.devices()[0].platform != "cpu" else "CPU"
   for r in runs:
+    if is_diverged(r):
+      r["efficiency"] = {
+          "single_device_speed": math.nan, "speed_device": device, "compute_s": math.nan,
+          "comm_s": math.nan, "scaling_efficiency": math.nan,
+          "efficiency_source": "n/a (run diverged)", "target_accuracy": target,
+          "epochs_to_target": None, "convergence_rate": 0.0,
+          "actual_single_gpu_time_s": math.nan, "actual_training_time_s": math.nan}
+      continue
     r["efficiency"] = metrics.efficiency_report(
         summary=r["summary"], history=r["history"], target=target,
         samples_per_epoch=len(dataset.train), num_devices=r["num_devices"], net=c.net,
         device=device)
 
 
-def auto_target(c, finals: dict[str, list[float]]) -> float:
+def auto_target(c, finals: Mapping[Any, Sequence[float]]) -> float:
+  """``c.target_accuracy`` if given, else 95 % of the best mean final test accuracy.
+
+  Means are over the finite values (a diverged run's ``nan`` is left out); ``nan`` if every
+  run diverged (then no run reaches it).
+  """
   if c.target_accuracy > 0:
     return float(c.target_accuracy)
-  best = max(np.mean(v) for v in finals.values())
-  return float(math.floor(0.95 * best * 1000) / 1000)
+  means = [float(np.mean(f)) for f in
+           ([x for x in v if x is not None and np.isfinite(x)] for v in finals.values()) if f]
+  if not means:
+    return math.nan
+  return float(math.floor(0.95 * max(means) * 1000) / 1000)
+
+
+def fmt_target(target: float) -> str:
+  """The target accuracy for report text: ``n/a`` when :func:`auto_target` found none."""
+  return f"{target:g}" if np.isfinite(target) else "n/a (every run diverged)"
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -161,41 +253,137 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
   return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
 
 
-def fmt_ms(values: Sequence[float], digits: int = 4) -> str:
+def fmt_ms(values: Sequence[float | None], digits: int = 4, *,
+           diverged: Sequence[bool] | None = None) -> str:
+  """``mean ± std`` over seeds for a table cell.
+
+  Seeds flagged in ``diverged`` are left out and counted: ``0.91 ± 0.01 (1/3 diverged)``,
+  ``diverged (3/3)`` when every seed diverged (never a number from a diverged run). Among the
+  others a ``None`` / non-finite value (a target never reached) is left out of the mean and
+  counted as ``never``: ``3 ± 0.5 (1 of 3 never)``. A mean of one value out of several seeds
+  has no spread to show: ``0.91 (1 seed; 2/3 diverged)``.
+  """
   vals = list(values)
-  m, s = mean_std(vals)
-  missing = sum(1 for x in vals if x is None or not np.isfinite(x))
-  text = "n/a" if not np.isfinite(m) else f"{m:.{digits}g} ± {s:.2g}"
-  return text + (f" ({missing} of {len(vals)} never)" if missing else "")
+  flags = [False] * len(vals) if diverged is None else [bool(d) for d in diverged]
+  if len(flags) != len(vals):
+    raise ValueError(f"fmt_ms: {len(vals)} values but {len(flags)} diverged flags")
+  n, k = len(vals), sum(flags)
+  if n and k == n:
+    return f"diverged ({k}/{n})"
+  kept = [x for x, d in zip(vals, flags) if not d]
+  m, s = mean_std(kept)
+  missing = sum(1 for x in kept if x is None or not np.isfinite(x))
+  one = len(kept) - missing == 1 and n > 1  # the other seeds left out: no spread
+  text = "n/a" if not np.isfinite(m) else f"{m:.{digits}g}" + ("" if one else f" ± {s:.2g}")
+  notes = (["1 seed"] if one else []) + ([f"{missing} of {n} never"] if missing else []) + (
+      [f"{k}/{n} diverged"] if k else [])
+  return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def fmt_runs(runs: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], float | None],
+             digits: int = 4) -> str:
+  """:func:`fmt_ms` of ``value(run)`` over the runs that did not diverge, diverged counted.
+
+  ``value`` is never called on a diverged run (its history is empty, its metrics ``nan``).
+  """
+  return fmt_ms([None if is_diverged(r) else value(r) for r in runs], digits,
+                diverged=[is_diverged(r) for r in runs])
 
 
 def censored_epochs(runs: Sequence[dict[str, Any]], epochs: int) -> list[float]:
   """Epochs to target per run; a run that never reached it counts as ``epochs + 1``.
 
   That is a lower bound on its true value, so a claim "x converges in fewer epochs than y"
-  judged with a censored y is judged conservatively (the true difference is larger).
+  judged with a censored y is judged conservatively (the true difference is larger). A
+  diverged run has no such bound: ``nan``, which :func:`verdict` reports as a divergence.
   """
-  return [r["efficiency"]["epochs_to_target"] or float(epochs + 1) for r in runs]
+  return [math.nan if is_diverged(r) else r["efficiency"]["epochs_to_target"] or float(epochs + 1)
+          for r in runs]
 
 
 def verdict(a: Sequence[float], b: Sequence[float], *, expect_greater: bool, what: str
             ) -> dict[str, Any]:
-  """SPEC.md rule on per-seed paired values: claimed sign and |mean diff| > 2 std of the diffs."""
-  d = np.asarray(a, float) - np.asarray(b, float)
-  if not np.all(np.isfinite(d)):
-    return {"claim": what, "mean_diff": float("nan"), "std_diff": float("nan"),
-            "seeds": len(d), "verdict": "not reproduced at this scale (some runs never reached "
-                                        "the target)"}
-  m = float(d.mean())
-  s = float(d.std(ddof=1)) if len(d) > 1 else float("inf")
-  ok = len(d) > 1 and (m > 0) == expect_greater and abs(m) > 2 * s
-  return {"claim": what, "mean_diff": m, "std_diff": s, "seeds": len(d),
-          "verdict": "reproduced" if ok else "not reproduced at this scale"}
+  """SPEC.md rule on per-seed paired values: claimed sign and |mean diff| > 2 std of the diffs.
+
+  A non-finite value marks a run that diverged (every helper here gives it ``nan``). A claim
+  involving a diverged run is "not reproduced at this scale (k of n runs diverged)"; the mean
+  and std are then over the seeds where neither run diverged (``nan`` if none), for
+  information. ``seeds`` counts the seeds the difference is over, ``diverged`` the diverged
+  runs among the ``runs`` compared.
+  """
+  a, b = np.asarray(a, float), np.asarray(b, float)
+  if a.shape != b.shape:
+    raise ValueError(f"verdict: {a.size} values against {b.size} (pair them by seed)")
+  ok = np.isfinite(a) & np.isfinite(b)
+  k = int((~np.isfinite(a)).sum() + (~np.isfinite(b)).sum())
+  d = a[ok] - b[ok]
+  m = float(d.mean()) if d.size else float("nan")
+  s = float(d.std(ddof=1)) if d.size > 1 else float("inf") if d.size else float("nan")
+  out = {"claim": what, "mean_diff": m, "std_diff": s, "seeds": int(d.size), "diverged": k,
+         "runs": int(a.size + b.size)}
+  if k:
+    out["verdict"] = f"{NOT_REPRODUCED} ({k} of {a.size + b.size} runs diverged)"
+  else:
+    good = d.size > 1 and (m > 0) == expect_greater and abs(m) > 2 * s
+    out["verdict"] = "reproduced" if good else NOT_REPRODUCED
+  return out
 
 
 def verdict_lines(verdicts) -> list[str]:
-  return [f"- **{v['verdict']}**: {v['claim']} (mean paired difference {v['mean_diff']:.4g}, "
-          f"std {v['std_diff']:.3g}, {v['seeds']} seed(s))" for v in verdicts]
+  lines = []
+  for v in verdicts:
+    spread = ("no spread (1 seed)" if v["seeds"] == 1 else f"std {v['std_diff']:.3g}")
+    if not v.get("diverged"):
+      stats = f"{spread}, {v['seeds']} seed(s)"
+    elif v["seeds"]:
+      stats = f"{spread}, over the {v['seeds']} seed(s) where neither run diverged"
+    else:
+      lines.append(f"- **{v['verdict']}**: {v['claim']} (no seed where neither run diverged)")
+      continue
+    lines.append(f"- **{v['verdict']}**: {v['claim']} (mean paired difference "
+                 f"{v['mean_diff']:.4g}, {stats})")
+  return lines
+
+
+def run_record(run: Mapping[str, Any]) -> dict[str, Any]:
+  """A run as ``runs.json`` holds it.
+
+  ``seed``, ``diverged`` (and for a diverged run ``error`` and ``diverged_at_step``),
+  ``history``, ``summary``, ``efficiency``.
+  """
+  rec: dict[str, Any] = {"seed": run.get("seed"), "diverged": is_diverged(run)}
+  if is_diverged(run):
+    rec.update(error=run["error"], diverged_at_step=run["diverged_at_step"])
+  rec.update(history=run["history"], summary=run["summary"], efficiency=run["efficiency"])
+  return rec
+
+
+def curve(run: Mapping[str, Any], key: str) -> tuple[list[float], list[float]]:
+  """``(epochs, values of key)`` from a run's history; empty for a diverged run."""
+  rows = [h for h in run["history"] if key in h]
+  return [h["epoch"] for h in rows], [h[key] for h in rows]
+
+
+def curve_label(label: str, run: Mapping[str, Any]) -> str:
+  """A plot legend entry; a diverged run (no line) says so."""
+  return f"{label} (diverged at step {run['diverged_at_step']})" if is_diverged(run) else label
+
+
+def diverged_lines(runs: Mapping[Any, Sequence[dict[str, Any]]],
+                   name: Callable[[Any], str] = str) -> list[str]:
+  """A report section listing every diverged run and its error (empty if none diverged)."""
+  bad = [(key, r) for key, rs in runs.items() for r in rs if is_diverged(r)]
+  if not bad:
+    return []
+  total = sum(len(rs) for rs in runs.values())
+  return ["\n## Diverged runs\n",
+          f"{len(bad)} of {total} runs stopped on a non-finite loss or update "
+          "(`mfopt.train.NonFiniteError`). They are left out of every mean and counted in the "
+          "tables (`diverged (k/n)`, or `(k/n diverged)` beside the mean of the others), never "
+          "reach the target, have no efficiency, and make any claim involving them \"not "
+          "reproduced at this scale\". Rows they logged before diverging are in "
+          "`metrics.jsonl`.\n",
+          *[f"- {name(key)}, seed {r['seed']}: {r['error']}" for key, r in bad]]
 
 
 def setup_lines(c, dataset, *, extra: str = "") -> list[str]:

@@ -17,6 +17,11 @@ other rows has been processed. It is trained by a loop here (three compiled step
 by ``mfopt.train.fit``. Synchronised BN also costs communication the optimizer's counters do
 not see: its projection adds one all-reduce of (mean, E[x^2]) per BN layer in the forward pass
 and one in the backward pass per step (2 x 2C float32 values per layer).
+
+A run that diverges (non-finite loss or update; row 1's loop checks like ``fit`` does, at
+every evaluation) is recorded, not fatal: ``diverged`` with its error in runs.json,
+``diverged (k/n)`` in the table, left out of the means, and a claim involving it is not
+reproduced (``_seed004_common``).
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ def _bn_sync_totals(model_state, steps: int) -> dict[str, int]:
   return {"all_reduces": 2 * steps * len(per_layer), "all_reduce_bytes": 2 * steps * sum(per_layer)}
 
 
-def _varying_batch_run(c, dataset, seed: int, on_log) -> dict[str, Any]:
+def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[str, Any]:
+  """Row 1's run (the shape of ``common.run_one``'s, a divergence included)."""
   strategy = batchnorm.get_strategy("sync")
   w, b = c.num_workers, c.per_worker_batch
   sizes = (b // 2, b, b + b // 2)
@@ -104,6 +110,12 @@ def _varying_batch_run(c, dataset, seed: int, on_log) -> dict[str, Any]:
       jax.block_until_ready(state)
       train_s += time.perf_counter() - tick
       got = jax.device_get(window)
+      try:  # the guard of train.fit: a non-finite loss/update in the window stops the run
+        train.check_finite(got, step - len(got) + 1, detected_at=step)
+      except train.NonFiniteError as e:
+        return common.diverged_run(e, seed=seed, desc=desc, num_workers=w, per_worker_batch=b,
+                                   num_steps=c.epochs * spe, steps_per_epoch=spe,  # nominal
+                                   num_devices=mesh.shape[parallel.DATA_AXIS])
       params, model_state = train.averaged_model(state)
       row = {"step": step, "samples": samples, "epoch": samples / len(dataset.train),
              "train_loss": float(np.mean([g["loss"] for g in got])),
@@ -116,9 +128,10 @@ def _varying_batch_run(c, dataset, seed: int, on_log) -> dict[str, Any]:
   summary = {"test_accuracy": history[-1]["test_accuracy"],
              "final_train_accuracy": history[-1]["train_accuracy"], "samples": samples,
              "steps": step, "num_workers": w, "train_s": train_s,
-             **comm.comm_totals(state.opt_state)}
+             **comm.comm_totals(state.opt_state), "diverged": False}
   return {"history": history, "summary": summary, "steps_per_epoch": spe,
-          "num_devices": mesh.shape[parallel.DATA_AXIS], "per_worker_batch": b}
+          "num_devices": mesh.shape[parallel.DATA_AXIS], "per_worker_batch": b, "seed": seed,
+          "diverged": False, "error": None, "diverged_at_step": None}
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
@@ -130,7 +143,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       def on_log(row, name=name, seed=seed):
         log({"row": name, "seed": seed, **row})
       if name == "varying_sync_ma":
-        r = _varying_batch_run(c, dataset, seed, on_log)
+        r = _varying_batch_run(c, dataset, seed, on_log, desc=f"{name}/seed{seed}")
       else:
         r = common.run_one(c, dataset, "hybrid", seed, bn=ROW_INFO[name][3],
                            desc=f"{name}/seed{seed}", on_log=on_log)
@@ -144,6 +157,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       _, ms = models_lib.init_model(probe, jax.random.key(0), np.zeros((1, *dataset.input_shape),
                                                                        np.float32))
       for r in rs:
+        if common.is_diverged(r):  # no counts to add to (its summary's are nan)
+          continue
         extra = _bn_sync_totals(jax.tree.map(lambda x: x[None], ms), r["summary"]["steps"])
         r["summary"] = dict(r["summary"])
         r["summary"]["all_reduces"] += extra["all_reduces"]
@@ -152,13 +167,14 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   rows = []
   for name, rs in runs.items():
     fixed, indep, no_ma, _ = ROW_INFO[name]
+    ok = common.first_ok(rs)
     rows.append({"fixed": fixed, "indep": indep, "no_ma": no_ma,
-                 "final_test": common.fmt_ms(finals[name]),
-                 "best_test": common.fmt_ms([max(h["test_accuracy"] for h in r["history"])
-                                             for r in rs]),
-                 "epochs": common.fmt_ms([r["efficiency"]["epochs_to_target"] for r in rs], 3),
-                 "eff": common.fmt_ms([r["efficiency"]["scaling_efficiency"] for r in rs], 4),
-                 "all_reduces": rs[0]["summary"]["all_reduces"]})
+                 "final_test": common.fmt_runs(rs, lambda r: r["summary"]["test_accuracy"]),
+                 "best_test": common.fmt_runs(
+                     rs, lambda r: max(h["test_accuracy"] for h in r["history"])),
+                 "epochs": common.fmt_runs(rs, lambda r: r["efficiency"]["epochs_to_target"], 3),
+                 "eff": common.fmt_runs(rs, lambda r: r["efficiency"]["scaling_efficiency"], 4),
+                 "all_reduces": ok["summary"]["all_reduces"] if ok else "n/a (diverged)"})
   verdicts = []
   if {"independent_last", "independent_ma"} <= set(runs):
     verdicts.append(common.verdict(finals["independent_last"], finals["independent_ma"],
@@ -173,25 +189,26 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
     verdicts.append(common.verdict(finals["sync_ma"], finals["varying_sync_ma"], expect_greater=True,
                                    what="a fixed per-worker batch beats a varying one "
                                         "(seed: 73.35 vs 70.34 %)"))
-  curves = {"test accuracy": {name: ([h["epoch"] for h in rs[0]["history"]],
-                                     [h["test_accuracy"] for h in rs[0]["history"]])
-                              for name, rs in runs.items()}}
+  curves = {"test accuracy": {common.curve_label(name, rs[0]):
+                              common.curve(rs[0], "test_accuracy") for name, rs in runs.items()}}
   report.plot_curves(workdir / "test_accuracy.png", curves, xlabel="epoch",
-                     ylabel="top-1 test accuracy", title="Table 3.4 strategies")
-  report.write_json(workdir / "runs.json", {k: [{"history": r["history"], "summary": r["summary"],
-                                                 "efficiency": r["efficiency"]} for r in rs]
-                                            for k, rs in runs.items()})
+                     ylabel="top-1 test accuracy",
+                     title=f"Table 3.4 strategies (seed {c.seeds[0]})")
+  report.write_json(workdir / "runs.json",
+                    {k: [common.run_record(r) for r in rs] for k, rs in runs.items()})
   lines = ["# bn_strategies: seed 004 Table 3.4 at small scale\n",
            *common.setup_lines(c, dataset),
            "- Row 1 draws the per-worker batch from {B/2, B, 3B/2} at every step (same on all "
            "workers), equal samples; synchronised-BN rows add BN's all-reduces (forward and "
-           f"backward, per layer per step) to the projection. Target test accuracy {target}.\n",
+           "backward, per layer per step) to the projection. Target test accuracy "
+           f"{common.fmt_target(target)}.\n",
            report.markdown_table(rows, ["fixed", "indep", "no_ma", "final_test", "best_test",
                                         "epochs", "eff", "all_reduces"],
                                  ["fixed batch size", "independent statistics",
                                   "without moving average", "final test acc", "best test acc",
                                   "epochs to target", "scaling eff. (projected)",
                                   "all-reduces/worker (incl. BN)"]),
+           *common.diverged_lines(runs),
            "\n## Paper claims\n", *common.verdict_lines(verdicts),
            "\n![test accuracy](test_accuracy.png)\n"]
   (workdir / "report.md").write_text("\n".join(lines) + "\n")

@@ -6,6 +6,10 @@ The hybrid (``mfopt.hybrid_adabound_lars``) at several T (epochs of linear-scali
 before LARS SGD), equal epochs, same data order and initialisation per seed. Seed 004 §3.2.1:
 "T has little effect on the result. With the increase of T, the convergence rate will be
 slightly improved, but the training accuracy will also be slightly reduced."
+
+A run that diverges (non-finite loss) is recorded, not fatal: ``diverged`` with its error in
+runs.json, ``diverged (k/n)`` in the table, left out of the means, and a claim involving it is
+not reproduced (``_seed004_common``).
 """
 
 from __future__ import annotations
@@ -56,10 +60,11 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   target = common.auto_target(c, finals)
   for rs in runs.values():
     common.add_efficiency(rs, target, c, dataset)
-  rows = [{"T": t, "final_test": common.fmt_ms(finals[t]),
-           "final_train": common.fmt_ms([r["summary"]["final_train_accuracy"] for r in rs]),
-           "epochs": common.fmt_ms([r["efficiency"]["epochs_to_target"] for r in rs], 3),
-           "single": common.fmt_ms([r["efficiency"]["actual_single_gpu_time_s"] for r in rs], 4)}
+  rows = [{"T": t, "final_test": common.fmt_runs(rs, lambda r: r["summary"]["test_accuracy"]),
+           "final_train": common.fmt_runs(rs, lambda r: r["summary"]["final_train_accuracy"]),
+           "epochs": common.fmt_runs(rs, lambda r: r["efficiency"]["epochs_to_target"], 3),
+           "single": common.fmt_runs(rs, lambda r: r["efficiency"]["actual_single_gpu_time_s"],
+                                     4)}
           for t, rs in runs.items()]
   ts = list(c.warmup_values)
   verdicts = []
@@ -78,20 +83,21 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         expect_greater=False, what=f"larger T converges in fewer epochs (T={hi} vs T={lo})"))
   curves = {"test accuracy": {}, "train accuracy": {}}
   for t, rs in runs.items():
-    h = rs[0]["history"]
-    curves["test accuracy"][f"T={t}"] = ([x["epoch"] for x in h], [x["test_accuracy"] for x in h])
-    curves["train accuracy"][f"T={t}"] = ([x["epoch"] for x in h], [x["train_accuracy"] for x in h])
+    label = common.curve_label(f"T={t}", rs[0])
+    curves["test accuracy"][label] = common.curve(rs[0], "test_accuracy")
+    curves["train accuracy"][label] = common.curve(rs[0], "train_accuracy")
   report.plot_curves(workdir / "accuracy.png", curves, xlabel="epoch", ylabel="top-1 accuracy",
-                     title="Fig. 3.2 at small scale")
-  report.write_json(workdir / "runs.json", {str(t): [{"history": r["history"], "summary": r["summary"],
-                                                      "efficiency": r["efficiency"]} for r in rs]
-                                            for t, rs in runs.items()})
+                     title=f"Fig. 3.2 at small scale (seed {c.seeds[0]})")
+  report.write_json(workdir / "runs.json",
+                    {str(t): [common.run_record(r) for r in rs] for t, rs in runs.items()})
   lines = ["# hybrid_warmup_T: seed 004 Fig. 3.2 at small scale\n",
            *common.setup_lines(c, dataset),
-           f"- T values (epochs of AdaBound warmup): {tuple(ts)}; target test accuracy {target}.\n",
+           f"- T values (epochs of AdaBound warmup): {tuple(ts)}; target test accuracy "
+           f"{common.fmt_target(target)}.\n",
            report.markdown_table(rows, ["T", "final_test", "final_train", "epochs", "single"],
                                  ["T (epochs)", "final test acc", "final train acc",
                                   "epochs to target", "actual avg single-GPU time s (projected)"]),
+           *common.diverged_lines(runs, lambda t: f"T={t}"),
            "\n## Paper claims\n", *common.verdict_lines(verdicts),
            "\n![accuracy](accuracy.png)\n"]
   (workdir / "report.md").write_text("\n".join(lines) + "\n")

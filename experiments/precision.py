@@ -10,6 +10,11 @@ test-accuracy curves (Fig. 3.3) and training throughput in samples/s per device 
 *measured on the device this ran on* (the report names it; CPU ratios are not comparable with
 the seed's V100 numbers). The gradient all-reduce runs in
 the compute dtype (``comm_dtype``: bf16 for bf16, fp16 for fp16), as in seed 004 §2.2.2 item 3.
+
+A run that diverges (non-finite loss: fp16 activations overflow before fp32 ones do) is
+recorded, not fatal: ``diverged`` with its error in runs.json, ``diverged (k/n)`` in the table,
+left out of the means, and the policy comparison involving it is not reproduced
+(``_seed004_common``). The throughput benchmark times the step whatever the values are.
 """
 
 from __future__ import annotations
@@ -122,18 +127,20 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
 
   rows = []
   for (pol, b), rs in runs.items():
-    speeds = [r["summary"]["samples"] / r["summary"]["train_s"] / r["num_devices"] for r in rs]
-    # train_overflow is the fraction of (step, worker) pairs that overflowed in a logging window
-    overflow = [sum(h.get("train_overflow", 0.0) * r["steps_per_epoch"] for h in r["history"])
-                for r in rs]
+    ok = common.first_ok(rs)
     rows.append({
-        "policy": pol, "batch": b, "final_test": common.fmt_ms(finals[(pol, b)]),
-        "epochs": common.fmt_ms([r["efficiency"]["epochs_to_target"] for r in rs], 3),
-        "speed": common.fmt_ms(speeds, 4), "speed_mean": bench[(pol, b)],
-        "bench": f"{bench[(pol, b)]:.4g}",
-        "eff": common.fmt_ms([r["efficiency"]["scaling_efficiency"] for r in rs], 4),
-        "bytes": rs[0]["summary"]["payload_bytes"],
-        "overflow_logs": common.fmt_ms(overflow, 2)})
+        "policy": pol, "batch": b,
+        "final_test": common.fmt_runs(rs, lambda r: r["summary"]["test_accuracy"]),
+        "epochs": common.fmt_runs(rs, lambda r: r["efficiency"]["epochs_to_target"], 3),
+        "speed": common.fmt_runs(
+            rs, lambda r: r["summary"]["samples"] / r["summary"]["train_s"] / r["num_devices"], 4),
+        "speed_mean": bench[(pol, b)], "bench": f"{bench[(pol, b)]:.4g}",
+        "eff": common.fmt_runs(rs, lambda r: r["efficiency"]["scaling_efficiency"], 4),
+        "bytes": ok["summary"]["payload_bytes"] if ok else "n/a (diverged)",
+        # train_overflow: the fraction of (step, worker) pairs that overflowed in a log window
+        "overflow_logs": common.fmt_runs(
+            rs, lambda r: sum(h.get("train_overflow", 0.0) * r["steps_per_epoch"]
+                              for h in r["history"]), 2)})
   base = {r["batch"]: r["speed_mean"] for r in rows if r["policy"] == "fp32"}
   for r in rows:
     r["speedup"] = (f"{r['speed_mean'] / base[r['batch']]:.3g}x" if r["batch"] in base else "")
@@ -146,22 +153,22 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
     v = common.verdict(finals[(pol, b0)], finals[("fp32", b0)], expect_greater=True,
                        what=f"{pol} vs fp32 final test accuracy (batch {b0})")
     # No equivalence margin is tested: "no significant difference" needs >= 2 seeds to mean
-    # anything (one seed has no spread, and every difference would pass).
-    v["verdict"] = ("not testable (1 seed: no spread)" if v["seeds"] < 2 else
-                    "consistent with the paper (no significant difference at 2 std)"
-                    if not abs(v["mean_diff"]) > 2 * v["std_diff"] else "differs significantly")
+    # anything (one seed has no spread, and every difference would pass). A diverged run keeps
+    # common.verdict's "not reproduced at this scale (k of n runs diverged)".
+    if not v["diverged"]:
+      v["verdict"] = ("not testable (1 seed: no spread)" if v["seeds"] < 2 else
+                      "consistent with the paper (no significant difference at 2 std)"
+                      if not abs(v["mean_diff"]) > 2 * v["std_diff"] else "differs significantly")
     verdicts.append(v)
 
   curves = {f"per-worker batch {b}": {} for b in c.batch_sizes}
   for (pol, b), rs in runs.items():
-    h = rs[0]["history"]
-    curves[f"per-worker batch {b}"][pol] = ([x["epoch"] for x in h], [x["test_accuracy"] for x in h])
+    curves[f"per-worker batch {b}"][common.curve_label(pol, rs[0])] = common.curve(
+        rs[0], "test_accuracy")
   report.plot_curves(workdir / "test_accuracy.png", curves, xlabel="epoch",
-                     ylabel="top-1 test accuracy", title="Fig. 3.3 at small scale")
-  report.write_json(workdir / "runs.json", {f"{p}@{b}": [{"history": r["history"],
-                                                          "summary": r["summary"],
-                                                          "efficiency": r["efficiency"]}
-                                                         for r in rs]
+                     ylabel="top-1 test accuracy",
+                     title=f"Fig. 3.3 at small scale (seed {c.seeds[0]})")
+  report.write_json(workdir / "runs.json", {f"{p}@{b}": [common.run_record(r) for r in rs]
                                             for (p, b), rs in runs.items()})
   lines = ["# precision: seed 004 Fig. 3.3 and Table 3.2 at small scale\n",
            *common.setup_lines(c, dataset, extra=(
@@ -173,12 +180,13 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
            report.markdown_table(rows, ["policy", "batch", "final_test", "epochs", "bench",
                                         "speedup", "speed", "eff", "bytes", "overflow_logs"],
                                  ["data type", "per-worker batch", "final test acc",
-                                  f"epochs to {target}",
+                                  f"epochs to {common.fmt_target(target)}",
                                   f"samples/s per device ({device}, benchmark, best of "
                                   f"{c.bench_repeats})", "vs fp32",
                                   "samples/s during training (mean ± std over seeds)",
                                   "scaling eff. (projected)",
                                   "all-reduce bytes/worker", "overflow steps (mean per run)"]),
+           *common.diverged_lines(runs, lambda k: f"{k[0]}, per-worker batch {k[1]}"),
            "\n## Paper claims\n", *common.verdict_lines(verdicts),
            f"- Speed (Table 3.2: FP-mix 1.8-2.03x FP32 on a V100): the 'vs fp32' column, "
            f"measured on {device}"

@@ -95,3 +95,133 @@ def test_seed004_metrics_closed_forms():
   assert rep["actual_single_gpu_time_s"] == pytest.approx(3 * 1000 / (500.0 * rep["scaling_efficiency"]))
   with pytest.raises(ValueError, match="compute_s"):
     metrics.scaling_efficiency(0.0, 1.0)
+
+
+# Divergence is an outcome, not an abort (experiments/_seed004_common.py). base_lr=1000 per
+# worker (x4 linear scaling) is a real blow-up at TINY scale, measured on CPU: gradual warmup +
+# SGD reaches a non-finite update at step 7 of 8, and so does an fp16 forward (its logits
+# overflow), while the hybrid in fp32 ends with a finite (huge) loss.
+DIVERGE = ["base_lr=1000"]
+NOT_REPRODUCED_1_OF_2 = "not reproduced at this scale (1 of 2 runs diverged)"
+
+
+def test_hybrid_vs_baselines_diverged_quick(tmp_path):
+  out = runner.run_experiment("hybrid_vs_baselines", quick=True, workdir=tmp_path,
+                              overrides=TINY + DIVERGE + ["algorithms=hybrid,warmup_sgd"])
+  runs = _runs(tmp_path)
+  bad, good = runs["warmup_sgd"][0], runs["hybrid"][0]
+  assert bad["diverged"] is True and bad["error"].startswith("non-finite ")
+  assert 1 <= bad["diverged_at_step"] <= 8 and bad["history"] == []  # 8 steps in all
+  assert bad["summary"]["test_accuracy"] == "nan"  # write_json spells nan as a string
+  assert bad["efficiency"]["epochs_to_target"] is None  # never reached
+  assert good["diverged"] is False and good["summary"]["test_accuracy"] > 0
+  text = (tmp_path / "report.md").read_text()
+  # Every cell of the diverged method says so; no number from it reaches the table.
+  row = next(line for line in text.splitlines()
+             if line.startswith("| gradual warmup + linear-scaling SGD |"))
+  assert row.count("diverged (1/1)") == 7 and "n/a (diverged)" in row
+  assert "## Diverged runs" in text and f"seed 0: {bad['error']}" in text
+  assert [v["verdict"] for v in out["verdicts"]] == [NOT_REPRODUCED_1_OF_2] * 2
+  assert text.count(f"**{NOT_REPRODUCED_1_OF_2}**") == 2
+  assert out["target"] == pytest.approx(0.95 * good["summary"]["test_accuracy"], abs=1e-3)
+  assert (tmp_path / "accuracy.png").exists()
+
+
+def test_precision_diverged_quick(tmp_path):
+  out = runner.run_experiment("precision", quick=True, workdir=tmp_path, overrides=TINY + DIVERGE)
+  runs = _runs(tmp_path)
+  assert runs["fp16@16"][0]["diverged"] and not runs["fp32@16"][0]["diverged"]
+  assert runs["fp16@16"][0]["error"].startswith("non-finite loss")
+  rows = {r["policy"]: r for r in out["rows"]}
+  assert rows["fp16"]["final_test"] == "diverged (1/1)"
+  assert rows["fp16"]["bytes"] == "n/a (diverged)"
+  assert rows["fp32"]["final_test"][0].isdigit()
+  # Not "consistent with the paper": a diverged fp16 run is no evidence of equal accuracy.
+  assert [v["verdict"] for v in out["verdicts"]] == [NOT_REPRODUCED_1_OF_2]
+  assert f"**{NOT_REPRODUCED_1_OF_2}**" in (tmp_path / "report.md").read_text()
+
+
+def test_bn_strategies_diverged_quick(tmp_path):
+  # Row 1 trains in its own loop (not train.fit): it must apply fit's non-finite guard too.
+  runner.run_experiment("bn_strategies", quick=True, workdir=tmp_path,
+                        overrides=TINY + ["base_lr=3000"])
+  runs = _runs(tmp_path)
+  varying, fixed = runs["varying_sync_ma"][0], runs["independent_last"][0]
+  assert varying["diverged"] and "(checkpointing off)" in varying["error"]
+  assert not fixed["diverged"]
+  text = (tmp_path / "report.md").read_text()
+  assert "| × | × | × | diverged (1/1) |" in text and "varying_sync_ma, seed 0:" in text
+
+
+def test_hybrid_warmup_T_all_diverged_quick(tmp_path):
+  out = runner.run_experiment("hybrid_warmup_T", quick=True, workdir=tmp_path,
+                              overrides=TINY[:4] + DIVERGE + ["epochs=2", "warmup_values=(1,2)"])
+  runs = _runs(tmp_path)
+  assert runs["1"][0]["diverged"] and runs["2"][0]["diverged"]
+  assert out["target"] != out["target"]  # nan: no run to take 95 % of
+  text = (tmp_path / "report.md").read_text()
+  assert "target test accuracy n/a (every run diverged)" in text
+  assert "| 1 | diverged (1/1) |" in text and "| 2 | diverged (1/1) |" in text
+  assert [v["verdict"] for v in out["verdicts"]] == [
+      "not reproduced at this scale (2 of 2 runs diverged)"] * 3
+
+
+def _run(seed, diverged=False, test_accuracy=0.9, epochs_to_target=2.0, history=None):
+  """A run record as experiments/_seed004_common.run_one returns it (no training)."""
+  nan = float("nan")
+  return {"seed": seed, "diverged": diverged, "error": "non-finite loss at step 3" if diverged
+          else None, "diverged_at_step": 3 if diverged else None,
+          "history": [] if diverged else (history or [{"epoch": 1.0, "test_accuracy": 0.5}]),
+          "summary": {"test_accuracy": nan if diverged else test_accuracy, "diverged": diverged},
+          "efficiency": {"epochs_to_target": None if diverged else epochs_to_target}}
+
+
+def test_seed004_helpers_count_diverged_runs():
+  """Partial divergence (1 of 3 seeds) in the helpers, without training."""
+  from experiments import _seed004_common as common
+  rs = [_run(0, test_accuracy=0.9), _run(1, diverged=True), _run(2, test_accuracy=0.8,
+                                                                    epochs_to_target=None)]
+
+  def acc(r):
+    return r["summary"]["test_accuracy"]
+
+  assert common.fmt_runs(rs, acc) == "0.85 ± 0.071 (1/3 diverged)"
+  # value() never sees the diverged run (its history is empty: max() would raise).
+  assert common.fmt_runs(rs, lambda r: max(h["test_accuracy"] for h in r["history"])).endswith(
+      "(1/3 diverged)")
+  assert common.fmt_runs(rs, lambda r: r["efficiency"]["epochs_to_target"], 3) == \
+      "2 (1 seed; 1 of 3 never; 1/3 diverged)"
+  assert common.fmt_runs(rs[1:2], acc) == "diverged (1/1)"
+  assert common.fmt_ms([0.5, 0.7]) == "0.6 ± 0.14"  # unchanged without divergence
+  assert common.first_ok(rs) is rs[0] and common.first_ok(rs[1:2]) is None
+  # A diverged run has no epochs-to-target bound; a run that never reached it: epochs + 1.
+  assert common.censored_epochs(rs, 5)[0] == 2.0 and common.censored_epochs(rs, 5)[2] == 6.0
+  assert common.censored_epochs(rs, 5)[1] != common.censored_epochs(rs, 5)[1]  # nan
+  c = common.base_config(True)
+  finals = {"a": [acc(r) for r in rs], "b": [float("nan")]}
+  assert common.auto_target(c, finals) == 0.807  # floor(0.95 * mean(0.9, 0.8), 3 digits)
+  assert common.auto_target(c, {"b": [float("nan")]}) != common.auto_target(c, {"b": [0.5]})
+  # Verdict: a clear effect in the finite pairs is still not reproduced with a diverged seed.
+  v = common.verdict([0.9, 0.9, 0.9, 0.9], [0.5, float("nan"), 0.51, 0.49], expect_greater=True,
+                     what="x")
+  assert v["verdict"] == "not reproduced at this scale (1 of 8 runs diverged)"
+  assert v["seeds"] == 3 and v["diverged"] == 1 and v["mean_diff"] == pytest.approx(0.4)
+  assert "over the 3 seed(s) where neither run diverged" in common.verdict_lines([v])[0]
+  ok = common.verdict([0.9, 0.9, 0.9], [0.5, 0.51, 0.49], expect_greater=True, what="x")
+  assert ok["verdict"] == "reproduced" and ok["diverged"] == 0
+  rec = common.run_record(rs[1])
+  assert rec["diverged"] and rec["error"] and rec["diverged_at_step"] == 3
+
+
+def test_seed004_add_efficiency_of_a_diverged_run():
+  from experiments import _seed004_common as common
+  from mfopt import data as data_lib
+  c = common.base_config(True)
+  ds = data_lib.load("mnist1d", num_train=64, num_test=16)
+  run = _run(0, diverged=True)
+  del run["efficiency"]
+  common.add_efficiency([run], 0.5, c, ds)
+  eff = run["efficiency"]
+  assert eff["epochs_to_target"] is None and eff["convergence_rate"] == 0.0
+  assert eff["scaling_efficiency"] != eff["scaling_efficiency"]  # nan: n/a
+  assert eff["efficiency_source"] == "n/a (run diverged)"
