@@ -9,7 +9,8 @@ sizes, same data order and initialisation per seed, equal epochs. Reports final 
 test-accuracy curves (Fig. 3.3) and training throughput in samples/s per device (Table 3.2),
 *measured on the device this ran on* (the report names it; CPU ratios are not comparable with
 the seed's V100 numbers). The gradient all-reduce runs in
-the compute dtype (``comm_dtype``: bf16 for bf16, fp16 for fp16), as in seed 004 §2.2.2 item 3.
+the compute dtype (``comm_dtype``: bf16 for bf16, fp16 for fp16), as in seed 004 §2.2.2 item 3;
+the fp16 exchange sends the gradients loss-scaled (``mfopt.comm.pmean_tree_scaled``).
 
 A run that diverges (non-finite loss: fp16 activations overflow before fp32 ones do) is
 recorded, not fatal: ``diverged`` with its error in runs.json, ``diverged (k/n)`` in the table,

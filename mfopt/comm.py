@@ -315,6 +315,32 @@ def pmean_tree(tree: Any, axis_name: AxisName, comm_dtype: Any = None) -> Any:
   return jax.tree.map(one, tree)
 
 
+def pmean_tree_scaled(tree: Any, axis_name: AxisName, comm_dtype: Any, scale: jax.Array) -> Any:
+  """:func:`pmean_tree` of a loss-scaled exchange: ``psum((x * scale / W) as comm_dtype) / scale``.
+
+  For an fp16 gradient all-reduce under dynamic loss scaling (seed 004 §2.2.2, the way
+  mixed-precision data parallelism exchanges gradients): the values cross the wire scaled,
+  so gradients below fp16's smallest subnormal (6e-8) are not flushed to zero, and divided by
+  the worker count ``W`` before the sum (apex's gradient pre-division), so the sum overflows
+  only where the mean would. An overflow gives ``inf`` on every worker, which
+  :func:`mfopt.precision.dynamic_loss_scale` reverts and backs off from. ``scale`` must be
+  the same on every worker (true under ``dynamic_loss_scale`` with a synchronous chain: every
+  worker sees the same all-reduced finiteness, so the scales move together).
+  """
+  if axis_name is None:
+    return tree
+  w = 1
+  for name in axis_tuple(axis_name):
+    w *= lax.axis_size(name)
+  scale = jnp.asarray(scale, jnp.float32)
+
+  def one(x):
+    sent = (x.astype(jnp.float32) * (scale / w)).astype(comm_dtype)
+    return (lax.psum(sent, axis_name).astype(jnp.float32) / scale).astype(x.dtype)
+
+  return jax.tree.map(one, tree)
+
+
 class SyncGradientsState(NamedTuple):
   """State of :func:`sync_gradients`: only its communication counter."""
 
@@ -337,11 +363,15 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
       ``vmap`` axis) to average over; ``None`` for one worker (no collective).
     comm_dtype: dtype the all-reduce runs in (``jnp.bfloat16`` or ``jnp.float16``
       halve the bytes); the result is cast back to the gradient's dtype.
-      ``None`` exchanges in the gradient's own dtype.
+      ``None`` exchanges in the gradient's own dtype. An fp16 exchange inside
+      :func:`mfopt.precision.dynamic_loss_scale` sends the gradients loss-scaled
+      (:func:`pmean_tree_scaled`): that transform passes its scale as the extra
+      argument ``loss_scale``, which ``optax.chain`` forwards.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state counts one all-reduce per
-    step and its payload (parameters x exchanged dtype size, per worker).
+    An ``optax.GradientTransformationExtraArgs`` whose state counts one all-reduce per
+    step and its payload (parameters x exchanged dtype size, per worker). Its update
+    takes an optional keyword ``loss_scale`` (used by an fp16 exchange only).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, mfopt
@@ -359,12 +389,17 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
     payload = 0 if axis_name is None else tree_payload_bytes(params, comm_dtype)
     return SyncGradientsState(comm=init_comm_stats(payload, CollectiveKind.ALL_REDUCE))
 
-  def update_fn(updates, state, params=None):
-    del params
+  scaled_exchange = comm_dtype is not None and jnp.dtype(comm_dtype) == jnp.float16
+
+  def update_fn(updates, state, params=None, *, loss_scale=None, **extra_args):
+    del params, extra_args
     if axis_name is None:
       return updates, state
-    updates = pmean_tree(updates, axis_name, comm_dtype)
+    if scaled_exchange and loss_scale is not None:
+      updates = pmean_tree_scaled(updates, axis_name, comm_dtype, loss_scale)
+    else:
+      updates = pmean_tree(updates, axis_name, comm_dtype)
     comm = state.comm._replace(count=state.comm.count + 1)
     return updates, SyncGradientsState(comm=comm)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -44,9 +44,13 @@ gradient it computes itself, while the synchronous decision needs the all-reduce
 checks the two agree. Reused from flax: the ``DynamicScale`` state and hyperparameters, and
 ``value_and_grad`` for the scaling and unscaling.
 
-Not done: gradients reach ``sync_gradients`` already unscaled, so an fp16 all-reduce
-(``comm_dtype=jnp.float16``) exchanges unscaled gradients (prefer ``comm_dtype=jnp.bfloat16``,
-same bytes, float32 range).
+fp16 all-reduce: the train step's gradients are unscaled float32, and
+:func:`dynamic_loss_scale` passes its scale to ``inner`` as the optax extra argument
+``loss_scale``; ``sync_gradients(axes, comm_dtype=jnp.float16)`` then exchanges them scaled
+again and pre-divided by the worker count (:func:`mfopt.comm.pmean_tree_scaled`), so small
+gradients survive the fp16 wire and an overflowing sum is an overflowing step (reverted, scale
+backed off, on every worker alike). Other transforms ignore the argument; a bf16 exchange
+needs no scale (float32's range).
 
 Seed: 004 §2.2.2 (items 1-3).
 """
@@ -248,9 +252,12 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
     return LossScaleState(dynamic_scale=ds, inner_state=inner.init(params),
                           finite=jnp.array(True), overflows=jnp.zeros([], jnp.int32))
 
+  inner_x = optax.with_extra_args_support(inner)  # plain transforms ignore loss_scale
+
   def update_fn(updates, state, params=None):
     local_finite = _all_finite(updates)
-    new_updates, new_inner = inner.update(updates, state.inner_state, params)
+    new_updates, new_inner = inner_x.update(updates, state.inner_state, params,
+                                            loss_scale=state.dynamic_scale.scale)
     updates_finite = _all_finite(new_updates)
     finite = local_finite & updates_finite
     revert = ~updates_finite

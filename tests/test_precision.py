@@ -242,3 +242,77 @@ def test_plain_optimizer_compiles_to_the_same_step():
   scaled = train.make_train_step(model, scaled_tx, mesh=mesh, num_workers=W, donate=False)
   scaled_checks = scaled.lower(scaled_state, batch).as_text().count("stablehlo.is_finite")
   assert scaled_checks > plain_checks
+
+
+# ----------------------------------------------------------------------------- fp16 all-reduce
+
+
+def _sync_fp16(grads, scale, *, wrap):
+  """sync_gradients(('a', 'b'), fp16) over a 2 x 2 grid of workers (nested vmap)."""
+  sync = mfopt.sync_gradients(("a", "b"), comm_dtype=jnp.float16)
+  tx = precision.dynamic_loss_scale(optax.chain(sync, optax.sgd(1.0)), init_scale=scale) \
+      if wrap else sync
+
+  def one(g):
+    state = tx.init({"w": g})
+    if not wrap:
+      return tx.update({"w": g}, state, loss_scale=scale)[0]["w"], None
+    u, s = tx.update({"w": g}, state, {"w": g})
+    return -u["w"], s.dynamic_scale.scale
+
+  return jax.vmap(jax.vmap(one, axis_name="b"), axis_name="a")(grads.reshape(2, 2, -1))
+
+
+def test_fp16_all_reduce_sends_loss_scaled_gradients():
+  # Gradients around 1e-8, below fp16's smallest subnormal (6e-8): the unscaled fp16 exchange
+  # flushes almost all of them to zero; loss-scaled and pre-divided they arrive within fp16's
+  # relative precision of the float32 mean (a NumPy reference).
+  rng = np.random.default_rng(0)
+  g = (1e-8 * rng.normal(size=(4, 64))).astype(np.float32)
+  ref = g.mean(axis=0)
+  unscaled, _ = _sync_fp16(jnp.asarray(g), None, wrap=False)
+  assert np.mean(np.asarray(unscaled)[0, 0] == 0) > 0.5
+  scaled, _ = _sync_fp16(jnp.asarray(g), 2.0 ** 15, wrap=False)
+  for out in np.asarray(scaled).reshape(4, -1):
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
+  # Through dynamic_loss_scale, which passes its scale to the chain: the same numbers.
+  via, scales = _sync_fp16(jnp.asarray(g), 2.0 ** 15, wrap=True)
+  np.testing.assert_allclose(np.asarray(via).reshape(4, -1)[0], ref, rtol=0,
+                             atol=2e-3 * np.abs(ref).max())
+  np.testing.assert_array_equal(np.asarray(scales), np.full((2, 2), 2.0 ** 15))
+
+
+def test_fp16_all_reduce_overflow_is_an_overflowing_step_on_every_worker():
+  # One worker's gradient 20 x scale 2**15 / 4 workers = 163840 > 65504: the fp16 sum is inf
+  # everywhere, so every worker reverts the step and halves its scale (the scales stay equal).
+  g = np.full((4, 8), 1e-3, np.float32)
+  g[3] = 20.0
+  upd, scales = _sync_fp16(jnp.asarray(g), 2.0 ** 15, wrap=True)
+  np.testing.assert_array_equal(np.asarray(upd), 0.0)
+  np.testing.assert_array_equal(np.asarray(scales), np.full((2, 2), 2.0 ** 14))
+  # At a scale where it fits, the same gradients are averaged (float32 reference).
+  upd, scales = _sync_fp16(jnp.asarray(g), 2.0 ** 10, wrap=True)
+  np.testing.assert_allclose(np.asarray(upd).reshape(4, -1), np.broadcast_to(g.mean(0), (4, 8)),
+                             rtol=2e-3)
+
+
+def test_fp16_all_reduce_in_the_train_step_matches_fp32_exchange():
+  # On the device mesh (shard_map axis x vmap axis): one fp16-policy step exchanging fp16
+  # gradients lands within fp16 rounding of the same step exchanging float32 ones.
+  mesh = _mesh()
+  model = _model("fp16")
+  rng = np.random.default_rng(3)
+  b = _batch(rng)
+  out = {}
+  for name, dt in (("fp16", jnp.float16), ("fp32", None)):
+    tx = precision.dynamic_loss_scale(
+        optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES, comm_dtype=dt), optax.sgd(0.5)))
+    state = train.init_train_state(model, tx, b["x"][0], num_workers=W, mesh=mesh)
+    step = train.make_train_step(model, tx, mesh=mesh, num_workers=W, donate=False)
+    init = _np(state.params)
+    state, m = step(state, parallel.shard_workers(b, mesh))
+    assert (np.asarray(m["overflow"]) == 0).all()
+    out[name] = jax.tree.map(lambda a, c: a - c, _np(state.params), init)
+  for a, c in zip(jax.tree.leaves(out["fp16"]), jax.tree.leaves(out["fp32"])):
+    assert np.abs(c).max() > 0
+    np.testing.assert_allclose(a, c, rtol=0, atol=2e-3 * np.abs(c).max())
