@@ -76,7 +76,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         res = suite.run(c, suite.STRATEGIES[name](c), dataset=ds, model=model, network=net,
                         seed=seed, desc=f"{net}/{name}/seed{seed}", on_log=on_log)
         s = res.summary
-        row = {"network": net, "strategy": name, "seed": seed,
+        row = {"network": net, "strategy": name, "seed": seed, "diverged": s["diverged"],
                **{k: s[k] for k in ("test_accuracy", "final_train_loss", "server_steps", "sim_time_s",
                                     "mean_staleness", "mean_k", "link_utilisation_push",
                                     "exchanges_per_worker", "bytes_per_worker")},

@@ -62,6 +62,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         res = suite.run(c, suite.STRATEGIES[name](c), dataset=ds, model=model, network=c.network,
                         seed=seed, num_workers=m, desc=f"{name}/M={m}/seed{seed}", on_log=on_log)
         rows.append({"strategy": name, "workers": m, "seed": seed,
+                     "diverged": res.summary["diverged"],
                      "test_accuracy": res.summary["test_accuracy"],
                      "mean_staleness": res.summary["mean_staleness"],
                      **suite.to_target(res, c.target_accuracy)})

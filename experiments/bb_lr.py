@@ -63,7 +63,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                         model=model, network=c.network, seed=seed, desc=f"{name}/seed{seed}",
                         on_log=on_log)
         s = res.summary
-        row = {"variant": name, "seed": seed, "test_accuracy": s["test_accuracy"],
+        row = {"variant": name, "seed": seed, "diverged": s["diverged"],
+               "test_accuracy": s["test_accuracy"],
                **suite.to_target(res, c.target_accuracy)}
         if use_bb:
           finals = np.array([t[-1][1] for t in res.lr_traces if t])

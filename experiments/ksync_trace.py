@@ -78,7 +78,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       res = suite.run(c, make(c), dataset=ds, model=model, network=c.network, seed=seed,
                       desc=f"{name}/seed{seed}", on_log=on_log)
       ks = [int(k) for _, _, k in res.k_trace]
-      rows.append({"variant": name, "seed": seed, "test_accuracy": res.summary["test_accuracy"],
+      rows.append({"variant": name, "seed": seed, "diverged": res.summary["diverged"],
+                   "test_accuracy": res.summary["test_accuracy"],
                    "k_p10": float(np.percentile(ks, 10)), "k_p50": float(np.percentile(ks, 50)),
                    "k_p90": float(np.percentile(ks, 90)), "k_mean": float(np.mean(ks)),
                    "frac_k_below_5": float(np.mean(np.asarray(ks) < 5)),

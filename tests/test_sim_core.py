@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mfopt import costmodel, data, models, sim
-from mfopt.sim import clock
+from mfopt.sim import clock, suite
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +328,41 @@ def test_paired_claim_needs_every_seed_and_two_std_of_the_paired_differences():
   assert suite.holds_in_every_seed({0: True, 1: False}) == (
       "not reproduced at this scale (holds in 1/2 seeds)")
   assert suite.holds_in_every_seed({0: True, 1: True}) == "reproduced"
+
+
+def test_a_diverging_run_stops_at_the_evaluation_that_sees_it(ds, linear):
+  # A two-layer ReLU MLP at lr 100 (a linear model's loss only grows linearly in lr): its
+  # server model overflows within a few evaluations; the run stops there (not at max_samples),
+  # flags it, and a checkpoint of the stopped run stays stopped.
+  mlp = models.get_model("mlp", hidden=(16, 16), num_classes=10)
+
+  def build():
+    return sim.Simulator(sim.ASP(sim.BaseSGD(100.0)), model=mlp, dataset=ds, num_workers=4,
+                         per_worker_batch=8, network=None, eval_every_samples=64,
+                         compute=sim.ComputeModel(0.01))
+  s = build()
+  s.run(max_samples=64 * 40)
+  res = s.result()
+  assert res.summary["diverged"] and res.summary["diverged_at_samples"] == s.samples
+  assert s.samples < 64 * 40
+  assert not np.isfinite(res.history[-1]["test_loss"])
+  assert all(np.isfinite(h["test_loss"]) for h in res.history[:-1])
+  again = build()
+  again.load_state_dict(pickle.loads(pickle.dumps(s.state_dict())))
+  again.run(max_samples=64 * 40)
+  assert again.samples == s.samples and again.result().summary["diverged"]
+  fine = sim.Simulator(sim.ASP(sim.BaseSGD(0.05)), model=linear, dataset=ds, num_workers=4,
+                       per_worker_batch=8, network=None, eval_every_samples=64,
+                       compute=sim.ComputeModel(0.01))
+  fine.run(max_samples=64 * 4)
+  assert fine.result().summary["diverged"] is False and fine.samples == 64 * 4
+
+
+def test_suite_tables_count_diverged_runs():
+  rows = [{"k": "a", "seed": s, "diverged": s == 2, "acc": [0.8, 0.9, float("nan")][s]}
+          for s in range(3)]
+  rows += [{"k": "b", "seed": s, "diverged": True, "acc": float("nan")} for s in range(3)]
+  table = {r["k"]: r for r in suite.aggregate(rows, ("k",), ("acc",))}
+  assert table["a"]["diverged"] == 1 and table["b"]["diverged"] == 3
+  assert suite.pm(table["a"], "acc") == "0.85 ± 0.071 (2/3; 1 diverged)"
+  assert suite.pm(table["b"], "acc") == "diverged (3/3)"

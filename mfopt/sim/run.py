@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -250,6 +251,7 @@ class Simulator:
     self.history: list[dict[str, Any]] = []
     self.window: list[float] = []
     self.next_eval = eval_every_samples or 0
+    self.diverged_at: int | None = None  # samples at the evaluation that found a non-finite loss
     self.queue = clock_lib.EventQueue()
     self._batches: dict[int, dict[str, np.ndarray]] = {}
 
@@ -482,13 +484,19 @@ class Simulator:
   def run(self, *, max_samples: int | None = None, max_server_steps: int | None = None,
           max_time: float | None = None, max_events: int | None = None, progress: bool = False,
           desc: str | None = None, on_log: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Runs events until a limit is reached (at least one limit is required)."""
+    """Runs events until a limit is reached (at least one limit is required).
+
+    A run whose evaluated model has a non-finite test loss at an evaluation (every
+    ``eval_every_samples``) has diverged: it stops there (nothing after it would be a
+    number), says so on stderr, and its summary has ``diverged`` true and
+    ``diverged_at_samples``.
+    """
     if all(v is None for v in (max_samples, max_server_steps, max_time, max_events)):
       raise ValueError("run needs at least one of max_samples, max_server_steps, max_time, max_events")
     bar = tqdm(total=max_samples, desc=desc, disable=not progress, leave=False, unit="samples")
     done_samples = self.samples
     events = 0
-    while True:
+    while self.diverged_at is None:
       if ((max_samples is not None and self.samples >= max_samples)
           or (max_server_steps is not None and self.version >= max_server_steps)
           or (max_time is not None and self.now >= max_time)
@@ -502,6 +510,10 @@ class Simulator:
         row = self._log()
         if on_log is not None:
           on_log(row)
+        if not np.isfinite(row["test_loss"]):
+          self.diverged_at = self.samples
+          print(f"{desc or self.strategy.describe()}: diverged (non-finite test loss after "
+                f"{self.samples} samples); simulation stopped", file=sys.stderr)
       if self.samples != done_samples:
         bar.update(self.samples - done_samples)
         done_samples = self.samples
@@ -540,6 +552,8 @@ class Simulator:
         "mean_k": float(np.mean(ks)) if ks else float("nan"),
         "dropped_gradients": self.dropped,
         "versions_stored": len(self.versions),
+        "diverged": self.diverged_at is not None or not np.isfinite(self.history[-1]["test_loss"]),
+        "diverged_at_samples": self.diverged_at,
     }
     if s.bb is not None:
       summary.update({f"bb_{k}": v for k, v in self.bb_stats.items()})
@@ -576,7 +590,8 @@ class Simulator:
         "lr_traces": [[list(r) for r in t] for t in self.lr_traces],
         "server_lr_trace": [list(r) for r in self.server_lr_trace],
         "history": [dict(r) for r in self.history], "window": list(self.window),
-        "next_eval": self.next_eval, "queue": self.queue.state_dict(),
+        "next_eval": self.next_eval, "diverged_at": self.diverged_at,
+        "queue": self.queue.state_dict(),
         "link": self.link.state_dict(), "strategy": self.strategy.state_dict(),
     }
 
@@ -606,6 +621,7 @@ class Simulator:
     self.history = [dict(r) for r in d["history"]]
     self.window = list(d["window"])
     self.next_eval = d["next_eval"]
+    self.diverged_at = d.get("diverged_at")  # absent in checkpoints written before it existed
     self.queue = clock_lib.EventQueue.from_state_dict(d["queue"])
     self.link.load_state_dict(d["link"])
     self.strategy.load_state_dict(d["strategy"])

@@ -114,18 +114,28 @@ def load(c):
 def run(c, strategy: server.Strategy, *, dataset, model, network: str | None, seed: int,
         num_workers: int | None = None, epochs: float | None = None, desc: str | None = None,
         on_log: Callable[[dict[str, Any]], None] | None = None) -> run_lib.SimResult:
-  """One simulated run of ``strategy`` for ``epochs`` of data (equal samples across strategies)."""
+  """One simulated run of ``strategy`` for ``epochs`` of data (equal samples across strategies).
+
+  A run that diverged (``summary["diverged"]``: a non-finite test loss stopped it) has ``nan``
+  for its final ``test_accuracy``, ``test_loss`` and ``final_train_loss`` (the accuracy of a
+  non-finite model is a constant prediction's, not a result); its history keeps what was
+  logged. Per-seed rows carry ``diverged`` so :func:`aggregate` and :func:`pm` count it.
+  """
   n = len(dataset.train)
   m = num_workers or c.num_workers
   compute = clock.ComputeModel(c.compute_s, speed_spread=c.speed_spread, jitter_sigma=c.jitter_sigma,
                                straggler_prob=c.straggler_prob,
                                straggler_slowdown=c.straggler_slowdown)
-  return run_lib.simulate(
+  res = run_lib.simulate(
       strategy, model=model, dataset=dataset, num_workers=m, per_worker_batch=c.per_worker_batch,
       max_samples=int((epochs or c.epochs) * n), seed=seed, compute=compute, network=network,
       duplex=c.duplex, payload_bytes=4 * c.payload_params if c.payload_params else None,
       eval_every_samples=max(1, int(c.eval_every_epochs * n)), progress=c.progress, desc=desc,
       on_log=on_log)
+  if res.summary["diverged"]:
+    res.summary.update(test_accuracy=float("nan"), test_loss=float("nan"),
+                       final_train_loss=float("nan"))
+  return res
 
 
 def to_target(result: run_lib.SimResult, target: float) -> dict[str, float]:
@@ -158,7 +168,8 @@ def per_step_times(result: run_lib.SimResult) -> dict[str, float]:
 def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], fields: Sequence[str]
               ) -> list[dict[str, Any]]:
   """Groups ``rows`` by ``keys``; for each field gives ``<f>_mean``, ``<f>_std`` (over finite values)
-  and ``<f>_n`` (how many seeds had a finite value)."""
+  and ``<f>_n`` (how many seeds had a finite value); ``diverged`` counts rows whose run
+  diverged (their ``diverged`` field, :func:`run`)."""
   groups: dict[tuple, list[Mapping[str, Any]]] = {}
   for r in rows:
     groups.setdefault(tuple(r[k] for k in keys), []).append(r)
@@ -166,6 +177,7 @@ def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], fields: Se
   for key, rs in groups.items():
     row: dict[str, Any] = dict(zip(keys, key))
     row["seeds"] = len(rs)
+    row["diverged"] = sum(bool(r.get("diverged")) for r in rs)
     for f in fields:
       vals = [float(r[f]) for r in rs if r.get(f) is not None and np.isfinite(float(r[f]))]
       mean, std = report.mean_std(vals) if vals else (float("nan"), float("nan"))
@@ -175,13 +187,17 @@ def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], fields: Se
 
 
 def pm(row: Mapping[str, Any], field: str, digits: int = 3) -> str:
-  """``mean ± std (n/seeds)`` cell."""
+  """``mean ± std (n/seeds)`` cell; diverged runs (simulation stopped) are counted in it."""
   m, s, n = row[field + "_mean"], row[field + "_std"], row[field + "_n"]
+  d = row.get("diverged", 0)
+  div = f"; {d} diverged" if d else ""
   if not n:
-    return f"not reached (0/{row['seeds']})"
+    return f"diverged ({d}/{row['seeds']})" if d == row["seeds"] else \
+        f"not reached (0/{row['seeds']}{div})"
   if n == 1:  # one value has no spread
-    return f"{m:.{digits}g} (1/{row['seeds']} seeds)" if row["seeds"] > 1 else f"{m:.{digits}g} (1 seed)"
-  tail = f" ({n}/{row['seeds']})" if n != row["seeds"] else ""
+    return (f"{m:.{digits}g} (1/{row['seeds']} seeds{div})" if row["seeds"] > 1
+            else f"{m:.{digits}g} (1 seed)")
+  tail = f" ({n}/{row['seeds']}{div})" if n != row["seeds"] else ""
   return f"{m:.{digits}g} ± {s:.2g}{tail}"
 
 
