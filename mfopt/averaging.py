@@ -456,7 +456,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   keep_anchor = outer is not None or comm_dtype is not None
   outer_tx = outer if outer is not None else optax.identity()
   communicates = axis_name is not None
-  nan = jnp.asarray(jnp.nan, jnp.float32)
+
+  def nan():  # a fresh array each call: a closed-over one put in the state could be donated
+    return jnp.full([], jnp.nan, jnp.float32)
 
   def is_flat(params) -> bool:
     """Whether the anchor is one flat vector: decided from the parameters' dtypes alone, so
@@ -479,17 +481,19 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # Without a trace the fields are empty tuples, not zero-size arrays (orbax
     # refuses to checkpoint zero-size arrays).
     diag = AveragingDiagnostics(
-        syncs=jnp.zeros([], jnp.int32), last_sync_variance=nan, variance=nan,
+        syncs=jnp.zeros([], jnp.int32), last_sync_variance=nan(), variance=nan(),
         variance_sum=jnp.zeros([], jnp.float32), variance_exchanges=jnp.zeros([], jnp.int32),
         trace_step=jnp.zeros([t], jnp.int32) if t else (),
         trace_period=jnp.zeros([t], jnp.int32) if t else (),
         trace_sync_variance=jnp.full([t], jnp.nan, jnp.float32) if t else (),
         trace_mean_variance=jnp.full([t], jnp.nan, jnp.float32) if t else (),
         trace_lr=jnp.full([t], jnp.nan, jnp.float32) if t else ())
+    # Copies, never the caller's arrays: a train step that donates its params
+    # (``donate_argnums``) must not delete the anchor (optax's states never alias params).
     if is_flat(params):
-      anchor = ravel_pytree(params)[0]
+      anchor = jnp.array(ravel_pytree(params)[0], copy=True)
     else:
-      anchor = jax.tree.map(jnp.asarray, params) if keep_anchor else ()
+      anchor = jax.tree.map(lambda x: jnp.array(x, copy=True), params) if keep_anchor else ()
     return PeriodicAveragingState(
         count=jnp.zeros([], jnp.int32), inner_state=inner_state,
         outer_state=outer_tx.init(anchor if keep_anchor else params),
@@ -551,10 +555,11 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         scalar_comm = scalar_comm._replace(
             count=scalar_comm.count + (1 if communicates else 0))
       else:
-        s_k = nan
+        s_k = nan()
       if outer is not None:
         pseudo_grad = jax.tree.map(jnp.subtract, anchor, mean)
-        outer_updates, outer_state = outer_tx.update(pseudo_grad, outer_state, anchor)
+        new_outer = outer_tx.update(pseudo_grad, outer_state, anchor)
+        outer_updates, outer_state = new_outer[0], _same_dtypes(new_outer[1], outer_state)
         new_params = optax.apply_updates(anchor, outer_updates)
       else:
         new_params = mean
@@ -567,10 +572,10 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       if communicates:
         param_comm = param_comm._replace(count=param_comm.count + 1)
       # Diagnostics: V_t (eq. 11) over the steps of this round, and the trace.
-      v_t = diag.variance_sum / steps_since.astype(jnp.float32) if track_variance else nan
+      v_t = diag.variance_sum / steps_since.astype(jnp.float32) if track_variance else nan()
       if trace_length:
         i = diag.syncs % trace_length
-        lr_k = (nan if controller.learning_rate is None
+        lr_k = (nan() if controller.learning_rate is None
                 else jnp.asarray(controller.learning_rate(k), jnp.float32))
         diag = diag._replace(
             trace_step=diag.trace_step.at[i].set(k + 1),
@@ -620,6 +625,17 @@ def _host_schedule(controller: PeriodController) -> HostSchedule:
     return due, (count + 1, 0 if due else cnt, period)
 
   return HostSchedule(read, next_, reread_after_open=controller.uses_variance)
+
+
+def _same_dtypes(new: Any, old: Any) -> Any:
+  """``new`` with each array leaf cast to ``old``'s dtype.
+
+  The sync runs in a loop whose carry keeps its types, but an optax state may drift: an
+  ``optax.inject_hyperparams`` outer optimizer with float32 hyperparameters promotes a bf16
+  leaf's momentum trace to float32 (used on its own it would just keep the float32 trace). Here
+  the outer state keeps the dtypes ``init`` gave it, the parameters' own.
+  """
+  return jax.tree.map(lambda n, o: n.astype(o.dtype) if hasattr(o, "dtype") else n, new, old)
 
 
 def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,

@@ -552,3 +552,63 @@ def test_block_momentum_momentum_can_be_injected():
   plain = run(mfopt.block_momentum(optax.sgd(0.1), None, 2, momentum=0.6))
   np.testing.assert_allclose(np.stack(run(injected)), np.stack(plain), rtol=1e-6, atol=1e-7)
   assert np.abs(run(injected, new_momentum=0.0)[-1] - plain[-1]).max() > 1e-3
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mfopt.periodic_averaging(optax.sgd(0.1), None, 2, trace_length=4),
+    lambda: mfopt.periodic_averaging(optax.sgd(0.1), None, mfopt.adpsgd_period(
+        learning_rate=0.1, p_init=2, sampling_steps=3), trace_length=4),
+    lambda: mfopt.periodic_averaging(optax.sgd(0.1), None, 2, outer=optax.sgd(0.7)),
+    lambda: mfopt.periodic_averaging(optax.sgd(0.1), None, 2, comm_dtype="bf16"),
+    lambda: mfopt.block_momentum(optax.sgd(0.1), None, 2),
+], ids=["trace", "adpsgd", "outer", "comm_dtype", "block_momentum"])
+def test_state_from_an_eager_init_survives_a_donating_step(make):
+  # The usual JAX idiom: an eager tx.init, then a jitted step that donates params and state.
+  # The state must own its buffers (optax's do): no array shared between two state fields,
+  # with the caller's params (the anchor), or with a constant the transform closes over.
+  tx = make()
+  params = {"w": jnp.ones((3,), jnp.float32), "b": jnp.ones((2,), jnp.bfloat16)}
+  grads = {"w": jnp.full((3,), 0.5, jnp.float32), "b": jnp.full((2,), 0.5, jnp.bfloat16)}
+  state = tx.init(params)
+  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  ids = [id(x) for x in leaves] + [id(x) for x in jax.tree.leaves(params)]
+  assert len(ids) == len(set(ids))
+
+  def step(p, s):
+    u, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+
+  donating = jax.jit(step, donate_argnums=(0, 1))
+  for _ in range(3):
+    params, state = donating(params, state)
+  # The transform still traces anew (its closed-over constants were not donated).
+  p2, _ = jax.jit(lambda p, s: step(p, s))(params, tx.init(params))
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(p2))
+
+
+@pytest.mark.parametrize("which", ["block_momentum", "outer"])
+def test_injected_float32_hyperparameters_on_a_mixed_dtype_tree(which):
+  # inject_hyperparams gives float32 hyperparameters; the outer momentum trace of a bf16
+  # leaf stays bf16 (the sync loop's carry keeps its dtypes), and the step matches a NumPy
+  # re-derivation of block momentum (SPEC: v = mu v + (anchor - mean); w = anchor - v).
+  params = {"w": jnp.ones((3,), jnp.float32), "b": jnp.ones((2,), jnp.bfloat16)}
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
+  if which == "block_momentum":
+    tx = optax.inject_hyperparams(mfopt.block_momentum, static_args=("period", "trace_length"))(
+        optax.sgd(0.1), None, 2, momentum=0.5)
+  else:
+    tx = mfopt.periodic_averaging(optax.sgd(0.1), None, 2, outer=optax.inject_hyperparams(
+        optax.sgd)(learning_rate=1.0, momentum=0.5))
+  state, p = tx.init(params), params
+  step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+  for _ in range(4):
+    u, state = step(grads, state, p)
+    p = optax.apply_updates(p, u)
+  # one worker: mean = local; two local steps of -0.05 each per round
+  v, w = 0.0, 1.0
+  for _ in range(2):
+    v = 0.5 * v + 0.1
+    w = w - v
+  np.testing.assert_allclose(np.asarray(p["w"]), w, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(p["b"], np.float32), w, rtol=1e-2)
+  assert p["b"].dtype == jnp.bfloat16
