@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["is_int", "is_real", "is_traced", "real_scalar", "number_where", "positive_int", "nonnegative_int",
@@ -40,11 +41,13 @@ def real_scalar(value: Any) -> tuple[bool, Any]:
   only at run time, and it was checked as a concrete value when the transform was built."""
   if is_real(value):
     return True, value
+  # jnp.issubdtype: bfloat16 (what inject_hyperparams hands out for bf16 params) is a float
+  # to JAX but not to NumPy.
   if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and (
-      np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+      jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
     if is_traced(value):
       return True, None
-    return True, value.item()
+    return True, (float(value) if jnp.issubdtype(value.dtype, jnp.floating) else int(value))
   return False, None
 
 
@@ -80,8 +83,18 @@ def number_where(name: str, value: Any, holds, what: str) -> Any:
   must be ``what``; a tracer passes unchecked (see :func:`real_scalar`)."""
   ok, v = real_scalar(value)
   if not ok or (v is not None and not holds(v)):
-    raise ValueError(f"{name} must be {what}, got {value!r}")
+    raise ValueError(f"{name} must be {what}, got {value!r}{_low_precision_hint(value)}")
   return value
+
+
+def _low_precision_hint(value: Any) -> str:
+  """For a 16-bit float hyperparameter (``optax.inject_hyperparams`` with bf16/fp16 params):
+  rounding may be what broke it (0.999 is 1.0 in bfloat16)."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits <= 16:
+    return (f" ({jnp.dtype(dtype).name} rounds hyperparameters, e.g. 0.999 to 1.0: pass "
+            "hyperparam_dtype=jnp.float32 to optax.inject_hyperparams)")
+  return ""
 
 
 def positive_number(name: str, value: Any) -> Any:

@@ -97,7 +97,8 @@ def _check_mf(name: str, value: ScalarOrSchedule, validate_steps: int | None,
   for t, v in enumerate(values):
     if not (0.0 <= v < 1.0):
       where = f" at step {t}" if callable(value) else ""
-      raise ValueError(f"{name} must be in [0, 1), got {v!r}{where}")
+      raise ValueError(f"{name} must be in [0, 1), got {v!r}{where}"
+                       f"{_checks._low_precision_hint(value)}")
   if non_decreasing and callable(value):
     for t in range(1, len(values)):
       if values[t] < values[t - 1]:

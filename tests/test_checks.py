@@ -140,3 +140,21 @@ def test_comm_dtype_accepts_the_policy_names():
   from mfopt import comm
   assert comm.comm_dtype_of("bf16") == jnp.bfloat16 and comm.comm_dtype_of("fp16") == jnp.float16
   assert comm.comm_dtype_of(jnp.bfloat16) == jnp.bfloat16 and comm.comm_dtype_of(None) is None
+
+
+def test_bf16_hyperparameters_from_inject_hyperparams_are_numbers():
+  # optax.inject_hyperparams hands bf16 params' hyperparameters over as 0-d bf16 arrays:
+  # accepted like float32 ones (NumPy does not call bfloat16 a float; JAX does).
+  import jax
+  import jax.numpy as jnp
+  import optax
+  params = {"w": jnp.ones((3,), jnp.bfloat16)}
+  tx = optax.inject_hyperparams(mfopt.mf_sgd)(learning_rate=0.1, mf=0.9)
+  state = tx.init(params)
+  assert state.hyperparams["mf"].dtype == jnp.bfloat16
+  u, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+  np.testing.assert_allclose(np.asarray(u["w"], np.float32), -0.1, rtol=1e-2)
+  # A value bf16 rounding broke (0.999 -> 1.0) is refused, and the message says why.
+  with pytest.raises(ValueError, match=r"b2 must be in \[0, 1\).*bfloat16 rounds.*"
+                                       r"hyperparam_dtype=jnp.float32"):
+    optax.inject_hyperparams(mfopt.adabound)(learning_rate=0.1).init(params)
