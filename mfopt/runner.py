@@ -279,28 +279,47 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
                     allow_config_change: bool = False) -> bool:
   """True if ``workdir`` holds checkpoints of this same experiment and config (resume).
 
-  Raises ConfigError naming every differing field when the checkpoints there
-  were written for another experiment or config, unless ``allow_config_change``.
+  Raises ConfigError naming every differing field when the workdir's ``config.json`` (written
+  when a run starts) is another experiment's or config's, unless ``allow_config_change``:
+  with or without checkpoints, since an interrupted run's ``metrics.jsonl`` rows (and a
+  simulator run's, which has no checkpoints) would otherwise mix with this config's.
   """
   ckpt_root = workdir / CHECKPOINTS
-  if not (ckpt_root.is_dir() and any(ckpt_root.iterdir())):
-    return False
+  has_ckpts = ckpt_root.is_dir() and any(ckpt_root.iterdir())
   saved_path = workdir / "config.json"
   if not saved_path.exists():
-    raise ConfigError(f"{ckpt_root} holds checkpoints but {saved_path} is missing; cannot tell "
-                      "which experiment wrote them (use another --workdir or --restart)")
+    if has_ckpts:
+      raise ConfigError(f"{ckpt_root} holds checkpoints but {saved_path} is missing; cannot "
+                        "tell which experiment wrote them (use another --workdir or --restart)")
+    return False
   saved = json.loads(saved_path.read_text())
   diff = [d for d in checkpoint.config_diff(saved, record)
           if d.split(":", 1)[0] not in DISPLAY_FIELDS]
+  what = "checkpoints" if has_ckpts else "results"
   if diff and not allow_config_change:
     raise ConfigError(
-        f"{workdir} holds checkpoints of a different experiment or config; differing fields "
-        f"(checkpoint -> now): {'; '.join(diff)}. Use another --workdir, --restart to discard "
-        "them, or --allow-config-change to resume anyway")
+        f"{workdir} holds {what} of a different experiment or config; differing fields "
+        f"({what[:-1] if has_ckpts else 'saved'} -> now): {'; '.join(diff)}. Use another "
+        "--workdir, --restart to discard them, or --allow-config-change to "
+        + ("resume anyway" if has_ckpts else "add to them anyway"))
   if diff:
-    print(f"warning: resuming {workdir} despite config changes: {'; '.join(diff)}",
-          file=sys.stderr)
-  return True
+    print(f"warning: {'resuming' if has_ckpts else 'writing into'} {workdir} despite config "
+          f"changes: {'; '.join(diff)}", file=sys.stderr)
+  return has_ckpts
+
+
+RUN_DATA = ("config.json", "summary.json", "metrics.jsonl")  # what --restart discards, with the
+# checkpoints: the data log of every process (process-<i>/ too); reports and plots are rewritten.
+
+
+def discard_run_data(workdir: pathlib.Path) -> None:
+  """``--restart``: removes ``workdir``'s checkpoints and data log (:data:`RUN_DATA`), so the
+  new run's ``metrics.jsonl`` holds its own rows only. Other files are left to be rewritten."""
+  if (workdir / CHECKPOINTS).exists():
+    shutil.rmtree(workdir / CHECKPOINTS)
+  for d in [workdir, *sorted(workdir.glob("process-*"))]:
+    for name in RUN_DATA:
+      (d / name).unlink(missing_ok=True)
 
 
 def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike | None = None,
@@ -316,8 +335,10 @@ def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike
   same workdir resumes: finished runs return their saved results, the
   interrupted one continues from its last good checkpoint, bit for bit. A
   workdir whose checkpoints were written for another experiment or config is
-  refused (ConfigError naming the fields) unless ``allow_config_change``;
-  ``restart`` deletes its checkpoints first.
+  refused (ConfigError naming the fields) unless ``allow_config_change``, and so is one whose
+  ``config.json`` says another config wrote its results (no checkpoints: a run interrupted
+  before its first save, or a simulator experiment); ``restart`` deletes the checkpoints and
+  the data log (:func:`discard_run_data`) first.
 
   In a multi-process job (``mfopt.distributed``) all processes share
   ``workdir/checkpoints``; process 0 writes ``config.json``/``summary.json`` and
@@ -344,8 +365,8 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
 
   primary = jax.process_index() == 0
   record = {"experiment": name, "quick": quick, "config": config.to_dict()}
-  if restart and primary and (workdir / CHECKPOINTS).exists():
-    shutil.rmtree(workdir / CHECKPOINTS)
+  if restart and primary:
+    discard_run_data(workdir)
   resumed = check_resumable(workdir, record, allow_config_change=allow_config_change)
   workdir.mkdir(parents=True, exist_ok=True)
   enable_compilation_cache()
@@ -386,9 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--keep-checkpoints", type=int, default=2,
                       help="checkpoints kept per run (>= 2 allows falling back past a corrupt one)")
   parser.add_argument("--allow-config-change", action="store_true",
-                      help="resume from a workdir whose checkpoints were written with another config")
+                      help="resume from (or add to) a workdir whose checkpoints or results were "
+                      "written with another config")
   parser.add_argument("--restart", action="store_true",
-                      help="delete the workdir's checkpoints and start from scratch")
+                      help="delete the workdir's checkpoints and data log (config.json, "
+                      "summary.json, metrics.jsonl) and start from scratch")
   dist = parser.add_argument_group("multi-process (see mfopt.distributed; default: environment)")
   dist.add_argument("--coordinator", default=None, help="host:port of process 0")
   dist.add_argument("--num-processes", type=int, default=None)

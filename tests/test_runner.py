@@ -1,6 +1,7 @@
 """The experiment runner: bad input fails early and clearly; quickstart writes its report."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -134,3 +135,26 @@ def test_quickstart_quick_writes_report_table_and_plot(tmp_path):
   # Learning progressed: SGD beats chance on digits after 20 steps.
   sgd = [r for r in rows if r["dataset"] == "digits" and "SGD m=0.9" in r["algorithm"]][0]
   assert sgd["test_accuracy"] > 0.3
+  # Another config into the same workdir is refused before anything runs: with checkpoints,
+  # and without (a run interrupted before its first save, or simulator rows), whose
+  # metrics.jsonl rows would otherwise mix with the new config's.
+  other = ["progress=false", "num_steps=10", "log_every=10"]
+  with pytest.raises(runner.ConfigError, match=r"holds checkpoints of a different .*num_steps"):
+    runner.run_experiment("quickstart", quick=True, workdir=tmp_path, overrides=other)
+  shutil.rmtree(tmp_path / "checkpoints")
+  with pytest.raises(runner.ConfigError, match=r"holds results of a different .*num_steps: 20 -> 10"):
+    runner.run_experiment("quickstart", quick=True, workdir=tmp_path, overrides=other)
+  assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == len(lines)
+
+
+def test_restart_discards_checkpoints_and_the_data_log(tmp_path):
+  for d in (tmp_path, tmp_path / "process-1"):
+    (d / "checkpoints" / "000-run").mkdir(parents=True)
+    for name in ("config.json", "summary.json", "metrics.jsonl", "report.md"):
+      (d / name).write_text("{}")
+  runner.discard_run_data(tmp_path)
+  assert not (tmp_path / "checkpoints").exists()
+  for d in (tmp_path, tmp_path / "process-1"):
+    assert not any((d / n).exists() for n in ("config.json", "summary.json", "metrics.jsonl"))
+    assert (d / "report.md").exists()  # rewritten by the new run, not deleted
+  assert runner.check_resumable(tmp_path, {"experiment": "x"}) is False
