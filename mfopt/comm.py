@@ -180,9 +180,61 @@ def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = ()) -> Any:
       ops, trip = lax.optimization_barrier((operands, trip))
     return trip + 1, fn(c, *ops)
 
+  init = (jnp.zeros([], jnp.int32), carry)
+  init, body = _vma_consistent(init, body)
   with jax.named_scope(GATE_SCOPE):
-    _, out = lax.while_loop(lambda loop: loop[0] < trips, body, (jnp.zeros([], jnp.int32), carry))
+    _, out = lax.while_loop(lambda loop: loop[0] < trips, body, init)
   return out
+
+
+def _varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes a value (or an abstract value) varies over under ``shard_map`` with
+  ``check_vma=True``; empty elsewhere. (JAX 0.10 calls the type ``manual_axis_type``, earlier and
+  later versions ``vma``.)"""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()) or ())
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _as_varying(x: Any, axes: frozenset) -> Any:
+  missing = tuple(sorted(axes - _varying_axes(x)))
+  if not missing:
+    return x
+  pcast = getattr(lax, "pcast", None)
+  return pcast(x, missing, to="varying") if pcast is not None else lax.pvary(x, missing)
+
+
+def _vma_consistent(init: Any, body: Callable[[Any], Any]) -> tuple[Any, Callable[[Any], Any]]:
+  """``(init, body)`` of a ``while_loop`` whose carry types agree under ``shard_map``'s
+  ``check_vma=True`` (JAX's default): a leaf the body makes varying over a mesh axis (an
+  average is invariant, a value mixed with this device's gradient is varying) is cast to
+  varying on the way in and out (``lax.pcast``, no runtime cost). Found by a fixpoint over
+  ``jax.eval_shape`` of the body. Outside ``shard_map``, or with ``check_vma=False`` (the
+  library's own steps), nothing varies and both are returned unchanged."""
+  if not _manual_axes():
+    return init, body
+  target = jax.tree.map(_varying_axes, init)
+  for _ in range(8):  # each round only adds axes; a handful of mesh axes bounds it
+    cast = jax.tree.map(_as_varying, init, target)
+    out = jax.eval_shape(body, cast)
+    new = jax.tree.map(lambda t, o: t | _varying_axes(o), target, out)
+    if new == target:
+      break
+    target = new
+  if not any(jax.tree.leaves(target, is_leaf=lambda t: isinstance(t, frozenset))):
+    return init, body
+
+  def consistent_body(loop):
+    return jax.tree.map(_as_varying, body(loop), target)
+
+  return jax.tree.map(_as_varying, init, target), consistent_body
+
+
+def _manual_axes() -> tuple[str, ...]:
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(getattr(mesh, "manual_axes", ()) or ())
 
 
 class HostSchedule(NamedTuple):

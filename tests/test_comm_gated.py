@@ -63,3 +63,53 @@ def test_operands_reach_fn_and_their_work_stays_in_the_loop():
   assert float(via_operands(False, w)) == 0.0
   assert _entry_reductions(via_operands, True, w) == 0
   assert _entry_reductions(closed_over, True, w) > 0
+
+
+def _shard_map_run(tx, check_vma, steps=3):
+  """``steps`` updates of ``tx`` in user code: ``jax.shard_map`` over a 1-D mesh of 8 devices,
+  one worker per device, no ``vmap`` (the README's "your own shard_map code")."""
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("d",))
+  shard = lambda t: jax.device_put(t, NamedSharding(mesh, P("d")))  # noqa: E731
+  params = {"w": jnp.ones((8, 3)), "b": jnp.linspace(0.0, 1.0, 16).reshape(8, 2)}
+  grads = {"w": jnp.arange(24.0).reshape(8, 3) / 24.0, "b": jnp.arange(16.0).reshape(8, 2) / 16.0}
+  state = jax.vmap(tx.init)(params)
+
+  def step(p, s, g):
+    p, s, g = jax.tree.map(lambda x: x[0], (p, s, g))
+    u, s = tx.update(g, s, p)
+    return jax.tree.map(lambda x: x[None], (optax.apply_updates(p, u), s))
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                            check_vma=check_vma))
+  p, s = shard(params), shard(state)
+  for _ in range(steps):
+    p, s = f(p, s, shard(grads))
+  return jax.device_get(p)
+
+
+@pytest.mark.parametrize("name", ["periodic_averaging", "adpsgd", "block_momentum", "hybrid"])
+def test_gated_transforms_trace_under_shard_map_with_check_vma(name):
+  # JAX's default check_vma=True types a pmean's result invariant and this device's values
+  # varying; the gate's loop carry must agree on the way in and out. Same numbers as
+  # check_vma=False (where nothing is typed varying).
+  import optax
+  import mfopt
+  make = {
+      "periodic_averaging": lambda: mfopt.periodic_averaging(optax.sgd(0.1), "d", 2,
+                                                             track_variance=True),
+      "adpsgd": lambda: mfopt.periodic_averaging(optax.sgd(0.1, momentum=0.9), "d",
+                                                 mfopt.adpsgd_period(learning_rate=0.1, p_init=1,
+                                                                     sampling_steps=1)),
+      "block_momentum": lambda: mfopt.block_momentum(optax.sgd(0.1), "d", 2, momentum=0.5),
+      "hybrid": lambda: optax.chain(mfopt.sync_gradients("d"), mfopt.hybrid_adabound_lars(
+          num_workers=8, steps_per_epoch=1, warmup_epochs=1)),
+  }[name]
+  want = _shard_map_run(make(), check_vma=False)
+  got = _shard_map_run(make(), check_vma=True)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  if name == "periodic_averaging":  # NumPy: two local steps, the average, one local step
+    g = np.arange(24.0).reshape(8, 3) / 24.0
+    w = (np.ones((8, 3)) - 0.2 * g).mean(axis=0) - 0.1 * g
+    np.testing.assert_allclose(np.asarray(got["w"]), w, rtol=1e-6)
