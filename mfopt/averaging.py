@@ -504,7 +504,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
                                     CollectiveKind.ALL_REDUCE),
         diagnostics=diag)
 
-  def params_step(updates, state, params, norm_fn=None):
+  inner_x = optax.with_extra_args_support(inner)
+
+  def params_step(updates, state, params, norm_fn=None, **extra_args):
     """``(grads, state, params, norm_fn) -> (new_params, new_state, norm)``; see
     :func:`mfopt.train.apply_transform`."""
     if params is None:
@@ -521,7 +523,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
                            variance_exchanges=diag.variance_exchanges + (2 if communicates else 0))
 
     # Every step: the inner step, exactly as `inner` + optax.apply_updates would do it.
-    inner_updates, inner_state = inner.update(updates, state.inner_state, params)
+    # (extra arguments, e.g. optax.contrib.reduce_on_plateau's value, go to the inner optimizer)
+    inner_updates, inner_state = inner_x.update(updates, state.inner_state, params, **extra_args)
     local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, inner_updates)
     norm = norm_fn(inner_updates) if norm_fn is not None else None
 
@@ -595,14 +598,14 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         count=k + 1, inner_state=inner_state, outer_state=outer_state, anchor=anchor,
         controller=ctl, param_comm=param_comm, scalar_comm=scalar_comm, diagnostics=diag), norm
 
-  def update_fn(updates, state, params=None):
-    new_params, state, _ = params_step(updates, state, params)
+  def update_fn(updates, state, params=None, **extra_args):
+    new_params, state, _ = params_step(updates, state, params, **extra_args)
     return jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params), state
 
   update_fn.params_step = params_step
   if controller.host_period is not None:
     update_fn.host_schedule = _host_schedule(controller)
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _host_schedule(controller: PeriodController) -> HostSchedule:

@@ -254,10 +254,10 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
 
   inner_x = optax.with_extra_args_support(inner)  # plain transforms ignore loss_scale
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     local_finite = _all_finite(updates)
     new_updates, new_inner = inner_x.update(updates, state.inner_state, params,
-                                            loss_scale=state.dynamic_scale.scale)
+                                            loss_scale=state.dynamic_scale.scale, **extra_args)
     updates_finite = _all_finite(new_updates)
     finite = local_finite & updates_finite
     revert = ~updates_finite
@@ -267,7 +267,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
         dynamic_scale=next_dynamic_scale(state.dynamic_scale, finite), inner_state=new_inner,
         finite=finite, overflows=state.overflows + (~finite).astype(jnp.int32))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -612,3 +612,27 @@ def test_injected_float32_hyperparameters_on_a_mixed_dtype_tree(which):
   np.testing.assert_allclose(np.asarray(p["w"]), w, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(p["b"], np.float32), w, rtol=1e-2)
   assert p["b"].dtype == jnp.bfloat16
+
+
+def _scale_by_value():
+  """An optax ExtraArgs transform that needs the extra argument ``value`` (like
+  ``optax.contrib.reduce_on_plateau``): it multiplies the updates by it."""
+  def update(updates, state, params=None, *, value, **extra_args):
+    del params, extra_args
+    return jax.tree.map(lambda u: u * value, updates), state
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda inner: mfopt.periodic_averaging(inner, None, 2),
+    lambda inner: mfopt.block_momentum(inner, None, 2),
+    lambda inner: optax.chain(mfopt.periodic_averaging(inner, None, 2)),
+    lambda inner: mfopt.precision.dynamic_loss_scale(inner),
+], ids=["periodic_averaging", "block_momentum", "chain", "dynamic_loss_scale"])
+def test_extra_args_reach_the_inner_optimizer(wrap):
+  inner = optax.chain(optax.sgd(0.1), _scale_by_value())
+  tx = wrap(inner)
+  params = {"w": jnp.ones(3)}
+  u, _ = jax.jit(lambda s, v: tx.update({"w": jnp.full(3, 0.5)}, s, params, value=v))(
+      tx.init(params), jnp.asarray(3.0))
+  np.testing.assert_allclose(np.asarray(u["w"]), -0.1 * 0.5 * 3.0, rtol=1e-6)  # step 1: local
