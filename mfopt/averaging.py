@@ -443,7 +443,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   if _checks.is_int(period):
     period = constant_period(_checks.positive_int("period", period))
   if not isinstance(period, PeriodController):
-    raise ValueError(f"period must be a PeriodController or a positive int, got {period!r}")
+    raise ValueError(f"period must be a PeriodController or a positive int, got {period!r}"
+                     f"{_checks._array_hint(period)}")
   axis_name = check_axis_name(axis_name)
   comm_dtype = comm_dtype_of(comm_dtype)
   _checks.nonnegative_int("trace_length", trace_length)
@@ -510,7 +511,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     """``(grads, state, params, norm_fn) -> (new_params, new_state, norm)``; see
     :func:`mfopt.train.apply_transform`."""
     if params is None:
-      raise ValueError("periodic_averaging needs params in update(updates, state, params)")
+      raise ValueError("periodic_averaging (and block_momentum, built on it) needs params in "
+                       "update(updates, state, params)")
     k = state.count  # 0-based index of this step
     ctl, due = controller.advance(state.controller)
     due = _unbatched(due, axis_name)

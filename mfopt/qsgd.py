@@ -135,7 +135,7 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
   Seed: 001 §IV (QSGD-8bit baseline, ref. [14]).
   """
   if not _checks.is_int(bits) or not 2 <= bits <= 8:
-    raise ValueError(f"bits must be an integer in [2, 8], got {bits!r}")
+    raise ValueError(f"bits must be an integer in [2, 8], got {bits!r}{_checks._array_hint(bits)}")
   _checks.positive_int("bucket_size", bucket_size)
   _checks.nonnegative_int("seed", seed)
   axis_name = check_axis_name(axis_name)

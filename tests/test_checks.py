@@ -158,3 +158,13 @@ def test_bf16_hyperparameters_from_inject_hyperparams_are_numbers():
   with pytest.raises(ValueError, match=r"b2 must be in \[0, 1\).*bfloat16 rounds.*"
                                        r"hyperparam_dtype=jnp.float32"):
     optax.inject_hyperparams(mfopt.adabound)(learning_rate=0.1).init(params)
+
+
+def test_structural_arguments_injected_as_arrays_point_at_static_args():
+  import jax.numpy as jnp
+  import optax
+  hint = r"a JAX array; a structural integer must be a Python int.*static_args"
+  with pytest.raises(ValueError, match=r"period must be .*got Array\(2.*" + hint):
+    optax.inject_hyperparams(mfopt.periodic_averaging)(optax.sgd(0.1), None, 2)
+  with pytest.raises(ValueError, match=r"bits must be .*" + hint):
+    mfopt.qsgd(None, bits=jnp.asarray(4))
