@@ -165,6 +165,7 @@ def test_structural_arguments_injected_as_arrays_point_at_static_args():
   import optax
   hint = r"a JAX array; a structural integer must be a Python int.*static_args"
   with pytest.raises(ValueError, match=r"period must be .*got Array\(2.*" + hint):
-    optax.inject_hyperparams(mfopt.periodic_averaging)(optax.sgd(0.1), None, 2)
+    optax.inject_hyperparams(mfopt.periodic_averaging)(optax.sgd(0.1), None, 2).init(
+        {"w": jnp.ones(2)})
   with pytest.raises(ValueError, match=r"bits must be .*" + hint):
     mfopt.qsgd(None, bits=jnp.asarray(4))
