@@ -53,6 +53,7 @@ import os
 import pathlib
 import re
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -425,9 +426,13 @@ def _plain_target(meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
   return {k: np.zeros(shape, np.dtype(dtype)) for k, (shape, dtype) in meta["arrays"].items()}
 
 
+ENGINE_LIMITS = ("max_samples", "max_server_steps", "max_time", "max_events")
+
+
 def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: int,
                   keep: int = 2, fingerprint: Mapping[str, Any] | None = None,
-                  allow_mismatch: bool = False, on_checkpoint=None, **run_kwargs) -> Any:
+                  allow_mismatch: bool = False, on_checkpoint=None,
+                  min_interval_s: float | None = None, **run_kwargs) -> Any:
   """Runs an event-driven engine (``mfopt.sim.Simulator``) with checkpoints every ``chunk_events``.
 
   ``engine`` must offer ``run(max_events=..., **run_kwargs)`` (running until a
@@ -442,16 +447,21 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
   Args:
     chunk_events: events between checkpoints.
     on_checkpoint: optional ``chunk -> None`` called after each save.
-    **run_kwargs: the engine's limits, e.g. ``max_samples=20_000``.
+    min_interval_s: save a chunk's state only if this many seconds passed since the last
+      save (the final state is always saved); ``None``: after every chunk.
+    **run_kwargs: the engine's limits, e.g. ``max_samples=20_000`` (part of the
+      fingerprint), and its display arguments (``progress``, ``desc``, ``on_log``; not).
 
   Returns:
     ``engine``, in its final state (``engine.result()`` for the simulator).
   """
   _checks.positive_int("chunk_events", chunk_events)
+  limits = {k: v for k, v in run_kwargs.items() if k in ENGINE_LIMITS}
   ckpt = RunCheckpointer(directory, keep=keep, allow_mismatch=allow_mismatch,
-                         fingerprint={"run_kwargs": run_kwargs, "chunk_events": chunk_events,
+                         fingerprint={"run_kwargs": limits, "chunk_events": chunk_events,
                                       **dict(fingerprint or {})})
   chunk = 0
+  last_save = time.monotonic()
   try:
     restored = ckpt.restore_latest(_plain_target)
     if restored is not None:
@@ -468,8 +478,12 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
     while True:
       before = progress_mark()
       engine.run(max_events=chunk_events, **run_kwargs)
-      finished = progress_mark() == before or _limits_reached(engine, run_kwargs)
+      finished = progress_mark() == before or _limits_reached(engine, limits)
       chunk += 1
+      if not finished and min_interval_s is not None and (
+          time.monotonic() - last_save < min_interval_s):
+        continue
+      last_save = time.monotonic()
       arrays: dict[str, np.ndarray] = {}
       skeleton = encode_plain(engine.state_dict(), arrays)
       if not arrays:
@@ -531,7 +545,8 @@ _POLICY: contextvars.ContextVar[CheckpointPolicy | None] = contextvars.ContextVa
 def auto_checkpoint(root: str | os.PathLike, *, every: int | None = None, keep: int = 2,
                     allow_mismatch: bool = False,
                     min_interval_s: float | None = None) -> Iterator[CheckpointPolicy]:
-  """Within the block, every :func:`mfopt.train.fit` without ``checkpoint_dir`` checkpoints under ``root``.
+  """Within the block, every :func:`mfopt.train.fit` without ``checkpoint_dir`` (and every
+  :func:`mfopt.sim.simulate`) checkpoints under ``root``.
 
   Each call gets its own sub-directory (numbered in call order), resumes from
   it if it holds a checkpoint, and returns a finished run's saved result

@@ -366,3 +366,37 @@ def test_suite_tables_count_diverged_runs():
   assert table["a"]["diverged"] == 1 and table["b"]["diverged"] == 3
   assert suite.pm(table["a"], "acc") == "0.85 ± 0.071 (2/3; 1 diverged)"
   assert suite.pm(table["b"], "acc") == "diverged (3/3)"
+
+
+def test_simulate_checkpoints_inside_auto_checkpoint_and_returns_a_finished_run(ds, linear,
+                                                                                 tmp_path):
+  # What the runner sets up for every experiment: the simulated run saves into the policy's
+  # next run directory; a rerun finds it finished and returns the same result without
+  # simulating (no row logged again).
+  from mfopt import checkpoint
+
+  def go():
+    rows = []
+    with checkpoint.auto_checkpoint(tmp_path / "ckpts", min_interval_s=0.0):
+      res = sim.simulate(sim.ASP(sim.BaseSGD(0.05)), model=linear, dataset=ds, num_workers=4,
+                         per_worker_batch=8, max_samples=8 * 120, eval_every_samples=200,
+                         compute=sim.ComputeModel(0.01, jitter_sigma=0.2), on_log=rows.append)
+    return res, rows
+
+  first, rows1 = go()
+  saved = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+  assert len(saved) == 1 and saved[0].startswith("000-")
+  again, rows2 = go()
+  assert len(rows1) > 1 and rows1 == first.history[:len(rows1)] and rows2 == []
+  assert again.history == first.history
+  assert repr(sorted(again.summary.items())) == repr(sorted(first.summary.items()))  # nan-safe
+
+
+def test_run_resumable_saves_at_the_interval_and_always_at_the_end(ds, linear, tmp_path):
+  from mfopt import checkpoint
+  s = sim.Simulator(sim.ASP(sim.BaseSGD(0.05)), model=linear, dataset=ds, num_workers=4,
+                    per_worker_batch=8, compute=sim.ComputeModel(0.01))
+  saves = []
+  checkpoint.run_resumable(s, tmp_path / "c", chunk_events=50, min_interval_s=1e9,
+                           on_checkpoint=saves.append, max_samples=8 * 100)
+  assert s.samples == 8 * 100 and len(saves) == 1 and saves[0] > 1  # chunks ran, one save

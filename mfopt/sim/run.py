@@ -60,6 +60,7 @@ from jax.flatten_util import ravel_pytree
 from tqdm.auto import tqdm
 
 from mfopt import _checks
+from mfopt import checkpoint as checkpoint_lib
 from mfopt import costmodel
 from mfopt import data as data_lib
 from mfopt import models as models_lib
@@ -493,7 +494,8 @@ class Simulator:
     """
     if all(v is None for v in (max_samples, max_server_steps, max_time, max_events)):
       raise ValueError("run needs at least one of max_samples, max_server_steps, max_time, max_events")
-    bar = tqdm(total=max_samples, desc=desc, disable=not progress, leave=False, unit="samples")
+    bar = tqdm(total=max_samples, initial=self.samples, desc=desc, disable=not progress,
+               leave=False, unit="samples")
     done_samples = self.samples
     events = 0
     while self.diverged_at is None:
@@ -638,6 +640,12 @@ def simulate(strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset,
              on_log: Callable[[dict[str, Any]], None] | None = None) -> SimResult:
   """Runs one simulated training and returns its :class:`SimResult` (simulated time).
 
+  Inside :func:`mfopt.checkpoint.auto_checkpoint` (every experiment the runner starts), the run
+  checkpoints like a ``train.fit`` call: into the policy's next run directory, every
+  :data:`CHECKPOINT_CHUNK_EVENTS` events once the policy's interval passed, and at the end
+  (:func:`mfopt.checkpoint.run_resumable`). A rerun resumes it bit for bit; a finished one
+  returns its saved result.
+
   Example::
 
     ds = mfopt.data.load("mnist1d")
@@ -648,6 +656,22 @@ def simulate(strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset,
   sim = Simulator(strategy, model=model, dataset=dataset, num_workers=num_workers,
                   per_worker_batch=per_worker_batch, seed=seed, compute=compute, network=network,
                   duplex=duplex, payload_bytes=payload_bytes, eval_every_samples=eval_every_samples)
-  sim.run(max_samples=max_samples, max_server_steps=max_server_steps, max_time=max_time,
-          progress=progress, desc=desc, on_log=on_log)
+  limits = dict(max_samples=max_samples, max_server_steps=max_server_steps, max_time=max_time)
+  policy = checkpoint_lib.active_policy()
+  if policy is None:
+    sim.run(**limits, progress=progress, desc=desc, on_log=on_log)
+  else:
+    checkpoint_lib.run_resumable(
+        sim, policy.next_run_dir(desc or strategy.describe()),
+        chunk_events=CHECKPOINT_CHUNK_EVENTS, keep=policy.keep,
+        allow_mismatch=policy.allow_mismatch, min_interval_s=policy.min_interval_s,
+        fingerprint={"strategy": strategy.describe(), "num_workers": num_workers,
+                     "per_worker_batch": per_worker_batch, "seed": seed,
+                     "dataset": getattr(dataset, "name", None),
+                     "network": None if sim.network is None else sim.network.name,
+                     "eval_every_samples": eval_every_samples},
+        **limits, progress=progress, desc=desc, on_log=on_log)
   return sim.result()
+
+
+CHECKPOINT_CHUNK_EVENTS = 2000  # simulated events between checkpoint opportunities
