@@ -544,6 +544,8 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     table_dtype = functools.reduce(jnp.promote_types, [x.dtype for x in ws + gs], jnp.float32)
 
     def norms(_, ws, gs):  # one (n_leaves, 2) array: one loop buffer, not 2 scalars per leaf
+      if not ws:  # no parameters (an empty tree): an empty table, as optax's transforms do
+        return jnp.zeros((0, 2), table_dtype)
       return jnp.stack([
           jnp.stack([jnp.sqrt(jnp.sum(jnp.square(w))).astype(table_dtype),
                      jnp.sqrt(jnp.sum(jnp.square(g + weight_decay * w))).astype(table_dtype)])

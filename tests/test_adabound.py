@@ -536,3 +536,15 @@ def test_inject_hyperparams_equals_the_plain_transform(name, make, hyper, static
 
   changed = run(injected, 6, mutate)
   assert float(jnp.abs(changed[-1]["w"] - run(plain, 6)[-1]["w"]).max()) > 1e-4
+
+
+def test_empty_parameter_tree_updates_like_optax():
+  # optax's transforms take an empty tree (e.g. a frozen model under optax.multi_transform);
+  # the hybrid's LARS norm table used to fail to stack zero leaves. Past the switch too.
+  for tx in (mfopt.adabound(), mfopt.linear_scaling_adabound(base_lr=0.1, num_workers=2,
+                                                              steps_per_epoch=1),
+             mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=1, warmup_epochs=1)):
+    state = tx.init({})
+    for _ in range(3):
+      updates, state = jax.jit(tx.update)({}, state, {})
+    assert updates == {}
