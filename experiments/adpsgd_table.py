@@ -53,6 +53,12 @@ from mfopt.qsgd import qsgd_payload_bytes
 NETS = ("10gbit", "100gbit")
 
 
+# Refused in a multi-process job (mfopt.runner) until this is lifted: a 2-process audit
+# (session 11) saw it fail.
+SINGLE_PROCESS_ONLY = (
+    "its one-worker SMALL_BATCH runs use one device, which leaves the other processes none")
+
+
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config.
 

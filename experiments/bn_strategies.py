@@ -46,6 +46,12 @@ ROW_INFO = {  # fixed batch, independent statistics, without moving average, BN 
 }
 
 
+# Refused in a multi-process job (mfopt.runner) until this is lifted: a 2-process audit
+# (session 11) saw it fail.
+SINGLE_PROCESS_ONLY = (
+    "its varying-batch row feeds all workers' rows to every process")
+
+
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """bn_strategies config.
 

@@ -723,11 +723,19 @@ def averaging_metrics(opt_state: Any) -> dict[str, jax.Array]:
 def sync_trace(opt_state: Any, worker: int = 0) -> dict[str, np.ndarray]:
   """The per-sync trace (in sync order) as NumPy arrays: step, period, S_k, V_t, lr.
 
-  Reads ``worker`` of a worker-stacked state (all workers hold the same trace).
+  Reads ``worker`` of a worker-stacked state (all workers hold the same trace). In a
+  multi-process run, where this process holds only its own workers' rows, it reads the first
+  of those instead (no collective).
   Only the last ``trace_length`` syncs are kept.
   """
   s = find_averaging_state(opt_state)
-  d = jax.device_get(s.diagnostics)
+  leaves = [x for x in jax.tree.leaves(s.diagnostics) if isinstance(x, jax.Array)]
+  if any(not x.is_fully_addressable for x in leaves):
+    d = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data)
+                     if isinstance(x, jax.Array) else x, s.diagnostics)
+    worker = 0
+  else:
+    d = jax.device_get(s.diagnostics)
   if np.asarray(d.syncs).ndim:  # worker-stacked
     d = jax.tree.map(lambda x: np.asarray(x)[worker], d)
   syncs = int(d.syncs)

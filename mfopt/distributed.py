@@ -4,8 +4,9 @@ One process per host (or per GPU), all running the same command. Each process
 calls :func:`initialize` before touching any JAX device; afterwards
 ``jax.devices()`` lists the devices of every process, ``mfopt.parallel.make_mesh()``
 builds the global mesh over all of them, and :func:`mfopt.train.fit` feeds each
-process only the rows of its own workers (``parallel.process_worker_slice``,
-assembled with ``jax.make_array_from_process_local_data``). Checkpoints are
+process's devices only the rows of its own workers (``parallel.process_worker_slice``,
+assembled with ``jax.make_array_from_process_local_data``; each process still reads the
+step's global batch from the source, so the augmentation is layout-independent). Checkpoints are
 written by all processes into one shared directory (orbax).
 
 Where the settings come from, first match wins:
@@ -145,7 +146,26 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   kwargs = {"initialization_timeout": initialization_timeout_s}
   if settings.heartbeat_timeout_s is not None:
     kwargs["heartbeat_timeout_seconds"] = settings.heartbeat_timeout_s
+  if settings.process_id == 0:
+    _check_port_free(settings.coordinator_address)
   jax.distributed.initialize(settings.coordinator_address, settings.num_processes,
                              settings.process_id, **kwargs)
+  if jax.process_count() != settings.num_processes:  # the coordinator's count won
+    raise ValueError(f"num_processes (--num-processes) is {settings.num_processes} here but the "
+                     f"job that process 0 started has {jax.process_count()} processes; give "
+                     "every process the same value")
   return settings
+
+
+def _check_port_free(address: str) -> None:
+  """Process 0 hosts the coordination service on ``address``'s port (on every interface); a
+  port in use crashed it inside gRPC with a segfault. Say so first."""
+  import socket  # noqa: PLC0415
+  port = int(address.rsplit(":", 1)[1])
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    try:
+      sock.bind(("", port))
+    except OSError as e:
+      raise ValueError(f"coordinator port {port} (--coordinator {address}) is in use on this "
+                       f"host ({e.strerror}); pick a free port for the job") from e
 

@@ -364,9 +364,16 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
   import jax  # noqa: PLC0415  (after prepare: config errors never start a backend)
 
   primary = jax.process_index() == 0
+  single_only = getattr(module, "SINGLE_PROCESS_ONLY", None)
+  if single_only and jax.process_count() > 1:
+    raise ConfigError(f"experiment {name!r} does not run as several processes yet "
+                      f"({single_only}); run it as one process (with any number of devices)")
   record = {"experiment": name, "quick": quick, "config": config.to_dict()}
   if restart and primary:
     discard_run_data(workdir)
+  if restart and jax.process_count() > 1:  # the others check the workdir after it is cleared
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    multihost_utils.sync_global_devices("mfopt_restart")
   resumed = check_resumable(workdir, record, allow_config_change=allow_config_change)
   workdir.mkdir(parents=True, exist_ok=True)
   enable_compilation_cache()

@@ -37,7 +37,8 @@ def _setup(num_steps, algo="sync"):
   if algo == "sync":
     tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1, momentum=0.9))
   else:  # local steps; every 3rd step averages across both processes inside the gated loop
-    tx = mfopt.periodic_averaging(optax.sgd(0.1, momentum=0.9), mfopt.WORKER_AXES, 3)
+    tx = mfopt.periodic_averaging(optax.sgd(0.1, momentum=0.9), mfopt.WORKER_AXES, 3,
+                                  trace_length=4)
   return dict(model=model, tx=tx, dataset=dataset, num_workers=8, per_worker_batch=4,
               num_steps=num_steps, log_every=LOG_EVERY, seed=2, progress=False)
 
@@ -60,6 +61,10 @@ def child_main(out, num_steps, algo="sync"):
     leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
     np.savez(pathlib.Path(out) / "params.npz", *leaves)
     (pathlib.Path(out) / "history.json").write_text(json.dumps(result.history))
+  if algo == "avg":  # every process reads the sync trace from its own workers' rows
+    trace = mfopt.sync_trace(result.state.opt_state)
+    (pathlib.Path(out) / f"trace{jax.process_index()}.json").write_text(
+        json.dumps({k: np.asarray(v).tolist() for k, v in trace.items()}))
 
 
 def _launch(out, num_steps, heartbeat=5, algo="sync"):
@@ -120,6 +125,11 @@ def test_two_processes_run_periodic_averaging_like_one_process(tmp_path):
   got, _, reference = _two_processes_vs_one(tmp_path, "avg")
   assert max(float(np.ptp(g, axis=0).max()) for g in got) > 0  # worker-stacked, diverged
   assert mfopt.comm_totals(reference.state.opt_state)["all_reduces"] == NUM_STEPS // 3
+  want = mfopt.sync_trace(reference.state.opt_state)
+  for i in range(2):  # the trace of a multi-process state (it used to fail: non-addressable)
+    trace = json.loads((tmp_path / f"trace{i}.json").read_text())
+    assert trace["step"] == [3, 6, 9] == np.asarray(want["step"]).tolist()
+    np.testing.assert_allclose(trace["period"], want["period"])
 
 
 @pytest.mark.slow  # child processes
@@ -172,3 +182,20 @@ def test_distributed_settings_from_environment():
   assert distributed.resolve(environ={}) is None
   assert distributed.resolve(environ={"MFOPT_DISTRIBUTED": "1"}) == distributed.DistributedConfig(
       None, None, None, None)
+
+
+def test_single_process_experiments_are_refused_in_a_multi_process_job(monkeypatch, tmp_path):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(runner.ConfigError, match=r"'mf_mlp' does not run as several processes yet"):
+    runner.run_experiment("mf_mlp", quick=True, workdir=tmp_path)
+  assert not (tmp_path / "config.json").exists()  # refused before anything was written
+
+
+def test_a_coordinator_port_in_use_is_named():
+  import socket
+  with socket.socket() as s:
+    s.bind(("", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"coordinator port {port} .* is in use"):
+      distributed._check_port_free(f"127.0.0.1:{port}")
