@@ -814,7 +814,9 @@ def load_imagenet2012(data_dir: str | None = None, image_size: int = 224,
   """ImageNet-1k from a prepared TFDS data dir (validation split as test).
 
   See :func:`make_imagenet_preprocess`. Decoding and resizing run per example
-  in Python; feed a large run from several host processes.
+  in Python, and in a multi-process run every process still prepares the step's whole
+  global batch (``mfopt.train.fit`` keeps its own workers' rows; augmentation is drawn over
+  the global batch), so more host processes do not make this input pipeline faster.
   """
   preprocess = make_imagenet_preprocess(image_size, resize_size)
   train = TFDSSource("imagenet2012", split="train", preprocess=preprocess, data_dir=data_dir)
@@ -929,6 +931,8 @@ class WorkerBatcher:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
       else:
         order = np.arange(self.num_examples)
+      order.flags.writeable = False  # indices()/epoch_order() return views of it: a caller
+      # editing one in place would change every later batch of the epoch
       self._cached_epoch, self._cached_order = epoch, order
     return self._cached_order
 

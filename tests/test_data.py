@@ -485,3 +485,15 @@ def test_random_crop_flip_is_a_shifted_window():
     assert plain or flipped
     flips += flipped and not plain
   assert 0 < flips < 20
+
+
+def test_batcher_indices_are_read_only_views():
+  # batch(step) depends only on (seed, step): a caller editing the returned indices in
+  # place must not change later batches of the epoch.
+  src = data.load("digits").train
+  b = data.WorkerBatcher(src, num_workers=2, per_worker_batch=4, seed=0)
+  want = b.batch(3)["y"].copy()
+  idx = b.indices(3)
+  with pytest.raises(ValueError, match="read-only"):
+    idx[:] = 0
+  np.testing.assert_array_equal(b.batch(3)["y"], want)
