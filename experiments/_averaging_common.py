@@ -22,28 +22,22 @@ import jax
 import numpy as np
 import optax
 
-from mfopt import parallel, train
+from mfopt import parallel, report, train
 from mfopt import models as models_lib
 from mfopt.report import mean_std  # noqa: F401 (re-exported for the seed 001/003 scripts)
 
 NOT_REPRODUCED = "not reproduced at this scale"
-
-# Summary fields a diverged run has no value for: ``nan`` in its summary.
-_NAN_FIELDS = ("final_train_loss", "final_train_accuracy", "test_loss", "test_accuracy",
-               "compile_s", "train_s", "collectives", "payload_bytes", "all_reduces",
-               "all_gathers", "all_reduce_bytes", "all_gather_bytes")
-
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
   """One run's outcome: ``train.FitResult``'s fields, or a divergence.
 
   Attributes:
-    summary: ``train.fit``'s summary plus ``diverged`` (bool). A diverged run's
-      summary has ``nan`` for every metric, counter and timing (``test_accuracy``,
-      ``final_train_loss``, ``collectives``, ``payload_bytes``, ``train_s``, ...),
-      the run's ``steps``/``num_workers``/``per_worker_batch``, ``error`` (the first
-      line of the error) and ``diverged_at_step`` (the first non-finite step).
+    summary: ``train.fit``'s summary plus ``diverged`` (false), ``error`` and
+      ``diverged_at_step`` (``None``): the keys a diverged run's has. A diverged run's
+      is ``train.diverged_summary``'s: the same keys, ``nan`` for every metric,
+      counter and timing, the planned ``steps``/``num_workers``/``per_worker_batch``,
+      ``error`` (the first line of the error) and ``diverged_at_step``.
     history: the logged rows; empty for a diverged run (the rows it logged before
       diverging are in ``metrics.jsonl``).
     state: the final ``train.TrainState``; ``None`` for a diverged run.
@@ -94,14 +88,12 @@ def run(*, dataset, model_name: str, tx: optax.GradientTransformation, num_worke
                     mesh=mesh_for(num_workers), seed=seed, log_every=log_every,
                     learning_rate=schedule, progress=progress, desc=desc, on_log=on_log)
   except train.NonFiniteError as e:
-    error = str(e).splitlines()[0]
-    print(f"{desc}: diverged: {error}", file=sys.stderr)
-    summary = {k: math.nan for k in _NAN_FIELDS}
-    summary.update(steps=num_steps, num_workers=num_workers, per_worker_batch=per_worker_batch,
-                   diverged=True, error=error, diverged_at_step=e.step)
-    return RunResult(summary=summary, history=[], state=None, error=error)
-  return RunResult(summary={**res.summary, "diverged": False}, history=res.history,
-                   state=res.state)
+    summary = train.diverged_summary(e, num_steps=num_steps, num_workers=num_workers,
+                                     per_worker_batch=per_worker_batch)
+    print(f"{desc}: diverged: {summary['error']}", file=sys.stderr)
+    return RunResult(summary=summary, history=[], state=None, error=summary["error"])
+  return RunResult(summary={**res.summary, "diverged": False, "error": None,
+                            "diverged_at_step": None}, history=res.history, state=res.state)
 
 
 def fmt_ms(values: Sequence[float], digits: int = 4, *,
@@ -234,14 +226,9 @@ def diverged_lines(runs: Sequence[tuple[str, Mapping[str, Any]]],
 
   ``left_out_of`` names what the report leaves diverged runs out of (its means, best choices).
   """
-  bad = [(label, r) for label, r in runs if r["diverged"]]
-  if not bad:
-    return []
-  return ["\n## Diverged runs\n",
-          f"{len(bad)} of {len(runs)} runs stopped on a non-finite loss or update "
-          f"(`mfopt.train.NonFiniteError`); they are left out of {left_out_of}, and every claim "
-          "involving them is not reproduced.\n",
-          *[f"- {label}: {r['error']}" for label, r in bad]]
+  return report.diverged_section(
+      runs, f"They are left out of {left_out_of}, and every claim involving them is "
+      f"{NOT_REPRODUCED}.")
 
 
 def averaging_comm(opt_state) -> dict[str, int]:

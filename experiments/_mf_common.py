@@ -6,6 +6,7 @@ Not an experiment itself (the leading underscore keeps the runner from listing i
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -71,9 +72,10 @@ def run_cell(*, model, dataset, optimizer: str, learning_rate: float, mf: float,
              mf2: float = 0.999) -> dict[str, Any]:
   """Trains one configuration; returns its summary, with ``diverged=True`` on a non-finite loss.
 
-  A diverged run (``mfopt.train.fit`` raises ``FloatingPointError``) is recorded with
-  ``test_accuracy`` / losses ``nan`` instead of stopping the whole grid, as the
-  paper's tables also report runs that did not converge.
+  A diverged run (``mfopt.train.fit`` raises ``NonFiniteError``) is recorded with
+  ``mfopt.train.diverged_summary`` (``nan`` metrics, its error and first non-finite
+  step) instead of stopping the whole grid, as the paper's tables also report runs
+  that did not converge; a line naming it goes to stderr.
   """
   mesh, mesh_note = mesh_for(num_workers)
   tx = make_optimizer(optimizer, learning_rate, mf, mf2)
@@ -83,12 +85,11 @@ def run_cell(*, model, dataset, optimizer: str, learning_rate: float, mf: float,
         per_worker_batch=per_worker_batch, num_steps=num_steps, mesh=mesh, seed=seed,
         log_every=min(log_every, num_steps), progress=progress, desc=desc, on_log=on_log,
         run_info={"optimizer": optimizer, "learning_rate": learning_rate, "mf": mf, "mf2": mf2})
-    out = dict(result.summary)
-    out["diverged"] = False
-  except FloatingPointError as e:
-    out = {"test_accuracy": math.nan, "test_loss": math.nan, "final_train_loss": math.nan,
-           "diverged": True, "error": str(e).splitlines()[0], "steps": num_steps,
-           "num_workers": num_workers, "per_worker_batch": per_worker_batch}
+    out = {**result.summary, "diverged": False, "error": None, "diverged_at_step": None}
+  except train.NonFiniteError as e:
+    out = train.diverged_summary(e, num_steps=num_steps, num_workers=num_workers,
+                                 per_worker_batch=per_worker_batch)
+    print(f"{desc}: diverged: {out['error']}", file=sys.stderr)
   out.update(optimizer=optimizer, learning_rate=learning_rate, mf=mf, seed=seed, mesh=mesh_note)
   return out
 
@@ -222,10 +223,17 @@ def curves_by_mf(workdir, key: str = "train_loss") -> dict[str, tuple[list, list
 
 
 def write_claims_report(workdir, lines: list[str], claims: dict[str, str], image: str,
-                        caption: str, empty: str | None = "- (needs two MF values)") -> None:
-  """Appends the paper-claims section (the SPEC.md rule) and one plot, writes ``report.md``."""
-  lines = list(lines) + ["\n## Paper claims (reproduced only with the paper's sign and "
-                         "|diff| > 2 std)\n"]
+                        caption: str, empty: str | None = "- (needs two MF values)", *,
+                        runs: Sequence[Mapping[str, Any]]) -> None:
+  """Appends the diverged runs (if any, with their errors), the paper-claims section (the
+  SPEC.md rule) and one plot to ``lines``; writes ``report.md``. ``runs``: every
+  :func:`run_cell` row of the report."""
+  lines = list(lines) + report.diverged_section(
+      [(f"{r['optimizer']} MF {r['mf']:g}, {r['num_workers']} worker(s) x batch "
+        f"{r['per_worker_batch']}, seed {r['seed']}", r) for r in runs],
+      "They are left out of every mean (a cell reads `diverged (k/n)`, or `(k/n diverged)` "
+      "beside the mean of the others) and of the paired differences the claims use.")
+  lines += ["\n## Paper claims (reproduced only with the paper's sign and |diff| > 2 std)\n"]
   lines += [f"- {k}: **{v}**" for k, v in claims.items()] or ([empty] if empty else [])
   lines.append(f"\n![{caption}]({image})\n")
   (workdir / "report.md").write_text("\n".join(lines) + "\n")

@@ -44,11 +44,6 @@ LABELS = {"hybrid": "AdaBound warmup + LARS SGD (hybrid)", "adabound": "AdaBound
           "warmup_sgd": "gradual warmup + linear-scaling SGD"}
 NOT_REPRODUCED = "not reproduced at this scale"
 
-# Summary fields a diverged run has no value for (metrics, timings, counters): ``nan``.
-_NAN_SUMMARY = ("final_train_loss", "final_train_accuracy", "test_loss", "test_accuracy",
-                "samples", "epochs", "compile_s", "train_s", "collectives", "payload_bytes",
-                "all_reduces", "all_gathers", "all_reduce_bytes", "all_gather_bytes")
-
 
 def base_config(quick: bool) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -136,8 +131,8 @@ def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
 
   Returns:
     ``{"history", "summary", "steps_per_epoch", "num_devices", "per_worker_batch", "seed",
-    "diverged", "error", "diverged_at_step"}``. A finished run has ``diverged`` false (in
-    its summary too) and ``error`` / ``diverged_at_step`` ``None``. If ``mfopt.train.fit`` raised
+    "diverged", "error", "diverged_at_step"}``. A finished run has ``diverged`` false and
+    ``error`` / ``diverged_at_step`` ``None`` (in its summary too). If ``mfopt.train.fit`` raised
     ``NonFiniteError`` (a non-finite loss or update), the run is the one
     :func:`diverged_run` builds: ``diverged`` true, the error's first line, the first
     non-finite step, an empty history and ``nan`` summary metrics; a line naming it goes to
@@ -166,7 +161,8 @@ def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
   except train.NonFiniteError as e:
     return diverged_run(e, seed=seed, desc=desc, num_workers=c.num_workers, per_worker_batch=b,
                         num_steps=num_steps, steps_per_epoch=spe, num_devices=num_devices)
-  return {"history": result.history, "summary": {**result.summary, "diverged": False},
+  summary = {**result.summary, "diverged": False, "error": None, "diverged_at_step": None}
+  return {"history": result.history, "summary": summary,
           "steps_per_epoch": spe, "num_devices": num_devices, "per_worker_batch": b,
           "seed": seed, "diverged": False, "error": None, "diverged_at_step": None}
 
@@ -178,16 +174,15 @@ def diverged_run(error: train.NonFiniteError, *, seed: int, desc: str, num_worke
 
   ``diverged`` is true, ``error`` the message's first line, ``diverged_at_step`` its first
   non-finite step; ``history`` is empty (the rows logged before the divergence are in
-  ``metrics.jsonl``); the summary keeps the planned ``steps`` / ``num_workers`` /
-  ``per_worker_batch`` / ``global_batch`` and has ``nan`` for every metric, timing and
-  communication counter, plus the same ``diverged`` / ``error`` / ``diverged_at_step``.
+  ``metrics.jsonl``); the summary is ``mfopt.train.diverged_summary``'s (the planned
+  ``steps`` / ``num_workers`` / ``per_worker_batch`` / ``global_batch``, ``nan`` for every
+  metric, timing and communication counter, the same ``diverged`` / ``error`` /
+  ``diverged_at_step``).
   """
-  text = str(error).splitlines()[0]
+  summary = train.diverged_summary(error, num_steps=num_steps, num_workers=num_workers,
+                                   per_worker_batch=per_worker_batch)
+  text = summary["error"]
   print(f"{desc or f'seed {seed}'}: diverged: {text}", file=sys.stderr)
-  summary: dict[str, Any] = {k: math.nan for k in _NAN_SUMMARY}
-  summary.update(steps=num_steps, num_workers=num_workers, per_worker_batch=per_worker_batch,
-                 global_batch=num_workers * per_worker_batch, diverged=True, error=text,
-                 diverged_at_step=error.step)
   return {"history": [], "summary": summary, "steps_per_epoch": steps_per_epoch,
           "num_devices": num_devices, "per_worker_batch": per_worker_batch, "seed": seed,
           "diverged": True, "error": text, "diverged_at_step": error.step}
@@ -372,18 +367,13 @@ def curve_label(label: str, run: Mapping[str, Any]) -> str:
 def diverged_lines(runs: Mapping[Any, Sequence[dict[str, Any]]],
                    name: Callable[[Any], str] = str) -> list[str]:
   """A report section listing every diverged run and its error (empty if none diverged)."""
-  bad = [(key, r) for key, rs in runs.items() for r in rs if is_diverged(r)]
-  if not bad:
-    return []
-  total = sum(len(rs) for rs in runs.values())
-  return ["\n## Diverged runs\n",
-          f"{len(bad)} of {total} runs stopped on a non-finite loss or update "
-          "(`mfopt.train.NonFiniteError`). They are left out of every mean and counted in the "
-          "tables (`diverged (k/n)`, or `(k/n diverged)` beside the mean of the others), never "
-          "reach the target, have no efficiency, and make any claim involving them \"not "
-          "reproduced at this scale\". Rows they logged before diverging are in "
-          "`metrics.jsonl`.\n",
-          *[f"- {name(key)}, seed {r['seed']}: {r['error']}" for key, r in bad]]
+  from mfopt import report
+  return report.diverged_section(
+      [(f"{name(key)}, seed {r['seed']}", r) for key, rs in runs.items() for r in rs],
+      "They are left out of every mean and counted in the tables (`diverged (k/n)`, or "
+      "`(k/n diverged)` beside the mean of the others), never reach the target, have no "
+      f"efficiency, and make any claim involving them \"{NOT_REPRODUCED}\". Rows they logged "
+      "before diverging are in `metrics.jsonl`.")
 
 
 def setup_lines(c, dataset, *, extra: str = "") -> list[str]:

@@ -125,7 +125,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   report.write_json(workdir / "table.json", aggs)
   claims = _claims(c, rows)
   _plot(c, aggs, workdir)
-  _write_report(c, workdir, dataset, aggs, rule, skipped, meshes, claims, samples, wall)
+  _write_report(c, workdir, dataset, rows, aggs, rule, skipped, meshes, claims, samples, wall)
   return {"cells": aggs, "skipped": skipped, "claims": claims, "samples_per_run": samples}
 
 
@@ -211,7 +211,8 @@ def _processed_range(c, samples: int) -> str:
   return f"{done[0]:,} to {done[-1]:,} samples (by batch)"
 
 
-def _write_report(c, workdir, dataset, aggs, rule, skipped, meshes, claims, samples, wall) -> None:
+def _write_report(c, workdir, dataset, rows, aggs, rule, skipped, meshes, claims, samples,
+                  wall) -> None:
   env = report.environment()
   lrs = {b: f"{rule(b):g}" for b in c.batches}
   lines = [
@@ -245,4 +246,4 @@ def _write_report(c, workdir, dataset, aggs, rule, skipped, meshes, claims, samp
                                 "workers", "test_accuracy", c.batches, c.workers, "batch",
                                 lambda w: f"{w} worker(s)", extra=lrs)]
   common.write_claims_report(workdir, lines, claims, "accuracy_vs_workers.png",
-                             "accuracy vs workers", empty=None)
+                             "accuracy vs workers", empty=None, runs=rows)

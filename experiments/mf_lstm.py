@@ -124,7 +124,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       report.markdown_table(table, ["mf", "train", "val"],
                             ["MF value", "train perplexity", "validation perplexity"]),
   ]
-  common.write_claims_report(workdir, lines, claims, "train_loss.png", "train loss")
+  common.write_claims_report(workdir, lines, claims, "train_loss.png", "train loss", runs=rows)
   return {"cells": aggs, "claims": claims, "steps": steps}
 
 

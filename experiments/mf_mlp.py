@@ -111,7 +111,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                             ["MF", "test accuracy", "test loss", "final train loss",
                              "effective lr/(1-MF)"]),
   ]
-  common.write_claims_report(workdir, lines, claims, "train_loss.png", "train loss")
+  common.write_claims_report(workdir, lines, claims, "train_loss.png", "train loss", runs=rows)
   return {"cells": aggs, "claims": claims, "steps": steps}
 
 

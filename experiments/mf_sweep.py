@@ -121,7 +121,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   report.write_json(workdir / "table.json", aggs)
   claims = _claims(c, rows)
   _plot(c, aggs, workdir)
-  _write_report(c, workdir, dataset, aggs, lrs, meshes, claims, samples, steps, wall)
+  _write_report(c, workdir, dataset, rows, aggs, lrs, meshes, claims, samples, steps, wall)
   return {"cells": aggs, "claims": claims, "steps": steps, "learning_rates": lrs}
 
 
@@ -152,7 +152,8 @@ def _plot(c, aggs, workdir: pathlib.Path) -> None:
       f"seed 000 Figs. 5-7 at small scale, global batch {c.global_batch}")
 
 
-def _write_report(c, workdir, dataset, aggs, lrs, meshes, claims, samples, steps, wall) -> None:
+def _write_report(c, workdir, dataset, rows, aggs, lrs, meshes, claims, samples, steps,
+                  wall) -> None:
   env = report.environment()
   lines = [
       "# mf_sweep: seed 000 Figs. 5-7 (MF x workers) at small scale\n",
@@ -177,4 +178,4 @@ def _write_report(c, workdir, dataset, aggs, lrs, meshes, claims, samples, steps
                                 "test_accuracy", c.mfs, c.workers, "MF",
                                 lambda w: f"{w} worker(s)")]
   common.write_claims_report(workdir, lines, claims, "accuracy_vs_workers.png",
-                             "accuracy vs workers")
+                             "accuracy vs workers", runs=rows)

@@ -135,6 +135,34 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
   return "\n".join(lines) + "\n"
 
 
+def diverged_section(runs: Sequence[tuple[str, Mapping[str, Any]]],
+                     consequence: str) -> list[str]:
+  """A report's "Diverged runs" section, as lines; empty if no run diverged.
+
+  Args:
+    runs: ``(label, run)`` for every run the report covers; a ``run`` with a true
+      ``diverged`` is listed with its ``error`` (e.g. from
+      ``mfopt.train.diverged_summary``).
+    consequence: what the report does with them, one or more sentences.
+
+  >>> lines = diverged_section([("lr=1", {"diverged": False}),
+  ...                           ("lr=9", {"diverged": True, "error": "nan loss at step 3"})],
+  ...                          "They are left out of every mean.")
+  >>> print("\\n".join(lines))  # doctest: +NORMALIZE_WHITESPACE
+  ## Diverged runs
+  1 of 2 runs stopped on a non-finite loss or update (`mfopt.train.NonFiniteError`).
+  They are left out of every mean.
+  - lr=9: nan loss at step 3
+  """
+  bad = [(label, r) for label, r in runs if r.get("diverged")]
+  if not bad:
+    return []
+  return ["\n## Diverged runs\n",
+          f"{len(bad)} of {len(runs)} runs stopped on a non-finite loss or update "
+          f"(`mfopt.train.NonFiniteError`). {consequence}\n",
+          *[f"- {label}: {r['error']}" for label, r in bad]]
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
   """Mean and sample standard deviation (0 for a single value)."""
   a = np.asarray(values, dtype=np.float64)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -644,7 +645,7 @@ def _comm_totals(opt_state: Any, mesh) -> dict[str, int]:
 
 def _fit_summary(last_row: Mapping[str, Any], *, num_steps: int, num_workers: int,
                  per_worker_batch: int, train_size: int, compile_s: float, train_s: float,
-                 comm: Mapping[str, int]) -> dict[str, Any]:
+                 comm: Mapping[str, int], lowering: str | None) -> dict[str, Any]:
   global_batch = num_workers * per_worker_batch
   return {
       "final_train_loss": last_row["train_loss"],
@@ -655,8 +656,38 @@ def _fit_summary(last_row: Mapping[str, Any], *, num_steps: int, num_workers: in
       "epochs": num_steps * global_batch / train_size,
       "num_workers": num_workers, "per_worker_batch": per_worker_batch,
       "global_batch": global_batch, "compile_s": compile_s, "train_s": train_s,
-      **comm,
+      **comm, "lowering": lowering,
   }
+
+
+def diverged_summary(error: NonFiniteError, *, num_steps: int, num_workers: int,
+                     per_worker_batch: int) -> dict[str, Any]:
+  """The summary of a run that ``error`` stopped, with the keys of :func:`fit`'s summary.
+
+  Experiments that sweep a grid record a diverged cell with this instead of
+  aborting (a paper's table reports runs that did not converge too). The
+  planned ``steps`` / ``num_workers`` / ``per_worker_batch`` / ``global_batch``
+  are kept; every metric, timing, sample count and communication counter is
+  ``nan`` (the run has no final value for it), ``lowering`` is ``None`` (not
+  known from the error); ``diverged`` is true, ``error``
+  the message's first line and ``diverged_at_step`` the first non-finite step.
+
+  >>> e = NonFiniteError("non-finite loss at step 7\\n...", step=7, workers=[0], metric="loss",
+  ...                    detected_at=10, checkpoint="none")
+  >>> s = diverged_summary(e, num_steps=100, num_workers=8, per_worker_batch=4)
+  >>> s["global_batch"], s["diverged_at_step"], s["error"], s["test_accuracy"]
+  (32, 7, 'non-finite loss at step 7', nan)
+  """
+  nan = math.nan
+  # Built by _fit_summary so a diverged row has exactly the keys of a finished one.
+  summary = _fit_summary(
+      {"train_loss": nan, "train_accuracy": nan, "test_loss": nan, "test_accuracy": nan},
+      num_steps=num_steps, num_workers=num_workers, per_worker_batch=per_worker_batch,
+      train_size=1, compile_s=nan, train_s=nan,
+      comm=dict.fromkeys(comm_lib.comm_totals(()), nan), lowering=None)
+  summary.update(samples=nan, epochs=nan, diverged=True, error=str(error).splitlines()[0],
+                 diverged_at_step=error.step)
+  return summary
 
 
 def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, num_workers: int,
@@ -848,11 +879,10 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     return row
 
   def summarize(state) -> dict[str, Any]:
-    return {**_fit_summary(last_row, num_steps=num_steps, num_workers=num_workers,
-                           per_worker_batch=per_worker_batch, train_size=len(dataset.train),
-                           compile_s=compile_s, train_s=train_s,
-                           comm=_comm_totals(state.opt_state, mesh)),
-            "lowering": lowering}
+    return _fit_summary(last_row, num_steps=num_steps, num_workers=num_workers,
+                        per_worker_batch=per_worker_batch, train_size=len(dataset.train),
+                        compile_s=compile_s, train_s=train_s,
+                        comm=_comm_totals(state.opt_state, mesh), lowering=lowering)
 
   summary = None  # the final summary, formed once (for the last checkpoint and the result)
   bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)

@@ -55,6 +55,29 @@ def test_mf_sweep_quick(tmp_path):
   assert loss[("sgd", 0.99)] != loss[("nag", 0.99)]
 
 
+def test_mf_sweep_records_diverged_runs(tmp_path):
+  """At base_lr=1000 SGD diverges (effective step 1e4) and Adam does not: the grid finishes,
+  the diverged rows have a finished row's keys, and the report lists them with their errors."""
+  summary, text = _run("mf_sweep", tmp_path, "base_lr=1000", "optimizers=('sgd', 'adam')")
+  runs = json.loads((tmp_path / "runs.json").read_text())
+  assert {(r["optimizer"], r["diverged"]) for r in runs} == {("sgd", True), ("adam", False)}
+  assert len({frozenset(r) for r in runs}) == 1  # one set of keys for every row
+  for r in runs:
+    if r["diverged"]:
+      assert r["error"].startswith("non-finite ") and 1 <= r["diverged_at_step"] <= 8
+      assert math.isnan(float(r["test_accuracy"])) and r["train_s"] == "nan"  # strict JSON
+    else:
+      assert r["error"] is None and 0.0 <= r["test_accuracy"] <= 1.0
+  sgd = [c for c in summary["cells"] if c["optimizer"] == "sgd"]
+  assert all(c["diverged"] == 1 and math.isnan(c["test_accuracy_mean"]) for c in sgd)
+  assert text.count("| diverged (1/1) |") == 2
+  assert "## Diverged runs" in text and "2 of 4 runs stopped on a non-finite" in text
+  assert "- sgd MF 0.99, 8 worker(s) x batch 16, seed 0: non-finite " in text
+  assert "adam MF" not in text.split("## Diverged runs")[1].split("## Paper claims")[0]
+  assert "sgd: acc(MF 0.99) - acc(MF 0.9) at W=8 > 0 (higher MF helps many workers): " \
+         "**not testable (no finite pair)**" in text
+
+
 def test_mf_mlp_quick(tmp_path):
   summary, text = _run("mf_mlp", tmp_path)
   by_mf = {c["mf"]: c for c in summary["cells"]}

@@ -256,6 +256,27 @@ def test_finished_run_extended_with_allow_mismatch_trains_on(tmp_path):
     _small_fit(4, checkpoint_dir=tmp_path, allow_mismatch=True)
 
 
+def test_diverged_summary_has_a_finished_runs_keys():
+  """The row experiments record for a diverged cell has exactly a finished fit's summary keys
+  (plus the divergence), so tables and runs.json mix the two; no value comes from the bad run."""
+  finished = _small_fit(2).summary
+  dataset = data.load("digits")
+  model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
+  tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), inject_nan(2, 1), optax.sgd(LR))
+  with pytest.raises(train.NonFiniteError) as info:
+    train.fit(model=model, tx=tx, dataset=dataset, num_workers=8, per_worker_batch=4,
+              num_steps=6, log_every=2, progress=False, mesh=parallel.make_mesh())
+  s = train.diverged_summary(info.value, num_steps=6, num_workers=8, per_worker_batch=4)
+  assert set(s) == set(finished) | {"diverged", "error", "diverged_at_step"}
+  assert s["diverged"] is True and s["diverged_at_step"] == 3
+  assert s["error"] == str(info.value).splitlines()[0] and "step 3" in s["error"]
+  assert (s["steps"], s["num_workers"], s["per_worker_batch"], s["global_batch"]) == (6, 8, 4, 32)
+  assert s["lowering"] is None  # not known from the error
+  kept = {"steps", "num_workers", "per_worker_batch", "global_batch", "diverged", "error",
+          "diverged_at_step", "lowering"}
+  assert all(np.isnan(v) for k, v in s.items() if k not in kept), s
+
+
 def test_eval_every_must_be_a_multiple_of_log_every():
   with pytest.raises(ValueError, match=r"eval_every must be a multiple of log_every=2.*got 3"):
     _small_fit(6, eval_every=3)
