@@ -73,6 +73,14 @@ class Source(Protocol):
   ``len(indices)``, in the order of ``indices``. With a generator ``rng`` it
   applies training augmentation drawn from it; with ``rng=None`` (evaluation)
   the result is a deterministic function of ``indices``.
+
+  A source with an ``augment`` attribute that is ``None`` (an :class:`ArraySource`
+  without augmentation) is not given a generator. A source whose augmentation is
+  drawn example by example may set
+  ``per_example_rng = True`` and then also accept a sequence of generators, one
+  per index (:class:`TFDSSource` does): :class:`WorkerBatcher` then reads and
+  augments only the rows a process asks for, with draws that do not depend on
+  which other examples are read.
   """
 
   def __len__(self) -> int:
@@ -184,6 +192,11 @@ class TFDSSource:
   read one by one with ``__getitem__`` (``tfds.testing.mock_data`` does not
   support the batched ``__getitems__``).
 
+  ``get(indices, rng)`` takes one generator, drawn from example after example,
+  or (``per_example_rng``) a sequence of generators, one per index, so that
+  :class:`WorkerBatcher` can give each example of a step its own stream and
+  read only a process's own workers' examples.
+
   Args:
     name: TFDS name, e.g. ``"cifar10"``.
     split: TFDS split, e.g. ``"train"``.
@@ -200,11 +213,21 @@ class TFDSSource:
   def __len__(self) -> int:
     return len(self._source)
 
-  def get(self, indices: np.ndarray, rng: np.random.Generator | None = None) -> Batch:
+  per_example_rng = True
+
+  def get(self, indices: np.ndarray,
+          rng: np.random.Generator | Sequence[np.random.Generator] | None = None) -> Batch:
     indices = np.asarray(indices).reshape(-1)
     if indices.size == 0:
       raise ValueError(f"indices must be non-empty, got {indices!r}")
-    examples = [self.preprocess(self._source[int(i)], rng) for i in indices]
+    if rng is None or isinstance(rng, np.random.Generator):
+      rngs = [rng] * indices.size
+    else:
+      rngs = list(rng)
+      if len(rngs) != indices.size:
+        raise ValueError(f"rng: {len(rngs)} generators for {indices.size} indices; give one "
+                         "generator, one per index, or None")
+    examples = [self.preprocess(self._source[int(i)], r) for i, r in zip(indices, rngs)]
     return {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
 
   def __repr__(self) -> str:
@@ -814,9 +837,9 @@ def load_imagenet2012(data_dir: str | None = None, image_size: int = 224,
   """ImageNet-1k from a prepared TFDS data dir (validation split as test).
 
   See :func:`make_imagenet_preprocess`. Decoding and resizing run per example
-  in Python, and in a multi-process run every process still prepares the step's whole
-  global batch (``mfopt.train.fit`` keeps its own workers' rows; augmentation is drawn over
-  the global batch), so more host processes do not make this input pipeline faster.
+  in Python; in a multi-process run each process decodes only its own workers'
+  examples (``WorkerBatcher.batch(step, workers)``; each example's augmentation has
+  its own seed), so the work per step is split over the processes.
   """
   preprocess = make_imagenet_preprocess(image_size, resize_size)
   train = TFDSSource("imagenet2012", split="train", preprocess=preprocess, data_dir=data_dir)
@@ -875,12 +898,22 @@ class WorkerBatcher:
     order and splits it into ``num_workers`` contiguous chunks, worker ``w``
     getting chunk ``w``;
   * augmentation (``train=True``) draws from
-    ``np.random.default_rng([seed, step, 1])`` over the whole global batch.
+    ``np.random.default_rng([seed, step, 1])`` over the whole global batch, or, for a
+    source with ``per_example_rng`` (:class:`TFDSSource`), the example at position ``j``
+    of the step's global batch (``j = w * per_worker_batch + i``) draws from its own
+    ``np.random.default_rng([seed, step, 1, j])``.
 
   So a run resumes exactly from a step number, every example is seen exactly
   once per epoch (minus the dropped remainder) across all workers, and two
   worker counts with equal global batch process the same examples, with the
   same augmentation, at every step.
+
+  ``batch(step, workers=slice(a, b))`` equals ``batch(step)`` restricted to workers
+  ``a..b-1``, and is what a process of a multi-process run reads (its own workers'
+  rows). It reads and preprocesses only those rows unless the source augments a
+  batch with one shared generator (an :class:`ArraySource` with ``augment``, or a
+  source without ``per_example_rng``), where the whole global batch must be drawn
+  and the rows are then cut from it.
 
   Args:
     source: a :class:`Source`.
@@ -944,13 +977,45 @@ class WorkerBatcher:
     order = self.epoch_order(epoch)
     return order[start:start + self.global_batch].reshape(self.num_workers, self.per_worker_batch)
 
-  def batch(self, step: int) -> Batch:
-    """The batch of ``step``: each array has shape ``(num_workers, per_worker_batch, ...)``."""
+  def batch(self, step: int, workers: slice | None = None) -> Batch:
+    """The batch of ``step``: each array has shape ``(num_workers, per_worker_batch, ...)``.
+
+    Args:
+      step: non-negative step.
+      workers: only these workers' rows (a ``slice`` of ``range(num_workers)`` with
+        step 1, e.g. :func:`mfopt.parallel.process_worker_slice`); the leading axis
+        is then their count. Equal to ``batch(step)[workers]`` (see the class doc).
+    """
     idx = self.indices(step)
-    rng = np.random.default_rng([self.seed, int(step), 1]) if self.train else None
-    flat = self.source.get(idx.reshape(-1), rng)
-    return {k: v.reshape((self.num_workers, self.per_worker_batch) + v.shape[1:])
-            for k, v in flat.items()}
+    rows = self._rows(workers)
+    count = len(range(self.num_workers)[rows])
+    wanted = idx[rows].reshape(-1)
+    if not self.train or getattr(self.source, "augment", True) is None:  # no augmentation
+      flat = self.source.get(wanted, None)
+    elif getattr(self.source, "per_example_rng", False):
+      positions = np.arange(self.global_batch).reshape(idx.shape)[rows].reshape(-1)
+      flat = self.source.get(wanted, [np.random.default_rng([self.seed, int(step), 1, int(j)])
+                                      for j in positions])
+    elif rows == slice(0, self.num_workers):
+      flat = self.source.get(wanted, np.random.default_rng([self.seed, int(step), 1]))
+    else:  # one generator over the whole global batch: draw it all, keep the rows
+      whole = self.source.get(idx.reshape(-1), np.random.default_rng([self.seed, int(step), 1]))
+      flat = {k: v.reshape((self.num_workers, -1) + v.shape[1:])[rows].reshape(
+          (-1,) + v.shape[1:]) for k, v in whole.items()}
+    return {k: v.reshape((count, self.per_worker_batch) + v.shape[1:]) for k, v in flat.items()}
+
+  def _rows(self, workers: slice | None) -> slice:
+    """``workers`` as ``slice(a, b)`` with ``0 <= a < b <= num_workers``; all workers if None."""
+    if workers is None:
+      return slice(0, self.num_workers)
+    if not isinstance(workers, slice) or workers.step not in (None, 1):
+      raise ValueError(f"workers must be a slice of range(num_workers={self.num_workers}) with "
+                       f"step 1, got {workers!r}")
+    a, b, _ = workers.indices(self.num_workers)
+    if a >= b:
+      raise ValueError(f"workers selects no worker of range(num_workers={self.num_workers}): "
+                       f"{workers!r}")
+    return slice(a, b)
 
   def __repr__(self) -> str:
     return (f"WorkerBatcher({self.source!r}, num_workers={self.num_workers}, "

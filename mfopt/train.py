@@ -798,12 +798,15 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
                                    per_worker_batch=per_worker_batch, seed=seed)
   rows = parallel.process_worker_slice(num_workers, mesh)
 
-  def device_batch(step, host=None):  # host: the step's global batch if already built
-    b = batcher.batch(step) if host is None else host
-    return parallel.shard_workers({k: v[rows] for k, v in b.items()}, mesh)
+  def device_batch(step, host=None):  # host: this process's rows of the step if already read
+    # Each process reads (and augments) only its own workers' rows where the source allows.
+    return parallel.shard_workers(batcher.batch(step, rows) if host is None else host, mesh)
 
-  first = batcher.batch(0)
-  state = init_train_state(model, tx, first["x"][0], num_workers=num_workers, mesh=mesh, seed=seed)
+  first = batcher.batch(0, rows)
+  # Worker 0's inputs initialise the model in every process (the same params everywhere even
+  # if a model's init looked at the values).
+  example_x = first["x"][0] if rows.start == 0 else batcher.batch(0, slice(0, 1))["x"][0]
+  state = init_train_state(model, tx, example_x, num_workers=num_workers, mesh=mesh, seed=seed)
 
   history: list[dict[str, Any]] = []
   train_s = compile_s = 0.0

@@ -497,3 +497,68 @@ def test_batcher_indices_are_read_only_views():
   with pytest.raises(ValueError, match="read-only"):
     idx[:] = 0
   np.testing.assert_array_equal(b.batch(3)["y"], want)
+
+
+class _Counting:
+  """A source that records the indices each ``get`` call reads."""
+
+  def __init__(self, source):
+    self.source, self.reads = source, []
+    for name in ("per_example_rng", "augment"):
+      if hasattr(source, name):
+        setattr(self, name, getattr(source, name))
+
+  def __len__(self):
+    return len(self.source)
+
+  def get(self, indices, rng):
+    self.reads.append(np.asarray(indices).reshape(-1).tolist())
+    return self.source.get(indices, rng)
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_batcher_worker_rows_are_the_global_batch_rows(augment):
+  """batch(step, workers) is batch(step)[workers] (what each process of a multi-process run
+  reads); without a batch-wide augmentation only those rows are read."""
+  x = np.random.default_rng(0).normal(size=(96, 3)).astype(np.float32)
+  aug = (lambda xb, rng: xb + rng.normal(size=xb.shape)) if augment else None
+  src = _Counting(data.ArraySource(x, np.arange(96), augment=aug))
+  b = data.WorkerBatcher(src, num_workers=8, per_worker_batch=3, seed=5)
+  for step, rows in [(0, slice(2, 4)), (7, slice(0, 1)), (9, slice(6, 8)), (9, slice(0, 8))]:
+    whole = b.batch(step)
+    src.reads.clear()
+    part = b.batch(step, rows)
+    for k in whole:
+      np.testing.assert_array_equal(part[k], whole[k][rows])
+    n = rows.stop - rows.start
+    assert part["x"].shape == (n, 3, 3)
+    read = sum(len(r) for r in src.reads)
+    assert read == (24 if augment and n < 8 else 3 * n), (step, rows, read)
+  with pytest.raises(ValueError, match=r"workers must be a slice .* got \[0, 1\]"):
+    b.batch(0, [0, 1])
+  with pytest.raises(ValueError, match="selects no worker"):
+    b.batch(0, slice(5, 5))
+
+
+def test_tfds_batcher_reads_only_a_process_rows_with_layout_free_augmentation():
+  """A TFDS source draws each example's augmentation from its own seed: a process decodes only
+  its workers' examples, and the batch is the same for any worker count and process layout."""
+  with _mock(40):
+    ds = data.load("cifar10", data_dir="/nonexistent")
+    src = _Counting(ds.train)
+    b4 = data.WorkerBatcher(src, num_workers=4, per_worker_batch=4, seed=1)
+    b2 = data.WorkerBatcher(ds.train, num_workers=2, per_worker_batch=8, seed=1)
+    whole = b4.batch(1)
+    src.reads.clear()
+    part = b4.batch(1, slice(1, 3))
+    assert sum(len(r) for r in src.reads) == 8  # 2 workers x 4 examples, not 16
+    np.testing.assert_array_equal(part["x"], whole["x"][1:3])
+    np.testing.assert_array_equal(part["y"], whole["y"][1:3])
+    other = b2.batch(1)  # W=2 x 8: the same 16 examples with the same augmentation
+    np.testing.assert_array_equal(other["x"].reshape(16, 32, 32, 3),
+                                  whole["x"].reshape(16, 32, 32, 3))
+    plain = data.WorkerBatcher(ds.train, num_workers=4, per_worker_batch=4, seed=1,
+                               train=False).batch(1)
+    assert not np.allclose(whole["x"], plain["x"])  # augmented
+    with pytest.raises(ValueError, match="rng: 1 generators for 2 indices"):
+      ds.train.get(np.array([0, 1]), [np.random.default_rng(0)])
