@@ -1023,7 +1023,8 @@ class WorkerBatcher:
             f"shuffle={self.shuffle})")
 
 
-def eval_batches(source: Source, batch_size: int) -> Iterator[Batch]:
+def eval_batches(source: Source, batch_size: int, *,
+                 shard: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
   """Every example of ``source`` once, in index order, in batches of fixed shape.
 
   Yields ``{"x", "y", "mask"}`` with leading axis ``batch_size``, without
@@ -1031,10 +1032,17 @@ def eval_batches(source: Source, batch_size: int) -> Iterator[Batch]:
   ``batch_size`` so a jitted evaluation compiles once; ``mask`` (bool,
   ``(batch_size,)``) is ``True`` exactly on real examples, so weight
   per-example sums by it (``sum(mask)`` over all batches is ``len(source)``).
+
+  ``shard=(i, n)`` yields (and reads) only batches ``i, i + n, i + 2n, ...``: one
+  of ``n`` processes' share (``mfopt.train.evaluate`` in a multi-process run).
   """
   batch_size = _checks.positive_int("batch_size", batch_size)
+  index, count = shard
+  _checks.positive_int("shard count", count)
+  if not 0 <= index < count:
+    raise ValueError(f"shard index must be in [0, {count}), got shard={shard!r}")
   n = len(source)
-  for start in range(0, n, batch_size):
+  for start in range(index * batch_size, n, count * batch_size):
     stop = min(start + batch_size, n)
     batch = source.get(np.arange(start, stop), None)
     pad = batch_size - (stop - start)

@@ -549,15 +549,48 @@ def averaged_model(state: TrainState) -> tuple[Any, Any]:
   return _worker_means(state.params, state.model_state)
 
 
-def evaluate(eval_fn, params, model_state, source, batch_size: int = 512) -> dict[str, float]:
-  """Loss and accuracy of one model over a whole source (the test set)."""
+EVAL_BATCH_SIZE = 512  # examples per evaluation batch in fit
+
+
+def _local_copy(a: Any) -> Any:
+  """A replicated global array of a multi-process run as a copy on one local device."""
+  if not isinstance(a, jax.Array) or a.is_fully_addressable:
+    return a
+  if a.is_fully_replicated:
+    return a.addressable_data(0)
+  from jax.experimental import multihost_utils
+  return jax.device_put(multihost_utils.process_allgather(a, tiled=True), jax.local_devices()[0])
+
+
+def evaluate(eval_fn, params, model_state, source,
+             batch_size: int = EVAL_BATCH_SIZE) -> dict[str, float]:
+  """Loss and accuracy of one model over a whole source (the test set).
+
+  In a multi-process run every process evaluates a local copy of the model on every
+  ``P``-th batch (it reads only those), the per-batch sums are gathered, and all
+  processes add them in batch order: the same result as one process's, bit for bit,
+  with the reading and evaluation split ``P`` ways.
+  """
+  procs, me = jax.process_count(), jax.process_index()
+  if procs > 1:
+    params, model_state = jax.tree.map(_local_copy, (params, model_state))
   # Dispatch every batch, then fetch once: the host prepares batch i+1 while the device
-  # evaluates batch i (one device_get per batch would serialise them). Same summation order.
+  # evaluates batch i (one device_get per batch would serialise them).
   outs = [eval_fn(params, model_state, batch["x"], batch["y"], batch["mask"])
-          for batch in data_lib.eval_batches(source, batch_size)]
+          for batch in data_lib.eval_batches(source, batch_size, shard=(me, procs))]
+  sums = np.asarray(jax.device_get(outs), np.float32).reshape(-1, 3)  # per batch, as computed
+  if procs > 1:
+    from jax.experimental import multihost_utils
+    num_batches = -(-len(source) // batch_size)
+    per_proc = -(-num_batches // procs)
+    mine = np.zeros((per_proc, 3), np.float32)
+    mine[:len(sums)] = sums
+    # batch i is row i // P of process i % P: interleave back into batch order
+    sums = np.asarray(multihost_utils.process_allgather(mine)).transpose(1, 0, 2).reshape(
+        -1, 3)[:num_batches]
   totals = np.zeros(3)
-  for out in jax.device_get(outs):
-    totals += np.asarray(out, dtype=np.float64)
+  for row in sums:  # batch order, float64: the same sum in any process layout
+    totals += row.astype(np.float64)
   loss, correct, count = totals
   return {"test_loss": float(loss / count), "test_accuracy": float(correct / count)}
 
@@ -877,7 +910,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         row[name] = row[name].tolist()
     if evaluate_now:
       params, model_state = averaged_model(state)
-      row.update(evaluate(eval_fn, params, model_state, dataset.test))
+      row.update(evaluate(eval_fn, params, model_state, dataset.test, EVAL_BATCH_SIZE))
     row["train_time_s"] = train_s
     return row
 

@@ -327,6 +327,19 @@ def test_eval_batches_cover_the_source_in_order_with_a_mask(digits):
     next(data.eval_batches(digits.test, 0))
 
 
+def test_eval_batches_shards_split_the_batches(digits):
+  """shard=(i, 3) yields batches i, i+3, ...: the 3 shards together are the 4 batches."""
+  whole = list(data.eval_batches(digits.test, 100))
+  shards = [list(data.eval_batches(digits.test, 100, shard=(i, 3))) for i in range(3)]
+  assert [len(s) for s in shards] == [2, 1, 1]
+  for i, b in enumerate(whole):
+    got = shards[i % 3][i // 3]
+    for k in b:
+      np.testing.assert_array_equal(got[k], b[k])
+  with pytest.raises(ValueError, match=r"shard index must be in \[0, 3\), got shard=\(3, 3\)"):
+    next(data.eval_batches(digits.test, 100, shard=(3, 3)))
+
+
 # --- TFDS ---------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 LAUNCH = ROOT / "scripts" / "launch_local.py"
 NUM_STEPS, LOG_EVERY = 10, 5
+EVAL_BATCH = 16  # 64 test examples: 4 evaluation batches, 2 per process
 
 
 def _setup(num_steps, algo="sync"):
@@ -52,11 +53,23 @@ def child_main(out, num_steps, algo="sync"):
   def on_log(row):
     print(f"STEP {row['step']}", flush=True)
 
+  train.EVAL_BATCH_SIZE = EVAL_BATCH
+  read = []  # examples of each evaluation batch this process read
+  plain = data.eval_batches
+
+  def counting(source, batch_size, **kw):
+    for b in plain(source, batch_size, **kw):
+      read.append(int(b["mask"].sum()))
+      yield b
+
+  data.eval_batches = counting
+
   # Periodic averaging with host-decided gates (the GPU default): each process replays the
   # schedule from its own shards; the one-process reference uses the device-side gate.
   result = train.fit(**_setup(num_steps, algo), checkpoint_dir=pathlib.Path(out) / "ckpt",
                      on_log=on_log, host_gates=True if algo == "avg" else None)
   params = train._to_host(result.state.params, parallel.make_mesh())
+  (pathlib.Path(out) / f"eval_read{jax.process_index()}.json").write_text(json.dumps(read))
   if jax.process_index() == 0:
     leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
     np.savez(pathlib.Path(out) / "params.npz", *leaves)
@@ -83,13 +96,22 @@ def _two_processes_vs_one(tmp_path, algo):
   out, err = proc.communicate(timeout=150)
   assert proc.returncode == 0, (out + err)[-4000:]
   assert "all 2 processes finished" in err
-  reference = train.fit(**_setup(NUM_STEPS, algo), mesh=parallel.make_mesh())
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(train, "EVAL_BATCH_SIZE", EVAL_BATCH)
+    reference = train.fit(**_setup(NUM_STEPS, algo), mesh=parallel.make_mesh())
   want = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(reference.state.params))]
   with np.load(tmp_path / "params.npz") as z:
     got = [z[f"arr_{i}"] for i in range(len(z.files))]
   assert len(got) == len(want)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)  # the reduction order differs
+  # The final evaluation was split: each process read its 2 of the 4 test batches, and the
+  # gathered result is the one-process evaluation's.
+  for p in (0, 1):
+    assert json.loads((tmp_path / f"eval_read{p}.json").read_text()) == [EVAL_BATCH, EVAL_BATCH]
+  last = json.loads((tmp_path / "history.json").read_text())[-1]
+  np.testing.assert_allclose(last["test_loss"], reference.history[-1]["test_loss"], rtol=1e-5)
+  assert last["test_accuracy"] == reference.history[-1]["test_accuracy"]
   return got, want, reference
 
 
