@@ -670,6 +670,14 @@ def _to_host(tree: Any, mesh) -> Any:
   return jax.device_get(tree)
 
 
+def _skipped_steps(opt_state: Any, mesh) -> int:
+  """Steps that (the outermost) dynamic loss scaling skipped on worker 0 so far; 0 without."""
+  scaling = comm_lib.states_of(opt_state, precision_lib.LossScaleState)
+  if not scaling:
+    return 0
+  return int(np.asarray(_to_host(scaling[0].overflows, mesh)).reshape(-1)[0])
+
+
 def _comm_totals(opt_state: Any, mesh) -> dict[str, int]:
   if jax.process_count() > 1:  # worker 0's counters, replicated to every process
     opt_state = _replicate_fn(mesh, True)(opt_state)
@@ -760,10 +768,11 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   overwritten with non-finite state (saves happen only after the check).
 
   Args:
-    learning_rate: optional ``step -> lr`` (the schedule the transform uses),
-      logged beside the metrics at the global step: the nominal schedule. Steps that fp16
-      loss scaling skips do not advance the optimizer's own count, so after overflows the
-      optimizer runs that many steps behind the logged value.
+    learning_rate: optional ``step -> lr`` (the schedule the transform uses), logged
+      beside the metrics as ``learning_rate``: its value at the optimizer's own count of
+      the last step. Steps that fp16 loss scaling skips do not advance that count, so
+      with :func:`mfopt.precision.dynamic_loss_scale` it is the step minus worker 0's
+      overflows so far (the optimizer runs that many steps behind the global step).
     on_log: called with every history row as soon as it exists (the runner
       appends it to ``metrics.jsonl``). After a resume, rows logged after the
       restored checkpoint by the interrupted run are logged again.
@@ -902,7 +911,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     for k, v in per_worker.items():
       row[f"train_{k}"] = float(v.mean())
     if learning_rate is not None:
-      row["learning_rate"] = float(learning_rate(step - 1))
+      skipped = _skipped_steps(state.opt_state, mesh)
+      row["learning_rate"] = float(learning_rate(max(step - 1 - skipped, 0)))
     row.update(_comm_totals(state.opt_state, mesh))
     for name, fn in (extra_metrics or {}).items():
       row[name] = _to_host(fn(state), mesh)

@@ -316,3 +316,25 @@ def test_fp16_all_reduce_in_the_train_step_matches_fp32_exchange():
   for a, c in zip(jax.tree.leaves(out["fp16"]), jax.tree.leaves(out["fp32"])):
     assert np.abs(c).max() > 0
     np.testing.assert_allclose(a, c, rtol=0, atol=2e-3 * np.abs(c).max())
+
+
+def test_fit_logs_the_learning_rate_of_the_optimizers_own_count_under_fp16_overflows():
+  """Overflowing fp16 steps do not advance the optimizer's count: the logged learning_rate is
+  the schedule at that count (read back from the inner optax state), not at the global step."""
+  from mfopt import data
+  dataset = data.load("synthetic", num_train=256, num_test=32, input_shape=(FEATURES,),
+                      num_classes=CLASSES)
+  schedule = optax.linear_schedule(0.0, 0.01, transition_steps=100)  # lr grows with the count
+  # 2**40 overflows fp16 in the backward pass until halving brings the scale down
+  tx = precision.dynamic_loss_scale(
+      optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(schedule)),
+      init_scale=2.0 ** 40)
+  res = train.fit(model=_model("fp16"), tx=tx, dataset=dataset, num_workers=W,
+                  per_worker_batch=B, num_steps=40, mesh=_mesh(), log_every=20,
+                  learning_rate=schedule, progress=False)
+  s = _np(res.state.opt_state)
+  overflows = int(s.overflows[0])
+  count = int(s.inner_state[1][-1].count[0])  # optax.sgd's scale_by_learning_rate count
+  assert 5 < overflows < 40 and count == 40 - overflows
+  assert res.history[-1]["learning_rate"] == pytest.approx(float(schedule(count - 1)), rel=1e-6)
+  assert res.history[-1]["learning_rate"] < float(schedule(39))  # not the nominal value
