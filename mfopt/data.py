@@ -17,7 +17,9 @@ Three pieces:
   deterministic stream. ``batcher.batch(step)`` is a pure function of
   ``(seed, step)``: a run resumes exactly from a step number, and at equal global
   batch every worker count processes the same examples with the same
-  augmentation. :func:`eval_batches` walks a whole source in fixed order.
+  augmentation. ``batcher.batch(step, workers)`` is those workers' rows of it (a
+  process of a multi-process run reads only its own). :func:`eval_batches` walks a
+  whole source in fixed order, or one process's share of its batches.
 
 Example:
 
