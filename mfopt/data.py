@@ -35,6 +35,7 @@ imported when a dataset needs it); it never imports JAX or TensorFlow.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -199,23 +200,45 @@ class TFDSSource:
   :class:`WorkerBatcher` can give each example of a step its own stream and
   read only a process's own workers' examples.
 
+  Reading, decoding and preprocessing run on ``num_threads`` threads (PIL and NumPy
+  release the GIL for most of it) whenever no generator is shared between examples
+  (evaluation, and :class:`WorkerBatcher`'s per-example streams), so the result does
+  not depend on the thread count; with one shared generator they run in order. This
+  is a thread pool, not a data-loading library: ``grain`` (multi-process workers over
+  the same ArrayRecord sources) is the tool when Python preprocessing still limits.
+
   Args:
     name: TFDS name, e.g. ``"cifar10"``.
     split: TFDS split, e.g. ``"train"``.
     preprocess: per-example ``preprocess(example, rng)``.
     data_dir: TFDS data dir; see :func:`tfds_data_dir`.
+    num_threads: threads per :meth:`get`; default ``MFOPT_DATA_THREADS`` or
+      ``min(16, os.cpu_count())``. 1 reads in the calling thread.
   """
 
+  per_example_rng = True
+
   def __init__(self, name: str, *, split: str, preprocess: Preprocess,
-               data_dir: str | os.PathLike | None = None):
+               data_dir: str | os.PathLike | None = None, num_threads: int | None = None):
     self.name, self.split, self.preprocess = name, split, preprocess
+    if num_threads is None:
+      env = os.environ.get("MFOPT_DATA_THREADS")
+      num_threads = int(env) if env else min(16, os.cpu_count() or 1)
+    self.num_threads = _checks.positive_int("num_threads", num_threads)
     self.data_dir = tfds_data_dir(data_dir)
     self._source = open_tfds(name, split=split, data_dir=self.data_dir)
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
   def __len__(self) -> int:
     return len(self._source)
 
-  per_example_rng = True
+  def _map(self, fn: Callable[..., Any], *items: Sequence[Any]) -> list[Any]:
+    if self.num_threads == 1 or len(items[0]) < 2:
+      return [fn(*args) for args in zip(*items)]
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads,
+                                                         thread_name_prefix="mfopt-tfds")
+    return list(self._pool.map(fn, *items))
 
   def get(self, indices: np.ndarray,
           rng: np.random.Generator | Sequence[np.random.Generator] | None = None) -> Batch:
@@ -229,7 +252,13 @@ class TFDSSource:
       if len(rngs) != indices.size:
         raise ValueError(f"rng: {len(rngs)} generators for {indices.size} indices; give one "
                          "generator, one per index, or None")
-    examples = [self.preprocess(self._source[int(i)], r) for i, r in zip(indices, rngs)]
+    def one(i, r):
+      return self.preprocess(self._source[int(i)], r)
+
+    if isinstance(rng, np.random.Generator):  # one stream drawn example after example
+      examples = [one(i, r) for i, r in zip(indices, rngs)]
+    else:
+      examples = self._map(one, indices, rngs)
     return {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
 
   def __repr__(self) -> str:
@@ -743,8 +772,14 @@ def resize_center_crop(image: np.ndarray, size: int = 224, resize_size: int = 25
 
 
 def _normalize(image: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
-  x = image.astype(np.float32) / 255.0
-  return (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+  """``(image / 255 - mean) / std`` in float32, computed in place on one buffer: the same
+  values as the expression with three temporaries and no extra allocations (measured 2-5%
+  faster at 224x224x3: BENCHMARKS.md, "Input pipeline")."""
+  x = image.astype(np.float32)
+  np.divide(x, np.float32(255.0), out=x)
+  np.subtract(x, np.asarray(mean, np.float32), out=x)
+  np.divide(x, np.asarray(std, np.float32), out=x)
+  return x
 
 
 def mnist_preprocess(example: Mapping[str, Any], rng: np.random.Generator | None = None) -> Batch:

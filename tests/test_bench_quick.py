@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from experiments import bench_comm, bench_train_step, bench_update, bench_virtual_workers
+from experiments import (bench_comm, bench_input, bench_train_step, bench_update,
+                         bench_virtual_workers)
 
 # MLP 784-64-10 of bench_comm: (784*64 + 64) + (64*10 + 10) float32 parameters.
 MLP_PARAM_BYTES = 4 * ((784 * 64 + 64) + (64 * 10 + 10))
@@ -323,3 +324,13 @@ def test_gpu_plan_calls_run_in_quick_mode():
     multi = run("7", "/tmp/unused")
     assert multi.returncode == 2 and "needs >= 2 GPUs" in multi.stdout
   assert run("9").returncode == 2
+
+
+def test_bench_input_quick_threaded_batches_are_identical():
+  """The threaded TFDS reader gives the one-thread reader's batches (per-example streams)."""
+  result = bench_input.main(["--quick", "--threads", "3"])
+  figs = {f["name"]: f for f in _figures(result)}
+  ratio = figs["ratio 3 threads / 1 thread"]
+  assert ratio["identical_batches"] is True and ratio["value"] > 0
+  assert figs["examples/s, 1 thread"]["value"] > 0 and result["targets"] == []
+  assert figs["normalize, in place (data._normalize)"]["identical_values"] is True

@@ -575,3 +575,31 @@ def test_tfds_batcher_reads_only_a_process_rows_with_layout_free_augmentation():
     assert not np.allclose(whole["x"], plain["x"])  # augmented
     with pytest.raises(ValueError, match="rng: 1 generators for 2 indices"):
       ds.train.get(np.array([0, 1]), [np.random.default_rng(0)])
+
+
+def test_tfds_source_threads_give_the_same_batches_as_one_thread():
+  """Per-example streams make threaded preprocessing deterministic: 4 threads == 1 thread, for
+  training (WorkerBatcher) and evaluation; a shared generator is drawn in order."""
+  import threading
+  with _mock(40):
+    ds = data.load("cifar10", data_dir="/nonexistent")
+    src = ds.train
+    plain, seen = src.preprocess, set()
+
+    def recording(example, rng):
+      seen.add(threading.get_ident())
+      return plain(example, rng)
+
+    src.preprocess = recording
+    out = {}
+    for threads in (1, 4):
+      src.num_threads = threads
+      b = data.WorkerBatcher(src, num_workers=4, per_worker_batch=8, seed=2)
+      out[threads] = (b.batch(0), b.batch(3), next(data.eval_batches(src, 32)),
+                      src.get(np.arange(6), np.random.default_rng(7)))
+    for a, c in zip(out[1], out[4]):
+      for k in a:
+        np.testing.assert_array_equal(a[k], c[k])
+    assert len(seen) > 1  # the 4-thread reads did run on pool threads
+  with pytest.raises(ValueError, match="num_threads must be a positive integer, got 0"):
+    data.TFDSSource("cifar10", split="train", preprocess=plain, num_threads=0)
