@@ -773,7 +773,7 @@ def resize_center_crop(image: np.ndarray, size: int = 224, resize_size: int = 25
 
 def _normalize(image: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
   """``(image / 255 - mean) / std`` in float32, computed in place on one buffer: the same
-  values as the expression with three temporaries and no extra allocations (measured 2-5%
+  values as the expression with three temporaries and no extra allocations (measured 2-3%
   faster at 224x224x3: BENCHMARKS.md, "Input pipeline")."""
   x = image.astype(np.float32)
   np.divide(x, np.float32(255.0), out=x)
