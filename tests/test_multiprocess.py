@@ -69,6 +69,13 @@ def child_main(out, num_steps, algo="sync"):
   result = train.fit(**_setup(num_steps, algo), checkpoint_dir=pathlib.Path(out) / "ckpt",
                      on_log=on_log, host_gates=True if algo == "avg" else None)
   params = train._to_host(result.state.params, parallel.make_mesh())
+  # evaluate's local copy of a global array that is not replicated (here: worker-sharded)
+  # gathers the whole value onto a local device
+  sharded = jax.tree.leaves(result.state.params)[0]
+  assert not sharded.is_fully_replicated and not sharded.is_fully_addressable
+  local = train._local_copy(sharded)
+  assert local.is_fully_addressable
+  np.testing.assert_array_equal(np.asarray(local), jax.tree.leaves(params)[0])
   (pathlib.Path(out) / f"eval_read{jax.process_index()}.json").write_text(json.dumps(read))
   if jax.process_index() == 0:
     leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
