@@ -569,7 +569,8 @@ def evaluate(eval_fn, params, model_state, source,
   In a multi-process run every process evaluates a local copy of the model on every
   ``P``-th batch (it reads only those), the per-batch sums are gathered, and all
   processes add them in batch order: the same result as one process's, bit for bit,
-  with the reading and evaluation split ``P`` ways.
+  with the reading and evaluation split ``P`` ways. Every process must call it (the
+  gather is a collective), as with any computation on the run's global arrays.
   """
   procs, me = jax.process_count(), jax.process_index()
   if procs > 1:
