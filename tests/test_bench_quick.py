@@ -326,11 +326,15 @@ def test_gpu_plan_calls_run_in_quick_mode():
   assert run("9").returncode == 2
 
 
-def test_bench_input_quick_threaded_batches_are_identical():
+@pytest.mark.parametrize("dataset", ["imagenet2012", "cifar10"])
+def test_bench_input_quick_threaded_batches_are_identical(dataset):
   """The threaded TFDS reader gives the one-thread reader's batches (per-example streams)."""
-  result = bench_input.main(["--quick", "--threads", "3"])
+  result = bench_input.main(["--quick", "--threads", "3", "--dataset", dataset])
   figs = {f["name"]: f for f in _figures(result)}
   ratio = figs["ratio 3 threads / 1 thread"]
   assert ratio["identical_batches"] is True and ratio["value"] > 0
   assert figs["examples/s, 1 thread"]["value"] > 0 and result["targets"] == []
+  assert dataset in figs["examples/s, 1 thread"]["details"]
   assert figs["normalize, in place (data._normalize)"]["identical_values"] is True
+  with pytest.raises(SystemExit, match="--threads must be >= 2 .* got 1"):
+    bench_input.main(["--quick", "--threads", "1"])
