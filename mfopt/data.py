@@ -77,8 +77,9 @@ class Source(Protocol):
   applies training augmentation drawn from it; with ``rng=None`` (evaluation)
   the result is a deterministic function of ``indices``.
 
-  A source with an ``augment`` attribute that is ``None`` (an :class:`ArraySource`
-  without augmentation) is not given a generator. A source whose augmentation is
+  A source with an ``augments`` attribute that is false (an :class:`ArraySource`
+  without ``augment``, a :class:`TFDSSource` whose preprocessing draws nothing) is
+  not given a generator. A source whose augmentation is
   drawn example by example may set
   ``per_example_rng = True`` and then also accept a sequence of generators, one
   per index (:class:`TFDSSource` does): :class:`WorkerBatcher` then reads and
@@ -121,6 +122,11 @@ class ArraySource:
     if rng is not None and self.augment is not None:
       x = self.augment(x, rng)
     return {"x": x, "y": self.y[indices]}
+
+  @property
+  def augments(self) -> bool:
+    """Whether :meth:`get` draws from its generator (``augment`` is set)."""
+    return self.augment is not None
 
   def __repr__(self) -> str:
     return (f"ArraySource(x={self.x.dtype}{list(self.x.shape)}, y={self.y.dtype}{list(self.y.shape)}, "
@@ -185,6 +191,24 @@ def open_tfds(name: str, *, split: str, data_dir: str | os.PathLike | None = Non
     raise
 
 
+def default_data_threads(decode_heavy: bool = False) -> int:
+  """Threads a :class:`TFDSSource` reads on by default.
+
+  ``$MFOPT_DATA_THREADS`` when set (for every TFDS source); otherwise
+  ``min(16, os.cpu_count())`` for sources whose per-example work is mostly a large
+  image decode that releases the GIL (``decode_heavy``: ImageNet), and 1 for the
+  rest, where threads measured slower (BENCHMARKS.md, "Input pipeline").
+  """
+  env = os.environ.get("MFOPT_DATA_THREADS")
+  if env:
+    try:
+      value = int(env)
+    except ValueError:
+      raise ValueError(f"MFOPT_DATA_THREADS must be a positive integer, got {env!r}") from None
+    return _checks.positive_int("MFOPT_DATA_THREADS", value)
+  return min(16, os.cpu_count() or 1) if decode_heavy else 1
+
+
 class TFDSSource:
   """A source reading one split of a prepared TFDS dataset, one example at a time.
 
@@ -200,39 +224,65 @@ class TFDSSource:
   :class:`WorkerBatcher` can give each example of a step its own stream and
   read only a process's own workers' examples.
 
-  Reading, decoding and preprocessing run on ``num_threads`` threads (PIL and NumPy
-  release the GIL for most of it) whenever no generator is shared between examples
-  (evaluation, and :class:`WorkerBatcher`'s per-example streams), so the result does
-  not depend on the thread count; with one shared generator they run in order. This
-  is a thread pool, not a data-loading library: ``grain`` (multi-process workers over
-  the same ArrayRecord sources) is the tool when Python preprocessing still limits.
+  Reading, decoding and preprocessing can run on ``num_threads`` threads whenever no
+  generator is shared between examples (evaluation, and :class:`WorkerBatcher`'s
+  per-example streams), so the result does not depend on the thread count; with one
+  shared generator they run in order. Threads pay only where the per-example work releases the GIL: decoding a
+  large JPEG does (ImageNet, whose loader defaults to ``min(16, CPUs)`` threads), while
+  a 32 x 32 CIFAR image is mostly Python bookkeeping, where two threads read at about
+  half the rate of one (BENCHMARKS.md, "Input pipeline"); hence the default of 1
+  thread. This is a thread pool, not a data-loading library: ``grain``
+  (multi-process workers over the same ArrayRecord sources) is the tool when Python
+  preprocessing still limits.
 
   Args:
     name: TFDS name, e.g. ``"cifar10"``.
     split: TFDS split, e.g. ``"train"``.
     preprocess: per-example ``preprocess(example, rng)``.
     data_dir: TFDS data dir; see :func:`tfds_data_dir`.
-    num_threads: threads per :meth:`get`; default ``MFOPT_DATA_THREADS`` or
-      ``min(16, os.cpu_count())``. 1 reads in the calling thread.
+    num_threads: threads per :meth:`get`; default ``MFOPT_DATA_THREADS`` if set,
+      else 1 (see :func:`default_data_threads`). 1 reads in the calling thread. May
+      be changed later (``source.num_threads = 8``).
+    augments: whether ``preprocess`` draws from its generator; ``False`` (MNIST,
+      CIFAR with ``augment=False``) spares :class:`WorkerBatcher` from building a
+      generator per example that would go unused.
   """
 
   per_example_rng = True
 
   def __init__(self, name: str, *, split: str, preprocess: Preprocess,
-               data_dir: str | os.PathLike | None = None, num_threads: int | None = None):
+               data_dir: str | os.PathLike | None = None, num_threads: int | None = None,
+               augments: bool = True):
     self.name, self.split, self.preprocess = name, split, preprocess
-    if num_threads is None:
-      env = os.environ.get("MFOPT_DATA_THREADS")
-      num_threads = int(env) if env else min(16, os.cpu_count() or 1)
-    self.num_threads = _checks.positive_int("num_threads", num_threads)
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._num_threads = 1
+    self.num_threads = default_data_threads() if num_threads is None else num_threads
+    self.augments = bool(augments)
     self.data_dir = tfds_data_dir(data_dir)
     self._source = open_tfds(name, split=split, data_dir=self.data_dir)
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+  @property
+  def num_threads(self) -> int:
+    return self._num_threads
+
+  @num_threads.setter
+  def num_threads(self, value: int) -> None:
+    value = _checks.positive_int("num_threads", value)
+    if value != self._num_threads and self._pool is not None:
+      self._pool.shutdown(wait=True)
+      self._pool = None
+    self._num_threads = value
 
   def __len__(self) -> int:
     return len(self._source)
 
   def _map(self, fn: Callable[..., Any], *items: Sequence[Any]) -> list[Any]:
+    """``[fn(*args) for args in zip(*items)]``, one pool task per example.
+
+    One task per example balances examples of unequal cost (ImageNet's photos vary
+    in size). One contiguous chunk per thread was measured too and read at the same
+    rate (BENCHMARKS.md, "Input pipeline"), so the simpler balanced form stays.
+    """
     if self.num_threads == 1 or len(items[0]) < 2:
       return [fn(*args) for args in zip(*items)]
     if self._pool is None:
@@ -775,10 +825,12 @@ def _normalize(image: np.ndarray, mean: Sequence[float], std: Sequence[float]) -
   """``(image / 255 - mean) / std`` in float32, computed in place on one buffer: the same
   values as the expression with three temporaries and no extra allocations (measured 2-3%
   faster at 224x224x3: BENCHMARKS.md, "Input pipeline")."""
-  x = image.astype(np.float32)
+  mean, std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+  x = np.empty(np.broadcast_shapes(np.shape(image), mean.shape, std.shape), np.float32)
+  x[...] = image  # broadcasts a one-channel image against three-channel statistics
   np.divide(x, np.float32(255.0), out=x)
-  np.subtract(x, np.asarray(mean, np.float32), out=x)
-  np.divide(x, np.asarray(std, np.float32), out=x)
+  np.subtract(x, mean, out=x)
+  np.divide(x, std, out=x)
   return x
 
 
@@ -839,8 +891,10 @@ def _tfds_meta(name: str, train: TFDSSource, test: TFDSSource, description: str,
 @register("mnist")
 def load_mnist(data_dir: str | None = None) -> Dataset:
   """MNIST from a prepared TFDS data dir: ``x`` in ``[0, 1]``, ``(28, 28, 1)``; no augmentation."""
-  train = TFDSSource("mnist", split="train", preprocess=mnist_preprocess, data_dir=data_dir)
-  test = TFDSSource("mnist", split="test", preprocess=mnist_preprocess, data_dir=data_dir)
+  train = TFDSSource("mnist", split="train", preprocess=mnist_preprocess, data_dir=data_dir,
+                     augments=False)
+  test = TFDSSource("mnist", split="test", preprocess=mnist_preprocess, data_dir=data_dir,
+                    augments=False)
   return Dataset("mnist", train, test, num_classes=10, input_shape=(28, 28, 1),
                  meta=_tfds_meta("mnist", train, test, "MNIST handwritten digits",
                                  "scale to [0, 1]"))
@@ -848,8 +902,10 @@ def load_mnist(data_dir: str | None = None) -> Dataset:
 
 def _load_cifar(name: str, num_classes: int, mean, std, data_dir, augment) -> Dataset:
   preprocess = make_cifar_preprocess(mean, std, augment=augment)
-  train = TFDSSource(name, split="train", preprocess=preprocess, data_dir=data_dir)
-  test = TFDSSource(name, split="test", preprocess=preprocess, data_dir=data_dir)
+  train = TFDSSource(name, split="train", preprocess=preprocess, data_dir=data_dir,
+                     augments=augment)
+  test = TFDSSource(name, split="test", preprocess=preprocess, data_dir=data_dir,
+                    augments=augment)
   steps = "pad-4 random crop 32 + horizontal flip (train), " if augment else ""
   return Dataset(name, train, test, num_classes=num_classes, input_shape=(32, 32, 3),
                  meta=_tfds_meta(name, train, test, f"{name.upper()} 32x32 colour images",
@@ -879,8 +935,11 @@ def load_imagenet2012(data_dir: str | None = None, image_size: int = 224,
   its own seed), so the work per step is split over the processes.
   """
   preprocess = make_imagenet_preprocess(image_size, resize_size)
-  train = TFDSSource("imagenet2012", split="train", preprocess=preprocess, data_dir=data_dir)
-  test = TFDSSource("imagenet2012", split="validation", preprocess=preprocess, data_dir=data_dir)
+  threads = default_data_threads(decode_heavy=True)  # JPEG decodes release the GIL
+  train = TFDSSource("imagenet2012", split="train", preprocess=preprocess, data_dir=data_dir,
+                     num_threads=threads)
+  test = TFDSSource("imagenet2012", split="validation", preprocess=preprocess, data_dir=data_dir,
+                    num_threads=threads)
   return Dataset("imagenet2012", train, test, num_classes=1000,
                  input_shape=(image_size, image_size, 3),
                  meta=_tfds_meta("imagenet2012", train, test, "ImageNet ILSVRC-2012, 1000 classes",
@@ -1027,7 +1086,7 @@ class WorkerBatcher:
     rows = self._rows(workers)
     count = len(range(self.num_workers)[rows])
     wanted = idx[rows].reshape(-1)
-    if not self.train or getattr(self.source, "augment", True) is None:  # no augmentation
+    if not self.train or not getattr(self.source, "augments", True):  # no augmentation
       flat = self.source.get(wanted, None)
     elif getattr(self.source, "per_example_rng", False):
       positions = np.arange(self.global_batch).reshape(idx.shape)[rows].reshape(-1)

@@ -517,7 +517,7 @@ class _Counting:
 
   def __init__(self, source):
     self.source, self.reads = source, []
-    for name in ("per_example_rng", "augment"):
+    for name in ("per_example_rng", "augments"):
       if hasattr(source, name):
         setattr(self, name, getattr(source, name))
 
@@ -603,3 +603,73 @@ def test_tfds_source_threads_give_the_same_batches_as_one_thread():
     assert len(seen) > 1  # the 4-thread reads did run on pool threads
   with pytest.raises(ValueError, match="num_threads must be a positive integer, got 0"):
     data.TFDSSource("cifar10", split="train", preprocess=plain, num_threads=0)
+
+
+def test_tfds_source_thread_count_can_change_after_reading():
+  """Setting num_threads after a threaded read resizes the pool (it used to keep the old one)."""
+  with _mock(40):
+    src = data.load("cifar10", data_dir="/nonexistent").test
+    src.num_threads = 2
+    first = src.get(np.arange(8))
+    assert src._pool._max_workers == 2
+    src.num_threads = 3
+    again = src.get(np.arange(8))
+    assert src._pool._max_workers == 3
+    np.testing.assert_array_equal(first["x"], again["x"])
+    with pytest.raises(ValueError, match="num_threads must be a positive integer, got -1"):
+      src.num_threads = -1
+
+
+def test_default_data_threads(monkeypatch):
+  """1 thread unless the decode is heavy (ImageNet) or $MFOPT_DATA_THREADS says otherwise."""
+  import os
+  monkeypatch.delenv("MFOPT_DATA_THREADS", raising=False)
+  assert data.default_data_threads() == 1
+  assert data.default_data_threads(decode_heavy=True) == min(16, os.cpu_count() or 1)
+  with _mock(20):
+    assert data.load("cifar10", data_dir="/nonexistent").train.num_threads == 1
+    assert data.load("imagenet2012", data_dir="/nonexistent").train.num_threads == min(
+        16, os.cpu_count() or 1)
+    monkeypatch.setenv("MFOPT_DATA_THREADS", "3")
+    assert data.load("cifar10", data_dir="/nonexistent").train.num_threads == 3
+    assert data.load("imagenet2012", data_dir="/nonexistent").test.num_threads == 3
+  monkeypatch.setenv("MFOPT_DATA_THREADS", "many")
+  with pytest.raises(ValueError, match="MFOPT_DATA_THREADS must be a positive integer, got 'many'"):
+    data.default_data_threads()
+
+
+def test_batcher_gives_no_generator_to_a_source_that_does_not_augment():
+  """MNIST and un-augmented CIFAR draw nothing: WorkerBatcher passes rng=None (no per-example
+  generators to build), and the batches are those of the generator-fed path."""
+  with _mock(40):
+    for ds, augments in [(data.load("mnist", data_dir="/nonexistent"), False),
+                         (data.load("cifar10", data_dir="/nonexistent", augment=False), False),
+                         (data.load("cifar10", data_dir="/nonexistent"), True)]:
+      src, rngs = ds.train, []
+      assert src.augments is augments
+      inner = src.get
+
+      def get(indices, rng=None, inner=inner):
+        rngs.append(rng)
+        return inner(indices, rng)
+
+      src.get = get
+      got = data.WorkerBatcher(src, num_workers=2, per_worker_batch=4, seed=0).batch(1)
+      assert (rngs[0] is None) is (not augments), (ds.name, rngs[0])
+      if not augments:  # what the generators would have produced: the same (they are unused)
+        fed = inner(data.WorkerBatcher(src, num_workers=2, per_worker_batch=4, seed=0)
+                    .indices(1).reshape(-1), [np.random.default_rng(j) for j in range(8)])
+        np.testing.assert_array_equal(got["x"].reshape(fed["x"].shape), fed["x"])
+
+
+def test_normalize_matches_the_expression_and_broadcasts():
+  """The in-place normalisation equals (image / 255 - mean) / std bit for bit, also when a
+  one-channel image meets three-channel statistics (the in-place version once refused that)."""
+  rng = np.random.default_rng(0)
+  for shape in [(5, 7, 3), (5, 7, 1)]:
+    image = rng.integers(0, 255, shape, dtype=np.uint8)
+    want = (image.astype(np.float32) / 255.0 - np.asarray(data.IMAGENET_MEAN, np.float32)) / (
+        np.asarray(data.IMAGENET_STD, np.float32))
+    got = data._normalize(image, data.IMAGENET_MEAN, data.IMAGENET_STD)
+    assert got.dtype == np.float32 and got.shape == (5, 7, 3)
+    np.testing.assert_array_equal(got, want)
