@@ -280,8 +280,9 @@ class TFDSSource:
     """``[fn(*args) for args in zip(*items)]``, one pool task per example.
 
     One task per example balances examples of unequal cost (ImageNet's photos vary
-    in size). One contiguous chunk per thread was measured too and read at the same
-    rate (BENCHMARKS.md, "Input pipeline"), so the simpler balanced form stays.
+    in size). One contiguous chunk per thread was measured too (BENCHMARKS.md, "Input
+    pipeline", session 13): within the run-to-run spread on the ImageNet stand-in, and
+    on CIFAR, which reads on 1 thread by default, still about half the 1-thread rate.
     """
     if self.num_threads == 1 or len(items[0]) < 2:
       return [fn(*args) for args in zip(*items)]
