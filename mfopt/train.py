@@ -446,7 +446,8 @@ class _HostGatedLowered:
 
 
 class AutoLoweredStep:
-  """A train step that picks its lowering (``vmap``, ``map``, ``map:K``, ``gemm``) by timing.
+  """A train step that picks its lowering (``vmap``, ``map``, ``map:K``, ``unroll``, ``gemm``)
+  by timing.
 
   Built by ``make_train_step(..., lowering="auto")``. The first call compiles every candidate
   (jitted step) for the call's shapes and runs them on one copy of the state (the caller's
@@ -791,11 +792,12 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       many seconds passed since the previous save (the final one is always
       written); the runner's default is 60 s at logging steps.
     lowering: how a device's workers run their forward/backward (``"vmap"``, ``"map"``,
-      ``"map:K"``, ``"gemm"`` or ``"auto"``; see :func:`make_train_step`). ``None``
+      ``"map:K"``, ``"unroll"``, ``"gemm"`` or ``"auto"``; see :func:`make_train_step`). ``None``
       (default): the environment variable ``MFOPT_LOWERING`` if set (so experiment scripts
       can be switched to ``auto`` on a GPU without editing their configs), else ``"vmap"``.
       The lowering that ran (for ``"auto"``, the one chosen by timing, which counts in
-      ``compile_s``) is the summary's ``lowering``. A resumed ``"auto"`` run times again and
+      ``compile_s``; ``"vmap"`` where ``"auto"`` has nothing to choose: one worker per
+      device, or a model whose BatchNorm communicates) is the summary's ``lowering``. A resumed ``"auto"`` run times again and
       may choose differently (same step, different rounding).
     host_gates: see :func:`make_train_step` (default: on off CPU for transforms with a host
       schedule). A step whose gate the host predicted wrongly raises ``RuntimeError`` at the
@@ -885,6 +887,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   batch = device_batch(start, first if start == 0 else None)
   if isinstance(train_step, AutoLoweredStep):  # times the candidate lowerings on a state copy
     lowering = train_step.choose(state, batch)
+  elif _parse_lowering(lowering)[0] == "auto":  # nothing to choose: make_train_step runs vmap
+    lowering = "vmap"
   compiled = train_step.lower(state, batch).compile()
   if start == 0:
     compile_s = time.perf_counter() - t0

@@ -335,6 +335,18 @@ def test_fit_with_auto_lowering_records_the_choice_and_trains_like_vmap():
   assert auto.history[-1]["train_loss"] == pytest.approx(ref.history[-1]["train_loss"], rel=1e-5)
 
 
+def test_fit_auto_with_nothing_to_choose_records_vmap():
+  """One worker per device: "auto" builds the plain step, and the summary says what ran ("vmap"),
+  not "auto"."""
+  dataset = mfopt.data.load("digits")
+  model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
+  mesh = parallel.make_mesh(jax.devices()[:2])
+  res = train.fit(model=model, tx=optax.sgd(0.1), dataset=dataset, num_workers=2,
+                  per_worker_batch=4, num_steps=2, log_every=1, progress=False, mesh=mesh,
+                  lowering="auto")
+  assert res.summary["lowering"] == "vmap"
+
+
 def test_fit_reads_lowering_from_the_environment(monkeypatch):
   dataset = mfopt.data.load("digits")
   model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
