@@ -29,8 +29,9 @@ Example:
 >>> batch["x"].shape, batch["y"].shape
 ((4, 8, 8, 8, 1), (4, 8))
 
-This module uses NumPy only (plus scikit-learn, mnist1d, TFDS and PIL, each
-imported when a dataset needs it); it never imports JAX or TensorFlow.
+This module's own code uses NumPy only (plus scikit-learn, mnist1d, TFDS and PIL,
+each imported when a dataset needs it; JAX comes in only through the ``mfopt``
+package's argument checks); it never imports TensorFlow.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ calls :func:`initialize` before touching any JAX device; afterwards
 ``jax.devices()`` lists the devices of every process, ``mfopt.parallel.make_mesh()``
 builds the global mesh over all of them, and :func:`mfopt.train.fit` feeds each
 process's devices only the rows of its own workers (``parallel.process_worker_slice``,
-assembled with ``jax.make_array_from_process_local_data``; each process still reads the
-step's global batch from the source, so the augmentation is layout-independent). Checkpoints are
+assembled with ``jax.make_array_from_process_local_data``; each process reads and augments
+only its own workers' rows, ``WorkerBatcher.batch(step, workers)``, with per-example
+augmentation seeds, so the batches do not depend on the process layout; a batch-wide
+``ArraySource`` ``augment`` draws the whole batch and keeps the rows). Checkpoints are
 written by all processes into one shared directory (orbax).
 
 Where the settings come from, first match wins:
