@@ -25,7 +25,11 @@ Guarantees:
   item) or its arrays do not match the recorded checksum (bit rot, a flipped
   byte), it says so on stderr, moves the step aside to ``corrupt-<step>-<n>``
   (kept for inspection, out of orbax's way) and falls back to the previous good
-  one.
+  one. In a multi-process job the processes agree on the verdict first (each
+  reads only its own shards), and process 0 alone moves the step. A failure that
+  says nothing about the checkpoint (out of memory, too many open files, no
+  permission, a newer mfopt's format) is raised, and the checkpoint stays where
+  it is for the next attempt.
 * **No silent mix-ups.** A checkpoint written by a different run (different
   fingerprint: data, workers, batch, steps, seed, state structure, or the
   caller's own fields) is refused with :class:`ConfigMismatchError` naming every
@@ -47,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -74,6 +79,41 @@ class CheckpointError(RuntimeError):
 
 class ConfigMismatchError(ValueError):
   """A checkpoint belongs to a different run; the message names the differing fields."""
+
+
+class _NewerFormatError(CheckpointError):
+  """A checkpoint written by a newer mfopt (its format version is higher): not corruption."""
+
+
+# errno values of failures that come from the machine, not from the checkpoint's bytes
+_ENVIRONMENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC,
+                                 errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def _is_corruption(error: BaseException) -> bool:
+  """Whether a restore failure means the checkpoint itself is unusable.
+
+  Unreadable or inconsistent files (decode errors, missing items, checksum
+  mismatch) are; out-of-memory, file-handle and permission failures and a newer
+  format are not: moving a good checkpoint aside for those would make the next
+  run start over. Any other exception counts as corruption (orbax and
+  tensorstore report damaged files with many types).
+  """
+  if isinstance(error, (MemoryError, PermissionError, _NewerFormatError)):
+    return False
+  if isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
+    return False
+  text = str(error)
+  return not any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory",
+                                     "Too many open files"))
+
+
+def _all_processes(code: int) -> list[int]:
+  """Every process's ``code`` (this one's alone in a single-process run); a collective."""
+  if jax.process_count() == 1:
+    return [code]
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  return [int(c) for c in np.asarray(multihost_utils.process_allgather(np.int32(code))).ravel()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +317,12 @@ class RunCheckpointer:
   def read_meta(self, step: int) -> dict[str, Any]:
     restored = self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     meta = restored.meta
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or meta.get("step") != step:
+    version = meta.get("format") if isinstance(meta, dict) else None
+    if isinstance(version, int) and version > FORMAT_VERSION and meta.get("step") == step:
+      raise _NewerFormatError(
+          f"checkpoint step {step} in {self.directory} has format {version}, newer than this "
+          f"mfopt's {FORMAT_VERSION}: update mfopt, or use another workdir")
+    if not isinstance(meta, dict) or version != FORMAT_VERSION or meta.get("step") != step:
       raise CheckpointError(f"unexpected metadata {str(meta)[:200]!r}")
     return meta
 
@@ -293,7 +338,8 @@ class RunCheckpointer:
           "(runner: --allow-config-change) to resume anyway.")
     _say(message + "; resuming anyway (allow_mismatch=True)")
 
-  def _restore_step(self, step: int, abstract_state: Any) -> Restored:
+  def _read_step(self, step: int, abstract_state: Any) -> tuple[dict[str, Any], Any]:
+    """Reads ``step``'s meta and this process's shards of its state (no collective)."""
     meta = self.read_meta(step)
     self.check_fingerprint(meta, step)  # a different run is an error, not corruption
     if callable(abstract_state):  # the target depends on the step (plain-data state)
@@ -311,11 +357,16 @@ class RunCheckpointer:
     state = jax.tree.unflatten(treedef, jax.tree.leaves(restored.state))
     if len(jax.tree.leaves(restored.state)) != len(leaves):
       raise CheckpointError("restored state has a different number of arrays")
+    return meta, state
+
+  @staticmethod
+  def _verify(meta: Mapping[str, Any], state: Any) -> None:
+    """Compares the state's checksum with the recorded one; the checksum of global arrays is
+    a collective whose result every process gets, so every process reaches the same verdict."""
     got = tree_checksum(state)
     if got != meta.get("checksum"):
       bad = [i for i, (a, b) in enumerate(zip(got, meta.get("checksum", []))) if a != b]
       raise CheckpointError(f"checksum mismatch in array(s) {bad[:8]} (data changed on disk)")
-    return Restored(step=int(step), state=state, meta=meta, path=self.step_path(step))
 
   def restore_latest(self, abstract_state: Any) -> Restored | None:
     """Restores the newest good checkpoint onto ``abstract_state``'s shardings, or returns None.
@@ -324,26 +375,61 @@ class RunCheckpointer:
     ``jax.ShapeDtypeStruct`` with shardings), e.g. a freshly initialised one,
     or a function of the checkpoint's meta returning one.
     A newest checkpoint that is unreadable or fails its checksum is reported,
-    moved aside, and the previous one is tried.
+    moved aside, and the previous one is tried. All processes call this; in a
+    multi-process job they agree on each step's verdict (a collective).
 
     Raises:
       ConfigMismatchError: the checkpoint belongs to a different run.
-      CheckpointError: checkpoints exist but none is readable.
+      CheckpointError: checkpoints exist but none is readable; or a checkpoint has
+        a newer format; or another process failed for a reason that is not corruption.
+      Exception: this process's own failure that is not corruption (e.g.
+        ``MemoryError``), with a note that the checkpoint was left in place.
     """
     steps = self.steps()
+    if not steps:
+      aside = sorted(p.name for p in self.directory.glob("corrupt-*")) if (
+          self.directory.exists()) else []
+      if aside:
+        _say(f"no checkpoint to resume in {self.directory}; {len(aside)} set aside earlier as "
+             f"corrupt ({', '.join(aside[:4])}{', ...' if len(aside) > 4 else ''}): starting "
+             "from the beginning")
     failures = []
     for step in reversed(steps):
-      try:
-        restored = self._restore_step(step, abstract_state)
-      except ConfigMismatchError:
+      error: Exception | None = None
+      try:  # this process's reads, then (only if every process read its part) the checksum
+        meta, state = self._read_step(step, abstract_state)
+      except ConfigMismatchError:  # from the shared meta: every process raises it
         raise
-      except Exception as e:  # noqa: BLE001 -- any read failure means "not usable"
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+      except Exception as e:  # noqa: BLE001 -- sorted by _is_corruption below
+        error = e
+      code = 0 if error is None else 1 if _is_corruption(error) else 2
+      codes = _all_processes(code)
+      if max(codes) == 0:
+        try:
+          self._verify(meta, state)
+        except CheckpointError as e:  # the same verdict on every process
+          error, codes = e, [1] * len(codes)
+      if max(codes) == 2:  # not the checkpoint's fault: leave it in place, raise
+        if code == 2:
+          error.add_note(f"(while restoring checkpoint step {step} in {self.directory}; not "
+                         "a sign of corruption, so the checkpoint was left in place)")
+          raise error
+        others = [i for i, c in enumerate(codes) if c == 2]
+        raise CheckpointError(
+            f"restoring checkpoint step {step} in {self.directory} failed on process(es) "
+            f"{others} for a reason other than corruption (see their errors); the checkpoint "
+            "was left in place")
+      if max(codes) == 1:
+        if error is not None:
+          reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+        else:
+          reason = f"unreadable on process(es) {[i for i, c in enumerate(codes) if c]}"
         failures.append(f"step {step}: {reason}")
         moved = self._move_aside(step)
         _say(f"checkpoint step {step} in {self.directory} is corrupt or truncated ({reason}); "
              f"moved it to {moved.name}; falling back to the previous checkpoint")
         continue
+      restored = Restored(step=int(step), state=state, meta=meta, path=self.step_path(step))
       if failures:
         _say(f"resumed from the previous good checkpoint, step {step} "
              f"(skipped {len(failures)} corrupt newer one(s))")
@@ -354,16 +440,21 @@ class RunCheckpointer:
     return None
 
   def _move_aside(self, step: int) -> pathlib.Path:
+    """Renames ``step`` to the first free ``corrupt-<step>-<n>``: process 0 picks the name and
+    renames; the others wait at one barrier named by the step alone (each process choosing a
+    name itself raced: a slower one saw process 0's rename and waited at another barrier)."""
     source = self.step_path(step)
-    n = 0
-    while (target := self.directory / f"corrupt-{step}-{n}").exists():
-      n += 1
     if jax.process_index() == 0 and source.exists():
-      source.rename(target)
+      n = 0
+      while (self.directory / f"corrupt-{step}-{n}").exists():
+        n += 1
+      source.rename(self.directory / f"corrupt-{step}-{n}")
     if jax.process_count() > 1:
-      ocp.multihost.sync_global_processes(f"mfopt_move_aside_{step}_{n}")
+      ocp.multihost.sync_global_processes(f"mfopt_move_aside_{step}")
+    aside = [p for p in self.directory.glob(f"corrupt-{step}-*")
+             if p.name.rsplit("-", 1)[1].isdigit()]
     self.manager.reload()
-    return target
+    return max(aside, key=lambda p: int(p.name.rsplit("-", 1)[1]), default=source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """mfopt.checkpoint: exact round trip, keep-N, checksum, fallback past corrupt checkpoints, atomicity."""
 
+import errno
+import json
 import os
 import pathlib
 import shutil
@@ -166,6 +168,62 @@ def test_all_corrupt_is_an_error_not_a_silent_restart(tmp_path):
   _truncate(tmp_path / "10")
   with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint.*step 10"):
     checkpoint.RunCheckpointer(tmp_path).restore_latest(make_state(0))
+
+
+@pytest.mark.parametrize("failure", [
+    MemoryError("RESOURCE_EXHAUSTED: out of memory while restoring"),
+    OSError(errno.EMFILE, "Too many open files"),
+    PermissionError(errno.EACCES, "Permission denied")])
+def test_a_failure_that_is_not_corruption_is_raised_and_the_checkpoint_kept(tmp_path, failure):
+  """Out of memory, file handles or permission say nothing about the checkpoint: it stays in
+  place (it used to be moved aside as corrupt, and the next run started over silently)."""
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  for step in (10, 20):
+    ckpt.save(step, make_state(step), {"history": [step]})
+  ckpt.close()
+  flaky = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  restore = flaky.manager.restore
+
+  def failing(step, args=None):
+    if "state" in args.keys():  # the array read fails; the meta reads fine
+      raise failure
+    return restore(step, args=args)
+
+  flaky.manager.restore = failing
+  with pytest.raises(type(failure)) as info:
+    flaky.restore_latest(make_state(0))
+  assert "checkpoint was left in place" in "".join(getattr(info.value, "__notes__", []))
+  flaky.close()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["10", "20"]
+  assert checkpoint.RunCheckpointer(tmp_path, keep=3).restore_latest(make_state(0)).step == 20
+
+
+def test_a_newer_format_is_refused_not_moved_aside(tmp_path):
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  ckpt.save(10, make_state(10), {})
+  ckpt.close()
+  meta_file = tmp_path / "10" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  meta["format"] = checkpoint.FORMAT_VERSION + 1
+  meta_file.write_text(json.dumps(meta))
+  with pytest.raises(checkpoint.CheckpointError, match="has format 2, newer than this mfopt's 1"):
+    checkpoint.RunCheckpointer(tmp_path).restore_latest(make_state(0))
+  assert (tmp_path / "10").is_dir() and not list(tmp_path.glob("corrupt-*"))
+
+
+def test_only_set_aside_checkpoints_left_restarts_loudly(tmp_path, capsys):
+  """After every checkpoint was found corrupt (an error, once), the next run starts over, and
+  says that it does."""
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  ckpt.save(10, make_state(10), {})
+  ckpt.close()
+  _truncate(tmp_path / "10")
+  with pytest.raises(checkpoint.CheckpointError):
+    checkpoint.RunCheckpointer(tmp_path).restore_latest(make_state(0))
+  capsys.readouterr()
+  assert checkpoint.RunCheckpointer(tmp_path).restore_latest(make_state(0)) is None
+  err = capsys.readouterr().err
+  assert "1 set aside earlier as corrupt (corrupt-10-0): starting from the beginning" in err
 
 
 def test_other_run_is_refused_naming_fields_unless_allowed(tmp_path, capsys):

@@ -188,6 +188,59 @@ def test_killing_one_process_stops_the_other_and_launcher_names_it(tmp_path, vic
   assert ckpt.restore_latest(fresh).step >= 5
 
 
+def child_corrupt_checkpoint(out):
+  """Both processes save steps 1 and 2; step 2's meta is then garbled; both restore, process 1
+  reaching the move-aside 1.5 s after process 0 has renamed the step (any scheduling delay:
+  each process used to pick the new name itself, and they waited at different barriers)."""
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding, PartitionSpec
+  distributed.initialize()
+  mesh = parallel.make_mesh()
+  sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+
+  def state(v):
+    return {"w": jax.make_array_from_callback(
+        (8, 3), sharding, lambda idx: np.full((8, 3), v, np.float32)[idx])}
+
+  directory = pathlib.Path(out) / "ckpt"
+  ckpt = checkpoint.RunCheckpointer(directory, keep=3, fingerprint={"run": 1})
+  ckpt.save(1, state(1.0), {})
+  ckpt.save(2, state(2.0), {})
+  ckpt.close()
+  if jax.process_index() == 0:
+    (directory / "2" / "meta" / "metadata").write_text('{"step": 2, "hist')
+  multihost_utils.sync_global_devices("garbled")
+  if jax.process_index() == 1:
+    move_aside = checkpoint.RunCheckpointer._move_aside
+
+    def slow(self, step):
+      time.sleep(1.5)
+      return move_aside(self, step)
+
+    checkpoint.RunCheckpointer._move_aside = slow
+  restored = checkpoint.RunCheckpointer(directory, keep=3, fingerprint={"run": 1}).restore_latest(
+      state(0.0))
+  values = {float(v) for shard in restored.state["w"].addressable_shards
+            for v in np.asarray(shard.data).ravel()}
+  print(f"RESTORED step {restored.step} values {sorted(values)}", flush=True)
+
+
+@pytest.mark.slow  # child processes
+def test_two_processes_fall_back_past_a_corrupt_checkpoint_together(tmp_path):
+  code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
+          f"test_multiprocess.child_corrupt_checkpoint({str(tmp_path)!r})")
+  proc = subprocess.run(
+      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "5",
+       "--grace", "20", "--", "-c", code],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+  for p in (0, 1):
+    assert f"[p{p}] RESTORED step 1 values [1.0]" in proc.stdout, proc.stdout[-3000:]
+  assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["1", "corrupt-2-0"]
+  said = proc.stdout + proc.stderr  # (the launcher forwards the children's stderr, prefixed)
+  assert "checkpoint step 2" in said and "corrupt or truncated" in said
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(coordinator_address="127.0.0.1:1234"), r"incomplete: num_processes, process_id missing"),
     (dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2),
