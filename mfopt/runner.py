@@ -27,7 +27,7 @@ import pkgutil
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -273,6 +273,16 @@ CHECKPOINT_INTERVAL_S = 60.0  # default: periodic saves at most this often (the 
 
 # Config fields that change what is shown, not what is computed: they may differ on resume.
 DISPLAY_FIELDS = ("config.progress",)
+ALLOWED_CHANGES = "allowed_changes"  # config.json's record of --allow-config-change runs
+
+
+def _config_changes(saved: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
+  """:func:`mfopt.checkpoint.config_diff` of two config.json records, display fields and the
+  record of allowed changes left out."""
+  saved = {k: v for k, v in saved.items() if k != ALLOWED_CHANGES}
+  record = {k: v for k, v in record.items() if k != ALLOWED_CHANGES}
+  return [d for d in checkpoint.config_diff(saved, record)
+          if d.split(":", 1)[0] not in DISPLAY_FIELDS]
 
 
 def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
@@ -293,8 +303,7 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
                         "tell which experiment wrote them (use another --workdir or --restart)")
     return False
   saved = json.loads(saved_path.read_text())
-  diff = [d for d in checkpoint.config_diff(saved, record)
-          if d.split(":", 1)[0] not in DISPLAY_FIELDS]
+  diff = _config_changes(saved, record)
   what = "checkpoints" if has_ckpts else "results"
   if diff and not allow_config_change:
     raise ConfigError(
@@ -378,6 +387,17 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
   workdir.mkdir(parents=True, exist_ok=True)
   enable_compilation_cache()
   if primary and not (resumed and not allow_config_change):  # others may be reading it
+    if allow_config_change and (workdir / "config.json").exists():
+      # The workdir keeps what it was written with: each allowed change is recorded, since
+      # finished sub-runs keep their results (computed with the old values).
+      saved = json.loads((workdir / "config.json").read_text())
+      changes = _config_changes(saved, record)
+      history = list(saved.get(ALLOWED_CHANGES, []))
+      if changes:
+        history.append({"utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                        "changes": changes})
+      if history:
+        record = {**record, ALLOWED_CHANGES: history}
     report.write_json(workdir / "config.json", record)
   files_dir = workdir if primary else workdir / f"process-{jax.process_index()}"
   files_dir.mkdir(parents=True, exist_ok=True)
@@ -415,7 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="checkpoints kept per run (>= 2 allows falling back past a corrupt one)")
   parser.add_argument("--allow-config-change", action="store_true",
                       help="resume from (or add to) a workdir whose checkpoints or results were "
-                      "written with another config")
+                      "written with another config (finished sub-runs keep their results; the "
+                      "change is recorded in config.json's allowed_changes)")
   parser.add_argument("--restart", action="store_true",
                       help="delete the workdir's checkpoints and data log (config.json, "
                       "summary.json, metrics.jsonl) and start from scratch")

@@ -787,7 +787,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     run_info: extra JSON fields for the run's fingerprint (e.g. the algorithm
       name and its hyperparameters): a checkpoint with a different fingerprint
       is refused, naming the differing fields.
-    allow_mismatch: resume from a checkpoint with a different fingerprint anyway.
+    allow_mismatch: resume from a checkpoint with a different fingerprint anyway (the
+      differing fields are printed). A finished run with the same ``num_steps`` returns
+      its saved result, computed with the checkpoint's values, not the new ones.
     checkpoint_interval_s: if given, a periodic checkpoint is skipped unless this
       many seconds passed since the previous save (the final one is always
       written); the runner's default is 60 s at logging steps.

@@ -327,6 +327,16 @@ def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, c
   # The CLI says the same and exits 2 before training anything.
   code = runner.main(["quickstart", "--quick", "--workdir", str(workdir), *QUICK, "seed=3"])
   assert code == 2 and "config.seed: 0 -> 3" in capsys.readouterr().err
+  # --allow-config-change: the finished runs keep their (seed-0) results, the differing fields
+  # are printed, and config.json records the allowed change (it used to be overwritten with
+  # no trace of the old values).
+  allowed = runner.run_experiment("quickstart", quick=True, workdir=workdir,
+                                  overrides=QUICK + ["seed=3"], allow_config_change=True)
+  assert "seed: 0 -> 3" in capsys.readouterr().err
+  assert allowed["rows"][0]["test_accuracy"] == first["rows"][0]["test_accuracy"]
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["config"]["seed"] == 3
+  assert [c["changes"] for c in saved[runner.ALLOWED_CHANGES]] == [["config.seed: 0 -> 3"]]
 
 
 # ---------------------------------------------------------------------------------------------
