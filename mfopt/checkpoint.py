@@ -605,7 +605,8 @@ class CheckpointPolicy:
 
   Attributes:
     root: directory holding one sub-directory per ``fit`` call.
-    every: steps between checkpoints (a multiple of the run's ``log_every``);
+    every: steps between checkpoints, rounded up to a multiple of each run's
+      ``log_every`` (sub-runs of one experiment may log at different intervals);
       ``None``: at every logging step.
     keep: checkpoints kept per run.
     allow_mismatch: resume from checkpoints with a different fingerprint.

@@ -825,7 +825,10 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   policy = ckpt_lib.active_policy() if checkpoint_dir is None else None
   if policy is not None:
     checkpoint_dir = policy.next_run_dir(desc)
-    checkpoint_every = policy.every if checkpoint_every is None else checkpoint_every
+    if checkpoint_every is None and policy.every is not None:
+      # an experiment's sub-runs log at their own intervals: the policy's "every N steps"
+      # becomes the first logging step at or after each N (explicit values stay strict)
+      checkpoint_every = -(-policy.every // log_every) * log_every
     keep_checkpoints, allow_mismatch = policy.keep, policy.allow_mismatch or allow_mismatch
     if checkpoint_interval_s is None:
       checkpoint_interval_s = policy.min_interval_s

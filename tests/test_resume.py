@@ -238,6 +238,19 @@ def _small_fit(num_steps, **kw):
                    mesh=parallel.make_mesh(), **kw)
 
 
+def test_policy_interval_rounds_up_to_each_runs_logging_interval(tmp_path):
+  """The runner's --checkpoint-every applies to sub-runs that log at other intervals: every=3
+  with log_every=2 saves at steps 4 and 8 and at the end (it used to raise ValueError
+  mid-experiment); an explicit fit(checkpoint_every=3) is still refused."""
+  with checkpoint.auto_checkpoint(tmp_path, every=3, keep=10):
+    _small_fit(9)
+  (run,) = list(tmp_path.iterdir())
+  assert sorted(int(p.name) for p in run.iterdir() if p.name.isdigit()) == [4, 8, 9]
+  with pytest.raises(ValueError, match="checkpoint_every must be a positive multiple of "
+                     "log_every=2, got 3"):
+    _small_fit(9, checkpoint_dir=tmp_path / "explicit", checkpoint_every=3)
+
+
 def test_finished_run_extended_with_allow_mismatch_trains_on(tmp_path):
   """fit(num_steps=10, allow_mismatch=True) on a finished 6-step checkpoint continues to step 10
   (it returned the 6-step result unchanged) and equals an uninterrupted 10-step run; a
