@@ -12,6 +12,7 @@ import math
 import os
 import pathlib
 import platform
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -93,6 +94,7 @@ class JsonlWriter:
 
   def __call__(self, row: Mapping[str, Any]) -> None:
     if self._seen is None:
+      _drop_torn_tail(self.path)  # a write cut short by a kill: resume after the last whole row
       self._seen = {self._identity(r) for r in read_jsonl(self.path)}
     row = _jsonable(row)
     key = self._identity(row)
@@ -103,11 +105,47 @@ class JsonlWriter:
       f.write(json.dumps(row) + "\n")
 
 
+def _torn_tail(text: str) -> int | None:
+  """Where an unfinished last line (no newline, or not JSON) of a JSON-lines text starts."""
+  if not text or text.endswith("\n"):
+    return None
+  start = text.rfind("\n") + 1
+  try:
+    json.loads(text[start:])
+  except ValueError:
+    return start
+  return None
+
+
+def _drop_torn_tail(path: pathlib.Path) -> None:
+  """Truncates a JSON-lines file after its last complete line, saying so on stderr."""
+  if not path.exists():
+    return
+  text = path.read_text()
+  start = _torn_tail(text)
+  if start is None:
+    if text and not text.endswith("\n"):  # a whole last row without its newline
+      with path.open("a") as f:
+        f.write("\n")
+    return
+  print(f"warning: {path}: dropping an unfinished last line ({len(text) - start} characters, "
+        f"a write cut short); the rows before it are kept", file=sys.stderr)
+  with path.open("r+") as f:
+    f.truncate(len(text[:start].encode()))
+
+
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+  """The rows of a JSON-lines file; an unfinished last line (a write cut short) is skipped
+  with a warning, while a bad line before it raises (that is not an interrupted append)."""
   path = pathlib.Path(path)
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  text = path.read_text()
+  start = _torn_tail(text)
+  if start is not None:
+    print(f"warning: {path}: skipping an unfinished last line", file=sys.stderr)
+    text = text[:start]
+  return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def fmt(x: Any, digits: int = 4) -> str:

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import mfopt
-from mfopt import checkpoint, data, models, parallel, runner, train
+from mfopt import checkpoint, data, models, parallel, report, runner, train
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -350,6 +350,31 @@ def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, c
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["config"]["seed"] == 3
   assert [c["changes"] for c in saved[runner.ALLOWED_CHANGES]] == [["config.seed: 0 -> 3"]]
+
+
+def test_metrics_log_resumes_after_a_torn_last_line(tmp_path, capsys):
+  """A kill (or a full disk) in the middle of an append leaves half a row: readers skip it,
+  and the resumed writer cuts it off before appending (it used to raise JSONDecodeError on
+  every later resume)."""
+  path = tmp_path / "metrics.jsonl"
+  log = report.JsonlWriter(path)
+  log({"step": 1, "loss": 0.5})
+  log({"step": 2, "loss": 0.4})
+  with path.open("a") as f:
+    f.write('{"step": 3, "lo')
+  assert report.read_jsonl(path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]
+  resumed = report.JsonlWriter(path)
+  resumed({"step": 2, "loss": 0.4})  # logged again after the resume: not written twice
+  resumed({"step": 3, "loss": 0.3})
+  assert report.read_jsonl(path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4},
+                                     {"step": 3, "loss": 0.3}]
+  assert "dropping an unfinished last line" in capsys.readouterr().err
+  path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')  # damage in the middle is an error
+  with pytest.raises(json.JSONDecodeError):
+    report.read_jsonl(path)
+  path.write_text('{"step": 1}\n{"step": 2}')  # a whole last row without its newline is kept
+  report.JsonlWriter(path)({"step": 3})
+  assert [r["step"] for r in report.read_jsonl(path)] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------------------------------------
