@@ -460,7 +460,9 @@ class AutoLoweredStep:
   of 3 steps picked ``map`` at 84.6 ms vs ``vmap`` 101.9 ms while 15 interleaved steps
   afterwards put ``vmap`` ahead). A candidate that runs out of device memory
   (``RESOURCE_EXHAUSTED``, e.g. ``gemm``'s patches at a large batch) is dropped and named in
-  ``skipped``. Later calls go straight to the chosen jitted step.
+  ``skipped``. Later calls go straight to the chosen jitted step. In a multi-process job
+  every process times its own devices and all take process 0's choice (one program
+  everywhere). Setting ``choice`` beforehand (a resumed run's saved choice) skips the timing.
 
   Attributes:
     choice: the chosen lowering's name (``None`` before the first call).
@@ -506,6 +508,11 @@ class AutoLoweredStep:
           times[name].append(self.clock() - t0)
       self.timings = {name: float(np.median(t)) for name, t in times.items()}
       self.choice = min(self.timings, key=self.timings.get)
+      if jax.process_count() > 1:  # every process must run the same program: process 0's pick
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+        order = list(self.steps)
+        self.choice = order[int(multihost_utils.broadcast_one_to_all(
+            np.int32(order.index(self.choice))))]
     return self.choice
 
   def __call__(self, state: TrainState, batch):
@@ -799,8 +806,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       can be switched to ``auto`` on a GPU without editing their configs), else ``"vmap"``.
       The lowering that ran (for ``"auto"``, the one chosen by timing, which counts in
       ``compile_s``; ``"vmap"`` where ``"auto"`` has nothing to choose: one worker per
-      device, or a model whose BatchNorm communicates) is the summary's ``lowering``. A resumed ``"auto"`` run times again and
-      may choose differently (same step, different rounding).
+      device, or a model whose BatchNorm communicates) is the summary's ``lowering``. A
+      resumed ``"auto"`` run keeps the choice saved in its checkpoint (no new timing, the
+      same rounding as an uninterrupted run).
     host_gates: see :func:`make_train_step` (default: on off CPU for transforms with a host
       schedule). A step whose gate the host predicted wrongly raises ``RuntimeError`` at the
       next log.
@@ -861,7 +869,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   history: list[dict[str, Any]] = []
   train_s = compile_s = 0.0
   start = 0
-  ckpt = None
+  ckpt = saved_lowering = None
   if checkpoint_dir is not None:
     fingerprint = {"dataset": dataset.name, "train_examples": len(dataset.train),
                    "model": type(model).__name__, "num_workers": num_workers,
@@ -875,6 +883,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       state, start = restored.state, restored.step
       history = restored.meta["history"]
       train_s, compile_s = restored.meta["train_s"], restored.meta["compile_s"]
+      saved_lowering = restored.meta.get("lowering")
       if start > num_steps:
         ckpt.close()
         raise ValueError(f"{checkpoint_dir} holds a run at step {start}, past num_steps="
@@ -886,6 +895,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
 
   train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn,
                                lowering=lowering, host_gates=host_gates)
+  if isinstance(train_step, AutoLoweredStep) and saved_lowering in train_step.steps:
+    train_step.choice = saved_lowering  # the interrupted run's pick: the same rounding
   eval_fn = make_eval_fn(model)
 
   t0 = time.perf_counter()
@@ -969,7 +980,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
             summary = summarize(state)
           ckpt.save(done, state, {
               "history": history, "train_s": train_s, "compile_s": compile_s,
-              "summary": summary})
+              "summary": summary, "lowering": lowering})
         tick = time.perf_counter()
       bar.update(1)
   finally:

@@ -225,6 +225,52 @@ def child_corrupt_checkpoint(out):
   print(f"RESTORED step {restored.step} values {sorted(values)}", flush=True)
 
 
+def child_auto_lowering(out):
+  """Both processes time lowering="auto"'s candidates; the clock is rigged so that each process
+  measures a different one fastest. They must still run one program: process 0's pick."""
+  distributed.initialize()
+  mesh = parallel.make_mesh()
+  setup = _setup(1)
+  step = train.make_train_step(setup["model"], setup["tx"], mesh=mesh, num_workers=16,
+                               lowering="auto")
+  names = list(step.steps)
+  favourite = names[jax.process_index() % len(names)]
+  current = {"name": None}
+  ticks = iter(range(10**6))
+
+  def clock():  # favourite's steps take 1 tick, the others 100
+    return next(ticks) * (1 if current["name"] == favourite else 100)
+
+  def traced(name, fn):
+    def run(*args):
+      current["name"] = name
+      return fn(*args)
+    return run
+
+  step.steps = {name: traced(name, fn) for name, fn in step.steps.items()}
+  step.clock = clock
+  x = np.zeros((16, 4, 12), np.float32)
+  state = train.init_train_state(setup["model"], setup["tx"], x[0], num_workers=16, mesh=mesh)
+  rows = parallel.process_worker_slice(16, mesh)
+  batch = parallel.shard_workers({"x": x[rows], "y": np.zeros((16, 4), np.int32)[rows]}, mesh)
+  print(f"FAVOURITE {favourite} CHOICE {step.choose(state, batch)}", flush=True)
+
+
+@pytest.mark.slow  # child processes
+def test_two_processes_agree_on_the_auto_lowering(tmp_path):
+  code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
+          f"test_multiprocess.child_auto_lowering({str(tmp_path)!r})")
+  proc = subprocess.run(
+      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "5",
+       "--grace", "20", "--", "-c", code],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+  got = dict(re.findall(r"\[p(\d)\] FAVOURITE \S+ CHOICE (\S+)", proc.stdout))
+  fav = dict(re.findall(r"\[p(\d)\] FAVOURITE (\S+)", proc.stdout))
+  assert fav["0"] != fav["1"], proc.stdout  # the processes did measure differently
+  assert got == {"0": fav["0"], "1": fav["0"]}, proc.stdout
+
+
 @pytest.mark.slow  # child processes
 def test_two_processes_fall_back_past_a_corrupt_checkpoint_together(tmp_path):
   code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "

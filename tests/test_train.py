@@ -335,6 +335,28 @@ def test_fit_with_auto_lowering_records_the_choice_and_trains_like_vmap():
   assert auto.history[-1]["train_loss"] == pytest.approx(ref.history[-1]["train_loss"], rel=1e-5)
 
 
+def test_resumed_auto_run_keeps_the_saved_choice(tmp_path, monkeypatch):
+  """A resumed lowering="auto" run takes the lowering saved in its checkpoint instead of timing
+  again (a different pick would round differently from the uninterrupted run)."""
+  dataset = mfopt.data.load("digits")
+  model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
+  kw = dict(model=model, tx=optax.sgd(0.1), dataset=dataset, num_workers=8, per_worker_batch=4,
+            log_every=2, progress=False, mesh=parallel.make_mesh(jax.devices()[:2]),
+            lowering="auto", checkpoint_dir=tmp_path, checkpoint_every=2, keep_checkpoints=5)
+  first = train.fit(num_steps=4, **kw)
+  import shutil
+  shutil.rmtree(tmp_path / "4")  # interrupted after step 2's checkpoint
+
+  def no_timing():
+    raise AssertionError("the resumed run timed the lowerings again")
+
+  monkeypatch.setattr(train.AutoLoweredStep, "clock", staticmethod(no_timing))
+  again = train.fit(num_steps=4, **kw)
+  assert again.summary["lowering"] == first.summary["lowering"]
+  for a, b in zip(jax.tree.leaves(first.state.params), jax.tree.leaves(again.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_fit_auto_with_nothing_to_choose_records_vmap():
   """One worker per device: "auto" builds the plain step, and the summary says what ran ("vmap"),
   not "auto"."""
