@@ -27,6 +27,7 @@ reproduced (``_seed004_common``).
 from __future__ import annotations
 
 import pathlib
+import re
 import time
 from typing import Any
 
@@ -35,7 +36,8 @@ import ml_collections
 import numpy as np
 
 from experiments import _seed004_common as common
-from mfopt import batchnorm, comm, data as data_lib, models as models_lib, parallel, report, train
+from mfopt import batchnorm, checkpoint as ckpt_lib, comm, data as data_lib, models as models_lib
+from mfopt import parallel, report, train
 
 ROWS = ("varying_sync_ma", "sync_ma", "independent_ma", "independent_last")
 ROW_INFO = {  # fixed batch, independent statistics, without moving average, BN strategy
@@ -81,7 +83,14 @@ def _bn_sync_totals(model_state, steps: int) -> dict[str, int]:
 
 
 def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[str, Any]:
-  """Row 1's run (the shape of ``common.run_one``'s, a divergence included)."""
+  """Row 1's run (the shape of ``common.run_one``'s, a divergence included).
+
+  Its own loop (the per-worker batch changes every step), checkpointed like ``train.fit``
+  under the runner's policy: at evaluation points (each epoch) and at the end, with the
+  batch-size generator's state, into ``<checkpoints>/varying-<desc>`` (outside the numbered
+  ``fit`` directories, whose numbering it leaves alone). A resumed run continues from the
+  last one; a finished one returns its saved result without training.
+  """
   strategy = batchnorm.get_strategy("sync")
   w, b = c.num_workers, c.per_worker_batch
   sizes = (b // 2, b, b + b // 2)
@@ -95,15 +104,33 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
                                    seed=seed)
   state = train.init_train_state(model, tx, batcher.batch(0)["x"][0], num_workers=w, mesh=mesh,
                                  seed=seed)
+  rng = np.random.default_rng(10_000 + seed)
+  samples = step = 0
+  next_eval, history, train_s, window = spe * w * b, [], 0.0, []
+  policy, ckpt = ckpt_lib.active_policy(), None
+  if policy is not None:
+    slug = re.sub(r"[^A-Za-z0-9._=-]+", "_", desc or "run").strip("_")[:80] or "run"
+    ckpt = ckpt_lib.RunCheckpointer(
+        policy.root / f"varying-{slug}", keep=policy.keep, allow_mismatch=policy.allow_mismatch,
+        fingerprint={"desc": desc, "seed": seed, "sizes": sizes, "total": total,
+                     "num_workers": w, "dataset": dataset.name, "model": c.model,
+                     "train_examples": len(dataset.train)})
+    restored = ckpt.restore_latest(state)
+    if restored is not None:
+      if restored.meta.get("result") is not None:
+        ckpt.close()
+        return restored.meta["result"]
+      state, meta = restored.state, restored.meta
+      samples, step, next_eval = meta["samples"], meta["step"], meta["next_eval"]
+      history, train_s = meta["history"], meta["train_s"]
+      rng.bit_generator.state = meta["rng"]
   step_fn = train.make_train_step(model, tx, mesh=mesh, num_workers=w)
   eval_fn = train.make_eval_fn(model)
-  rng = np.random.default_rng(10_000 + seed)
   full = batcher.batch(0)
   compiled = {s: step_fn.lower(state, parallel.shard_workers(  # three shapes, compiled untimed
       {k: v[:, :s] for k, v in full.items()}, mesh)).compile() for s in sizes}
-  samples = step = 0
-  next_eval, history, train_s, window = spe * w * b, [], 0.0, []
-  tick = time.perf_counter()
+  last_save = tick = time.perf_counter()
+  result = None
   while samples < total:
     bt = int(rng.choice(sizes))
     full = batcher.batch(step)
@@ -117,8 +144,12 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
       train_s += time.perf_counter() - tick
       got = jax.device_get(window)
       try:  # the guard of train.fit: a non-finite loss/update in the window stops the run
-        train.check_finite(got, step - len(got) + 1, detected_at=step)
+        train.check_finite(got, step - len(got) + 1, detected_at=step,
+                           checkpoint=ckpt.describe_last_good() if ckpt else
+                           "none (checkpointing off)")
       except train.NonFiniteError as e:
+        if ckpt is not None:
+          ckpt.close()
         return common.diverged_run(e, seed=seed, desc=desc, num_workers=w, per_worker_batch=b,
                                    num_steps=c.epochs * spe, steps_per_epoch=spe,  # nominal
                                    num_devices=mesh.shape[parallel.DATA_AXIS])
@@ -130,7 +161,21 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
       history.append(row)
       on_log(row)
       window, next_eval = [], next_eval + spe * w * b
+      if samples >= total:
+        result = _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_s)
+      if ckpt is not None and (result is not None or policy.min_interval_s is None
+                               or time.perf_counter() - last_save >= policy.min_interval_s):
+        ckpt.save(step, state, {"samples": samples, "step": step, "next_eval": next_eval,
+                                "history": history, "train_s": train_s,
+                                "rng": rng.bit_generator.state, "result": result})
+        last_save = time.perf_counter()
       tick = time.perf_counter()
+  if ckpt is not None:
+    ckpt.close()
+  return result
+
+
+def _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_s):
   summary = {"test_accuracy": history[-1]["test_accuracy"],
              "final_train_accuracy": history[-1]["train_accuracy"], "samples": samples,
              "steps": step, "num_workers": w, "train_s": train_s,
