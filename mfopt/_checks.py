@@ -79,11 +79,15 @@ def nonnegative_int(name: str, value: Any, *, owner: str | None = None) -> int:
 
 
 def number_where(name: str, value: Any, holds, what: str) -> Any:
-  """``value`` if it is a real scalar for which ``holds(value)``, else ``ValueError`` saying it
-  must be ``what``; a tracer passes unchecked (see :func:`real_scalar`)."""
+  """``value`` if it is a finite real scalar for which ``holds(value)``, else ``ValueError``
+  saying it must be ``what``; a tracer passes unchecked (see :func:`real_scalar`). No
+  hyperparameter of the library is meaningful at ``inf`` or NaN (``inf`` passed ``v > 0`` and
+  then made parameters NaN, or froze them), so neither passes."""
   ok, v = real_scalar(value)
-  if not ok or (v is not None and not holds(v)):
-    raise ValueError(f"{name} must be {what}, got {value!r}{_low_precision_hint(value)}")
+  if not ok or (v is not None and not (np.isfinite(v) and holds(v))):
+    finite = " (it must be finite)" if ok and v is not None and np.isinf(v) else ""
+    raise ValueError(f"{name} must be {what}, got {value!r}{finite}"
+                     f"{_low_precision_hint(value)}")
   return value
 
 
@@ -98,7 +102,7 @@ def _low_precision_hint(value: Any) -> str:
 
 
 def positive_number(name: str, value: Any) -> Any:
-  """``value`` if it is a real scalar > 0 (NaN fails), else ``ValueError`` naming ``name``.
+  """``value`` if it is a finite real scalar > 0, else ``ValueError`` naming ``name``.
 
   Real scalars: Python and NumPy numbers and 0-d NumPy/JAX arrays; a tracer passes unchecked.
   """
@@ -106,7 +110,7 @@ def positive_number(name: str, value: Any) -> Any:
 
 
 def nonnegative_number(name: str, value: Any) -> Any:
-  """``value`` if it is a real scalar >= 0 (NaN fails), else ``ValueError`` naming ``name``."""
+  """``value`` if it is a finite real scalar >= 0, else ``ValueError`` naming ``name``."""
   return number_where(name, value, lambda v: v >= 0, "a non-negative number")
 
 

@@ -246,6 +246,9 @@ def linear_scaling_bounds(epoch, *, base_lr: float, num_workers: int, warmup_epo
   Returns:
     ``(B_l, B_u)``.
   """
+  _checks.positive_number("base_lr", base_lr)
+  _checks.positive_int("num_workers", num_workers)
+  _checks.positive_number("warmup_epochs", warmup_epochs)
   t = jnp.minimum(jnp.asarray(epoch), warmup_epochs)
   lrn = base_lr * num_workers
   lower = t / warmup_epochs * lrn
@@ -416,6 +419,10 @@ def hybrid_lars_learning_rate(*, num_workers: int, steps_per_epoch: int, base_lr
   epoch 0 it would jump from ``lr N`` to ``lr N 0.9^T`` at the switch (SPEC.md: counted from
   the switch). Staircase per epoch, as the seed's per-epoch loop.
   """
+  _checks.positive_int("num_workers", num_workers)
+  _checks.positive_int("steps_per_epoch", steps_per_epoch)
+  _checks.positive_number("base_lr", base_lr)
+  _checks.number_where("decay", decay, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
   peak = base_lr * num_workers
 
   def schedule(count):

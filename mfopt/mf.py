@@ -362,9 +362,7 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
     raise ValueError(f"mf2 must be a constant in [0, 1) (MF2 is not scheduled in seed 000), "
                      f"got the callable {mf2!r}")
   _check_mf("mf2", mf2, None)
-  e = _concrete(eps)
-  if e is not None and not e > 0:
-    raise ValueError(f"eps must be > 0, got {eps!r}")
+  _checks.positive_number("eps", eps)
 
   def init_fn(params):
     zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731

@@ -20,7 +20,7 @@ Two facts of JAX 0.10/0.11 this module respects:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -37,13 +37,17 @@ WORKER_AXES = (DATA_AXIS, LOCAL_AXIS)
 
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A 1-D mesh named :data:`DATA_AXIS` over ``devices`` (default: all devices of all processes)."""
-  if devices is not None and (isinstance(devices, (int, str))
+  if devices is not None and (isinstance(devices, (int, str)) or not isinstance(devices, Iterable)
                               or not all(isinstance(d, jax.Device) for d in devices)):
     raise ValueError(f"devices must be a sequence of jax.Device (e.g. jax.devices()[:4]) or "
                      f"None for all devices, got {devices!r}")
   devices = list(jax.devices() if devices is None else devices)
   if not devices:
     raise ValueError("devices must be a non-empty sequence, got []")
+  repeated = [d for i, d in enumerate(devices) if d in devices[:i]]
+  if repeated:
+    raise ValueError(f"devices must be distinct, got {repeated[0]!r} "
+                     f"{devices.count(repeated[0])} times in {devices!r}")
   return jax.make_mesh((len(devices),), (DATA_AXIS,),
                        axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
 

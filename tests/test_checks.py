@@ -5,6 +5,7 @@ Before the shared module, entry points disagreed: some accepted ``True`` as one 
 ``np.arange`` loop. These tests pin the agreed meaning at the entry points that differed.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -129,6 +130,9 @@ def test_adabound_learning_rate_must_be_positive():
     (lambda: mfopt.scheduled_period((4, 2), (1.5,)), r"boundaries\[i\] must be a positive integer, got 1.5"),
     (lambda: mfopt.qsgd(None, seed="x"), r"seed must be a non-negative integer, got 'x'"),
     (lambda: parallel.make_mesh(8), r"devices must be a sequence of jax.Device.*got 8"),
+    (lambda: parallel.make_mesh(jax.devices), r"devices must be a sequence of jax.Device"),
+    (lambda: parallel.make_mesh([jax.devices()[0]] * 2 + jax.devices()[1:2]),
+     r"devices must be distinct, got CpuDevice\(id=0\) 2 times"),
 ])
 def test_bad_arguments_fail_where_the_transform_is_built(build, match):
   with pytest.raises(ValueError, match=match):
