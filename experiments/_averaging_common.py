@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 
-from mfopt import parallel, report, train
+from mfopt import comm, parallel, report, train
 from mfopt import models as models_lib
 from mfopt.report import mean_std  # noqa: F401 (re-exported for the seed 001/003 scripts)
 
@@ -236,6 +236,6 @@ def averaging_comm(opt_state) -> dict[str, int]:
   from mfopt import averaging
   s = averaging.find_averaging_state(opt_state)
   first = lambda x: int(np.asarray(jax.device_get(x)).reshape(-1)[0])  # noqa: E731
-  return {"param_syncs": first(s.param_comm.count), "param_bytes": first(s.param_comm.payload_bytes),
+  return {"param_syncs": first(s.param_comm.count), "param_bytes": comm.payload_of(s.param_comm),
           "scalar_syncs": first(s.scalar_comm.count)}
 

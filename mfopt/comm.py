@@ -30,6 +30,8 @@ import numpy as np
 import optax
 from jax import lax
 
+from mfopt import _checks
+
 AxisName = str | tuple[str, ...] | None
 
 
@@ -47,6 +49,8 @@ class CommStats(NamedTuple):
     count: int32 scalar, logical collectives executed so far.
     payload_bytes: int32 scalar, bytes one worker contributes to one such
       collective (constant over a run; held as a leaf so it lives with the state).
+      A payload of 2**31 bytes or more (about 540M float32 parameters) is an int32
+      pair ``divmod(bytes, 2**30)``; read it with :func:`payload_of`.
     kind: int32 scalar, a :class:`CollectiveKind`.
   """
 
@@ -299,15 +303,39 @@ def static_gates(open_: bool) -> Iterator[list]:
     _STATIC_GATE.reset(token)
 
 
+_PAYLOAD_UNIT = 2**30  # the high word of a split payload counts GiB
+
+
 def init_comm_stats(payload_bytes: int, kind: CollectiveKind) -> CommStats:
-  """A zeroed counter for exchanges of ``payload_bytes`` bytes per worker."""
-  if not 0 <= payload_bytes < 2**31:
-    raise ValueError(
-        f"payload_bytes must fit an int32 (< 2**31 bytes per exchange), got {payload_bytes}")
-  return CommStats(
-      count=jnp.zeros([], jnp.int32),
-      payload_bytes=jnp.asarray(payload_bytes, jnp.int32),
-      kind=jnp.asarray(int(kind), jnp.int32))
+  """A zeroed counter for exchanges of ``payload_bytes`` bytes per worker.
+
+  The byte count only feeds reports, so it never limits the model size: a payload that an
+  int32 cannot hold (>= 2 GiB; JAX has no int64 without ``jax_enable_x64``) is stored as the
+  pair ``divmod(payload_bytes, 2**30)`` (it used to be refused, stopping ``tx.init`` for
+  models of ~540M float32 parameters).
+  """
+  if not _checks.is_int(payload_bytes) or payload_bytes < 0:
+    raise ValueError(f"payload_bytes must be a non-negative integer, got {payload_bytes!r}")
+  payload_bytes = int(payload_bytes)
+  if payload_bytes < 2**31:
+    leaf = jnp.asarray(payload_bytes, jnp.int32)
+  else:
+    high, low = divmod(payload_bytes, _PAYLOAD_UNIT)
+    if high >= 2**31:
+      raise ValueError(f"payload_bytes must be < 2**61, got {payload_bytes}")
+    leaf = jnp.asarray([high, low], jnp.int32)
+  return CommStats(count=jnp.zeros([], jnp.int32), payload_bytes=leaf,
+                   kind=jnp.asarray(int(kind), jnp.int32))
+
+
+def payload_of(stats: CommStats) -> int:
+  """Bytes per exchange of a :class:`CommStats` (worker 0's, if worker-stacked), on the host."""
+  count = np.asarray(jax.device_get(stats.count))
+  payload = np.asarray(jax.device_get(stats.payload_bytes))
+  if payload.ndim > count.ndim:  # the split form: (..., 2) = (GiB, remainder)
+    high, low = payload.reshape(-1, 2)[0]
+    return int(high) * _PAYLOAD_UNIT + int(low)
+  return int(payload.reshape(-1)[0])
 
 
 def tree_payload_bytes(tree: Any, dtype: Any = None) -> int:
@@ -340,7 +368,8 @@ def comm_totals(state: Any) -> dict[str, int]:
   out = {"collectives": 0, "payload_bytes": 0, "all_reduces": 0, "all_gathers": 0,
          "all_reduce_bytes": 0, "all_gather_bytes": 0}
   for s in jax.device_get(stats):  # one transfer for all counters
-    count, size, kind = (int(np.asarray(a).reshape(-1)[0]) for a in s)
+    count, kind = (int(np.asarray(a).reshape(-1)[0]) for a in (s.count, s.kind))
+    size = payload_of(s)
     name = "all_reduce" if kind == CollectiveKind.ALL_REDUCE else "all_gather"
     out["collectives"] += count
     out["payload_bytes"] += count * size

@@ -636,3 +636,25 @@ def test_extra_args_reach_the_inner_optimizer(wrap):
   u, _ = jax.jit(lambda s, v: tx.update({"w": jnp.full(3, 0.5)}, s, params, value=v))(
       tx.init(params), jnp.asarray(3.0))
   np.testing.assert_allclose(np.asarray(u["w"]), -0.1 * 0.5 * 3.0, rtol=1e-6)  # step 1: local
+
+
+def test_a_payload_of_2_gib_or_more_is_counted_not_refused():
+  """The byte counter feeds reports only: a ~600M-parameter model's exchange (2.4 GB, more
+  than an int32 holds) used to stop tx.init; it is stored as (GiB, remainder) and summed
+  exactly on the host, also worker-stacked."""
+  big = {"w": jax.ShapeDtypeStruct((600_000_000,), jnp.float32)}
+  for tx in (mfopt.sync_gradients("data"),
+             mfopt.periodic_averaging(optax.sgd(0.1), "data", 4),
+             mfopt.block_momentum(optax.sgd(0.1), "data", 4)):
+    jax.eval_shape(tx.init, big)  # no longer raises
+  stats = mfopt.comm.init_comm_stats(2_400_000_123, mfopt.comm.CollectiveKind.ALL_REDUCE)
+  stats = stats._replace(count=jnp.asarray(3, jnp.int32))
+  want = 3 * 2_400_000_123
+  assert mfopt.comm_totals(stats)["all_reduce_bytes"] == want
+  stacked = jax.tree.map(lambda x: jnp.stack([x] * 4), stats)
+  assert mfopt.comm_totals(stacked)["payload_bytes"] == want
+  assert mfopt.comm.payload_of(stacked) == 2_400_000_123
+  small = mfopt.comm.init_comm_stats(1000, mfopt.comm.CollectiveKind.ALL_GATHER)
+  assert small.payload_bytes.shape == () and mfopt.comm.payload_of(small) == 1000
+  with pytest.raises(ValueError, match="payload_bytes must be a non-negative integer, got -1"):
+    mfopt.comm.init_comm_stats(-1, mfopt.comm.CollectiveKind.ALL_REDUCE)
