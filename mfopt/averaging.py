@@ -63,7 +63,8 @@ from jax.flatten_util import ravel_pytree
 from mfopt import _checks
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, HostSchedule, check_axis_name,
                         comm_dtype_of, gated, host_scalar,
-                        init_comm_stats, pmean_tree, states_of, tree_payload_bytes)
+                        init_comm_stats, pmean_tree, require_bound, states_of,
+                        tree_payload_bytes)
 from mfopt.comm import unbatched as _unbatched
 
 __all__ = [
@@ -513,6 +514,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     if params is None:
       raise ValueError("periodic_averaging (and block_momentum, built on it) needs params in "
                        "update(updates, state, params)")
+    require_bound(axis_name, "periodic_averaging (or block_momentum, built on it)")
     k = state.count  # 0-based index of this step
     ctl, due = controller.advance(state.controller)
     due = _unbatched(due, axis_name)

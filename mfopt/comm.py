@@ -116,6 +116,21 @@ def _is_bound(name: str) -> bool:
   return True
 
 
+def require_bound(axis_name: AxisName, owner: str) -> None:
+  """Raises ``ValueError`` naming ``owner`` and the axis when a name of ``axis_name`` is not
+  bound where the update is traced (JAX's own ``NameError`` speaks of ``psum`` and names no
+  transform). Called at the top of every communicating transform's update."""
+  if axis_name is None:
+    return
+  missing = [a for a in axis_tuple(axis_name) if not _is_bound(a)]
+  if missing:
+    raise ValueError(
+        f"{owner}: axis_name={axis_name!r}, but {', '.join(map(repr, missing))} is not bound "
+        "where its update runs. Call the update inside jax.shard_map / jax.vmap(..., "
+        "axis_name=...) over those axes (mfopt.parallel.per_worker and mfopt.train.fit bind "
+        "mfopt.WORKER_AXES), or build it with axis_name=None for a single worker.")
+
+
 def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
   """``x`` (a scalar identical on all workers) made unbatched under ``vmap``, without communication.
 
@@ -476,6 +491,7 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
     del params, extra_args
     if axis_name is None:
       return updates, state
+    require_bound(axis_name, "sync_gradients")
     if scaled_exchange and loss_scale is not None:
       updates = pmean_tree_scaled(updates, axis_name, comm_dtype, loss_scale)
     else:

@@ -40,7 +40,7 @@ from jax.flatten_util import ravel_pytree
 
 from mfopt import _checks
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, axis_tuple, check_axis_name,
-                        init_comm_stats)
+                        init_comm_stats, require_bound)
 
 __all__ = ["QSGDState", "qsgd", "quantize", "dequantize", "qsgd_payload_bytes"]
 
@@ -148,6 +148,7 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
 
   def update_fn(updates, state, params=None):
     del params
+    require_bound(axis_name, "qsgd")
     flat, unravel = ravel_pytree(updates)
     dtype = flat.dtype
     key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)

@@ -7,6 +7,7 @@ Before the shared module, entry points disagreed: some accepted ``True`` as one 
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import mfopt
@@ -173,3 +174,23 @@ def test_structural_arguments_injected_as_arrays_point_at_static_args():
         {"w": jnp.ones(2)})
   with pytest.raises(ValueError, match=r"bits must be .*" + hint):
     mfopt.qsgd(None, bits=jnp.asarray(4))
+
+
+@pytest.mark.parametrize("owner,build", [
+    ("sync_gradients", lambda: mfopt.sync_gradients("data")),
+    ("periodic_averaging", lambda: mfopt.periodic_averaging(optax.sgd(0.1), "data", 2)),
+    ("periodic_averaging", lambda: mfopt.block_momentum(optax.sgd(0.1), "data", 2)),
+    ("qsgd", lambda: mfopt.qsgd("data")),
+])
+def test_an_update_outside_its_axis_names_binding_names_the_transform(owner, build):
+  """JAX's own error ('unbound axis name ... call psum under jax.shard_map') names neither the
+  transform nor its axis_name; the transform's check does."""
+  import jax.numpy as jnp
+  tx, params = build(), {"w": jnp.ones(3)}
+  with pytest.raises(ValueError, match=rf"^{owner}.*axis_name='data', but 'data' is not bound "
+                     r"where its update runs"):
+    tx.update(params, tx.init(params), params)
+  # bound by vmap (a worker axis of size 2), the same transform runs
+  run = jax.vmap(lambda g: tx.update(g, tx.init(g), g)[0], axis_name="data")
+  out = run({"w": jnp.arange(6.0).reshape(2, 3)})
+  assert out["w"].shape == (2, 3)
