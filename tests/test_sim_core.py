@@ -230,6 +230,48 @@ def test_strategy_errors_name_the_argument():
     sim.BaseSGD(-1.0)
 
 
+@pytest.mark.parametrize("build,match", [
+    (lambda: sim.BaseSGD(learning_rate="0.1"), r"learning_rate must be > 0, got '0.1'"),
+    (lambda: sim.BaseSGD(learning_rate=float("inf")), r"learning_rate must be > 0, got inf"),
+    (lambda: sim.ASP(0.1), r"ASP: base must be a mfopt.sim.BaseSGD or None, got 0.1 "
+                           r"\(for a learning rate of 0.1: ASP\(base=BaseSGD\(0.1\)\)\)"),
+    (lambda: sim.DropWorker("0.5"), r"drop_rate must be in \[0, 1\), got '0.5'"),
+    (lambda: sim.KSyncConfig(dampening="no"), r"dampening must be True or False, got 'no'"),
+    (lambda: sim.KSyncConfig(r0=float("nan")), r"r0 must be a number >= 0, got nan"),
+    (lambda: sim.KSyncConfig(bb="cheap"), r"bb must be a mfopt.sim.bb.BBConfig or None"),
+    (lambda: sim.KSyncConfig(ktest=None), r"ktest must be a mfopt.sim.ksync.KTestConfig"),
+    (lambda: sim.BBConfig(alpha0=float("inf")), r"alpha0 must be > 0, got inf"),
+    (lambda: sim.BBConfig(alpha_max_factor=-1), r"alpha_max_factor must be > 0, got -1"),
+    (lambda: sim.KTestConfig(theta=float("inf")), r"theta must be > 0, got inf"),
+    (lambda: sim.ComputeModel(base_s="0.01"), r"base_s must be >= 0, got '0.01'"),
+])
+def test_bad_simulator_settings_name_the_argument(build, match):
+  """Strings, inf and NaN used to pass (a string failed later in a bare comparison, inf ran),
+  and a learning rate given where a BaseSGD belongs failed only when simulating."""
+  with pytest.raises(ValueError, match=match):
+    build()
+
+
+def test_bad_run_limits_and_strategies_are_refused(ds, linear):
+  """A NaN max_time ran forever, a negative limit returned an empty 'success', the class
+  instead of an instance failed in reset, and a fixed k above the worker count ran a smaller k
+  under the larger label."""
+  s = sim.Simulator(sim.ASP(), model=linear, dataset=ds, num_workers=4, per_worker_batch=4,
+                    network=None)
+  for kw, match in [(dict(max_time=float("nan")), r"max_time must be a positive number"),
+                    (dict(max_samples=-1), r"max_samples must be a positive integer, got -1"),
+                    (dict(max_server_steps=0), r"max_server_steps must be a positive integer"),
+                    (dict(max_samples="256"), r"max_samples must be a positive integer, got '256'")]:
+    with pytest.raises(ValueError, match=match):
+      s.run(**kw)
+  with pytest.raises(ValueError, match=r"strategy must be a mfopt.sim strategy instance.*the class"):
+    sim.simulate(sim.ASP, model=linear, dataset=ds, num_workers=4, per_worker_batch=4,
+                 max_samples=16)
+  with pytest.raises(ValueError, match=r"k_rule=8 is more than num_workers=4"):
+    sim.simulate(sim.KSync(sim.KSyncConfig(k_rule=8)), model=linear, dataset=ds, num_workers=4,
+                 per_worker_batch=4, max_samples=16, network=None)
+
+
 def test_easgd_and_dropworker_defaults(ds, linear):
   s = sim.Simulator(sim.EASGD(10), model=linear, dataset=ds, num_workers=8, per_worker_batch=4,
                     network=None)

@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mfopt import _checks
 
@@ -79,22 +80,22 @@ class BBConfig:
   double_on_k_increase: bool = False
 
   def __post_init__(self):
-    if not self.alpha0 > 0:
-      raise ValueError(f"alpha0 must be > 0, got {self.alpha0!r}")
+    w = _checks.number_where  # finite real scalars only (a string or inf used to slip through)
+    w("alpha0", self.alpha0, lambda v: v > 0, "> 0")
     if self.nu not in NU_MODES:
       raise ValueError(f"nu must be one of {NU_MODES}, got {self.nu!r}")
-    if not 0 < self.armijo_c < 1:
-      raise ValueError(f"armijo_c must be in (0, 1), got {self.armijo_c!r}")
-    if not 0 < self.backtrack < 1:
-      raise ValueError(f"backtrack must be in (0, 1), got {self.backtrack!r}")
-    if not _checks.is_int(self.max_bt) or self.max_bt < 0:
-      raise ValueError(f"max_bt must be a non-negative integer, got {self.max_bt!r}")
-    if not 0 <= self.alpha_min:
-      raise ValueError(f"alpha_min must be >= 0, got {self.alpha_min!r}")
-    if not 0 < self.eps < 1:
-      raise ValueError(f"eps must be in (0, 1), got {self.eps!r}")
-    if self.alpha_floor_factor is not None and not self.alpha_floor_factor > 0:
-      raise ValueError(f"alpha_floor_factor must be > 0 or None, got {self.alpha_floor_factor!r}")
+    w("armijo_c", self.armijo_c, lambda v: 0 < v < 1, "in (0, 1)")
+    w("backtrack", self.backtrack, lambda v: 0 < v < 1, "in (0, 1)")
+    _checks.nonnegative_int("max_bt", self.max_bt)
+    for flag in ("clamp", "nu_bias_correction", "double_on_k_increase"):
+      if not isinstance(getattr(self, flag), (bool, np.bool_)):
+        raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+    w("alpha_min", self.alpha_min, lambda v: v >= 0, ">= 0")
+    w("alpha_max_factor", self.alpha_max_factor, lambda v: v > 0, "> 0")
+    w("eps", self.eps, lambda v: 0 < v < 1, "in (0, 1)")
+    w("min_step_sq", self.min_step_sq, lambda v: v >= 0, ">= 0")
+    if self.alpha_floor_factor is not None:
+      w("alpha_floor_factor", self.alpha_floor_factor, lambda v: v > 0, "> 0 or None")
 
 
 class BBInputs(NamedTuple):

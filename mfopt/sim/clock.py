@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mfopt import costmodel
+from mfopt import _checks, costmodel
 
 # Event kinds (small ints so the queue is plain data).
 COMPUTE_DONE = 0   # a worker finished computing its gradient
@@ -105,18 +105,11 @@ class ComputeModel:
   extra_gradient_cost: float = 1.0
 
   def __post_init__(self):
-    if not self.base_s >= 0:
-      raise ValueError(f"base_s must be >= 0, got {self.base_s!r}")
-    for name in ("speed_spread", "jitter_sigma"):
-      if not getattr(self, name) >= 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-    if not 0 <= self.straggler_prob <= 1:
-      raise ValueError(f"straggler_prob must be in [0, 1], got {self.straggler_prob!r}")
-    if not self.straggler_slowdown >= 1:
-      raise ValueError(f"straggler_slowdown must be >= 1, got {self.straggler_slowdown!r}")
-    for name in ("forward_cost", "extra_gradient_cost"):
-      if not getattr(self, name) >= 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+    w = _checks.number_where  # finite real scalars only (a string or inf used to slip through)
+    for name in ("base_s", "speed_spread", "jitter_sigma", "forward_cost", "extra_gradient_cost"):
+      w(name, getattr(self, name), lambda v: v >= 0, ">= 0")
+    w("straggler_prob", self.straggler_prob, lambda v: 0 <= v <= 1, "in [0, 1]")
+    w("straggler_slowdown", self.straggler_slowdown, lambda v: v >= 1, ">= 1")
     if self.speeds is not None and any(not s > 0 for s in self.speeds):
       raise ValueError(f"speeds must all be positive, got {self.speeds!r}")
 

@@ -109,10 +109,8 @@ class KTestConfig:
   variance_ucb: bool = False
 
   def __post_init__(self):
-    if not 0 < self.theta:
-      raise ValueError(f"theta must be > 0, got {self.theta!r}")
-    if not 0 < self.confidence < 1:
-      raise ValueError(f"confidence must be in (0, 1), got {self.confidence!r}")
+    _checks.number_where("theta", self.theta, lambda v: v > 0, "> 0")
+    _checks.number_where("confidence", self.confidence, lambda v: 0 < v < 1, "in (0, 1)")
     if self.ci_mode not in CI_MODES:
       raise ValueError(f"ci_mode must be one of {CI_MODES}, got {self.ci_mode!r}")
     _checks.positive_int("k_min", self.k_min)

@@ -180,6 +180,10 @@ class Simulator:
                network: str | costmodel.Link | None = "10gbit", duplex: bool = True,
                payload_bytes: float | None = None, eval_every_samples: int | None = None,
                init_params: np.ndarray | None = None, loss_fn=train_lib.classification_loss):
+    if not isinstance(strategy, server_lib.Strategy):
+      what = "the class" if isinstance(strategy, type) else "an object"
+      raise ValueError(f"strategy must be a mfopt.sim strategy instance, e.g. mfopt.sim.ASP(), "
+                       f"got {what} {strategy!r}")
     _checks.positive_int("num_workers", num_workers)
     _checks.positive_int("per_worker_batch", per_worker_batch)
     if payload_bytes is not None and not payload_bytes >= 0:
@@ -494,6 +498,14 @@ class Simulator:
     """
     if all(v is None for v in (max_samples, max_server_steps, max_time, max_events)):
       raise ValueError("run needs at least one of max_samples, max_server_steps, max_time, max_events")
+    # (a NaN max_time never ended the run; a negative limit returned an empty "success")
+    for name, value in (("max_samples", max_samples), ("max_server_steps", max_server_steps),
+                        ("max_events", max_events)):
+      if value is not None:
+        _checks.positive_int(name, value)
+    if max_time is not None:
+      _checks.number_where("max_time", max_time, lambda v: v > 0,
+                           "a positive number of simulated seconds")
     bar = tqdm(total=max_samples, initial=self.samples, desc=desc, disable=not progress,
                leave=False, unit="samples")
     done_samples = self.samples

@@ -64,12 +64,10 @@ class BaseSGD:
   momentum: float | None = None
 
   def __post_init__(self):
-    if not self.learning_rate > 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
-    if not 0 < self.decay_rate <= 1:
-      raise ValueError(f"decay_rate must be in (0, 1], got {self.decay_rate!r}")
-    if self.momentum is not None and not 0 <= self.momentum < 1:
-      raise ValueError(f"momentum must be in [0, 1) or None, got {self.momentum!r}")
+    _checks.number_where("learning_rate", self.learning_rate, lambda v: v > 0, "> 0")
+    _checks.number_where("decay_rate", self.decay_rate, lambda v: 0 < v <= 1, "in (0, 1]")
+    if self.momentum is not None:
+      _checks.number_where("momentum", self.momentum, lambda v: 0 <= v < 1, "in [0, 1) or None")
 
   def lr(self, epoch: float) -> float:
     return float(self.learning_rate * self.decay_rate ** math.floor(epoch))
@@ -87,6 +85,17 @@ def _jitted_apply(momentum: float | None):
     return theta + lr * updates, state
 
   return jax.jit(apply)
+
+
+def _base_sgd(base: Any, owner: str) -> BaseSGD:
+  """``base`` if it is a :class:`BaseSGD` (``BaseSGD()`` for None), else ``ValueError``."""
+  if base is None:
+    return BaseSGD()
+  if not isinstance(base, BaseSGD):
+    hint = (f" (for a learning rate of {base!r}: {owner}(base=BaseSGD({base!r})))"
+            if _checks.is_real(base) else "")
+    raise ValueError(f"{owner}: base must be a mfopt.sim.BaseSGD or None, got {base!r}{hint}")
+  return base
 
 
 class _Optimizer:
@@ -160,7 +169,7 @@ class _OptStrategy(Strategy):
   """A strategy whose server applies :class:`BaseSGD`."""
 
   def __init__(self, base: BaseSGD | None = None):
-    self.base = base or BaseSGD()
+    self.base = _base_sgd(base, type(self).__name__)
 
   def reset(self, sim) -> None:
     self.opt = _Optimizer(self.base, sim.dim)
@@ -350,8 +359,7 @@ class DropWorker(BSP):
 
   def __init__(self, drop_rate: float = 0.5, base: BaseSGD | None = None):
     super().__init__(base)
-    if not 0 <= drop_rate < 1:
-      raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate!r}")
+    _checks.number_where("drop_rate", drop_rate, lambda v: 0 <= v < 1, "in [0, 1)")
     self.drop_rate = drop_rate
 
   def reset(self, sim):
@@ -397,14 +405,22 @@ class KSyncConfig:
   r0: float = 0.0
 
   def __post_init__(self):
-    if not 0 <= self.gamma < 1:
-      raise ValueError(f"gamma must be in [0, 1), got {self.gamma!r}")
+    _checks.number_where("gamma", self.gamma, lambda v: 0 <= v < 1, "in [0, 1)")
+    if not isinstance(self.dampening, (bool, np.bool_)):
+      raise ValueError(f"dampening must be True or False, got {self.dampening!r}")
+    if not isinstance(self.ktest, ksync_lib.KTestConfig):
+      raise ValueError(f"ktest must be a mfopt.sim.ksync.KTestConfig, got {self.ktest!r}")
+    if self.bb is not None and not isinstance(self.bb, bb_lib.BBConfig):
+      raise ValueError(f"bb must be a mfopt.sim.bb.BBConfig or None, got {self.bb!r}")
+    _base_sgd(self.lr_fallback, "KSyncConfig.lr_fallback")
+    _checks.number_where("r0", self.r0, lambda v: v >= 0, "a number >= 0")
     if not (self.k_rule == "adaptive" or (_checks.is_int(self.k_rule) and self.k_rule >= 1)):
       raise ValueError(f"k_rule must be 'adaptive' or a positive integer, got {self.k_rule!r}")
     if self.stale_merge not in ("additive", "reaverage", "drop"):
       raise ValueError(f"stale_merge must be 'additive', 'reaverage' or 'drop', got {self.stale_merge!r}")
-    if self.stale_cutoff is not None and not 0 < self.stale_cutoff < 1:
-      raise ValueError(f"stale_cutoff must be in (0, 1) or None, got {self.stale_cutoff!r}")
+    if self.stale_cutoff is not None:
+      _checks.number_where("stale_cutoff", self.stale_cutoff, lambda v: 0 < v < 1,
+                           "in (0, 1) or None")
 
 
 class KSync(_Collect):
@@ -435,8 +451,11 @@ class KSync(_Collect):
     super().reset(sim)
     self._tested = None  # (n, k-test result) of _ready, for _update at the same n
     c = self.config
+    if c.k_rule != "adaptive" and int(c.k_rule) > sim.num_workers:
+      raise ValueError(f"k_rule={c.k_rule} is more than num_workers={sim.num_workers}: a k-sync "
+                       "round cannot wait for more gradients than there are workers")
     self.k_max = (c.ktest.resolved_k_max(sim.num_workers) if c.k_rule == "adaptive"
-                  else min(int(c.k_rule), sim.num_workers))
+                  else int(c.k_rule))
     self.welford = ksync_lib.Welford(sim.dim)
     self.u = np.zeros(sim.dim, np.float32)
     self.kbuf: dict[int, int] = {}
@@ -588,10 +607,10 @@ class EASGD(Strategy):
 
   def __init__(self, interval: int = 20, base: BaseSGD | None = None, moving_rate: float | None = None):
     _checks.positive_int("interval", interval)
-    if moving_rate is not None and not 0 < moving_rate <= 1:
-      raise ValueError(f"moving_rate must be in (0, 1], got {moving_rate!r}")
+    if moving_rate is not None:
+      _checks.number_where("moving_rate", moving_rate, lambda v: 0 < v <= 1, "in (0, 1]")
     self.interval = interval
-    self.base = base or BaseSGD()
+    self.base = _base_sgd(base, "EASGD")
     self.moving_rate = moving_rate
 
   def reset(self, sim):
