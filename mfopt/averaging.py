@@ -675,8 +675,11 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
     flat_anchor: as in :func:`periodic_averaging`, but default ``None`` here, so the anchor
       and the block momentum are one flat vector each wherever the parameters share one dtype.
 
-  Spelled out rather than ``**kwargs`` so that ``optax.inject_hyperparams(block_momentum,
-  static_args=(...))`` can inject ``momentum``.
+  Spelled out rather than ``**kwargs`` so that ``optax.inject_hyperparams`` can inject
+  ``momentum``: every argument that is not a number to inject must be static, e.g.
+  ``optax.inject_hyperparams(block_momentum, static_args=("inner", "axis_name", "period",
+  "nesterov", "trace_length"))(inner=..., axis_name=..., period=4, momentum=0.6)``
+  (``trace_length`` is an integer, so inject_hyperparams would otherwise trace it).
 
   Returns:
     An ``optax.GradientTransformation``.
