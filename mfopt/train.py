@@ -740,6 +740,34 @@ def diverged_summary(error: NonFiniteError, *, num_steps: int, num_workers: int,
   return summary
 
 
+def _check_fit_objects(model, tx, dataset, mesh, learning_rate, loss_fn, extra_metrics,
+                       host_gates) -> None:
+  """``fit``'s object arguments, by name, before anything is built (a string model or an
+  uncalled ``optax.sgd`` failed inside initialisation, a constant learning_rate only after
+  the first step had compiled and run)."""
+  def bad(name, want, value):
+    raise ValueError(f"{name} must be {want}, got {value!r}")
+
+  if not (hasattr(model, "init") and hasattr(model, "apply")):
+    bad("model", "a Flax module (e.g. mfopt.models.get_model('mlp', num_classes=10))", model)
+  if not (hasattr(tx, "init") and hasattr(tx, "update")):
+    bad("tx", "an optax.GradientTransformation (e.g. optax.sgd(0.1), not optax.sgd)", tx)
+  if not (hasattr(dataset, "train") and hasattr(dataset, "test")):
+    bad("dataset", "a mfopt.data.Dataset (e.g. mfopt.data.load('digits'))", dataset)
+  if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+    bad("mesh", "a jax.sharding.Mesh (mfopt.parallel.make_mesh()) or None", mesh)
+  if learning_rate is not None and not callable(learning_rate):
+    bad("learning_rate", "a schedule (a callable of the step, e.g. optax.constant_schedule(0.1)) "
+        "or None; it only labels the logs", learning_rate)
+  if not callable(loss_fn):
+    bad("loss_fn", "a callable", loss_fn)
+  if extra_metrics is not None and not (isinstance(extra_metrics, Mapping) and all(
+      callable(f) for f in extra_metrics.values())):
+    bad("extra_metrics", "a mapping of names to callables of the TrainState", extra_metrics)
+  if host_gates is not None and not isinstance(host_gates, (bool, np.bool_)):
+    bad("host_gates", "True, False or None", host_gates)
+
+
 def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, num_workers: int,
         per_worker_batch: int, num_steps: int, mesh=None, seed: int = 0,
         log_every: int = 50, eval_every: int | None = None,
@@ -822,6 +850,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     NonFiniteError: a non-finite loss or update (a ``FloatingPointError``).
     mfopt.checkpoint.ConfigMismatchError: the checkpoint belongs to another run.
   """
+  _check_fit_objects(model, tx, dataset, mesh, learning_rate, loss_fn, extra_metrics, host_gates)
+  _checks.positive_int("keep_checkpoints", keep_checkpoints)
   for name, value in (("num_workers", num_workers), ("per_worker_batch", per_worker_batch),
                       ("num_steps", num_steps), ("log_every", log_every)):
     _checks.positive_int(name, value)

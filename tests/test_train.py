@@ -398,3 +398,24 @@ def test_fused_tree_norm_equals_optax_and_is_one_reduction():
   assert float(train.tree_norm({}, fused=True)) == 0.0
   # CPU meshes keep the per-leaf sums (XLA:CPU would materialise the concatenation)
   assert train._fuse_norm(mfopt.make_mesh(), 1) is False
+
+
+@pytest.mark.parametrize("override,match", [
+    (dict(model="mlp"), r"model must be a Flax module"),
+    (dict(tx=optax.sgd), r"tx must be an optax.GradientTransformation .*not optax.sgd"),
+    (dict(dataset="digits"), r"dataset must be a mfopt.data.Dataset"),
+    (dict(mesh="data"), r"mesh must be a jax.sharding.Mesh"),
+    (dict(learning_rate=0.1), r"learning_rate must be a schedule"),
+    (dict(extra_metrics={"x": 5}), r"extra_metrics must be a mapping of names to callables"),
+    (dict(host_gates="yes"), r"host_gates must be True, False or None, got 'yes'"),
+    (dict(keep_checkpoints=0), r"keep_checkpoints must be a positive integer, got 0"),
+])
+def test_fit_names_a_wrong_object_before_building_anything(override, match):
+  """These failed as attribute errors from inside initialisation (a constant learning_rate
+  only after the first step ran), naming no argument."""
+  dataset = mfopt.data.load("digits")
+  kw = dict(model=models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes),
+            tx=optax.sgd(0.1), dataset=dataset, num_workers=2, per_worker_batch=4, num_steps=2,
+            log_every=1, progress=False)
+  with pytest.raises(ValueError, match=match):
+    train.fit(**{**kw, **override})
