@@ -106,6 +106,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if not c.small_batch_lrs or any(lr <= 0 for lr in c.small_batch_lrs):
     raise runner.ConfigError(f"config field 'small_batch_lrs' must hold positive rates, "
                              f"got {c.small_batch_lrs!r}")
+  if len(c.decreasing_periods) != 2:
+    raise runner.ConfigError(f"config field 'decreasing_periods' must hold two periods (before, "
+                             f"after the switch), got {c.decreasing_periods!r}")
   if not 2 <= c.qsgd_bits <= 8:
     raise runner.ConfigError(f"config field 'qsgd_bits' must be in [2, 8], got {c.qsgd_bits!r}")
 

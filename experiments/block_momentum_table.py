@@ -65,6 +65,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if not c.pairs or any(len(p) != 2 for p in c.pairs):
     raise runner.ConfigError(f"config field 'pairs' must hold (dataset, model) pairs, "
                              f"got {c.pairs!r}")
+  from mfopt import models as models_lib  # noqa: PLC0415
+  known = {"dataset": tuple(data_lib.registered()), "model": tuple(models_lib.MODELS)}
+  for i, pair in enumerate(c.pairs):  # (a bad name used to fail after the first pairs trained)
+    for what, value in zip(("dataset", "model"), pair):
+      if value not in known[what]:
+        raise runner.ConfigError(f"config field 'pairs' item {i}: unknown {what} {value!r}; "
+                                 f"known: {list(known[what])}")
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:

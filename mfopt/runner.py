@@ -200,6 +200,8 @@ _POS = _rule(lambda v: 0 < v < math.inf, "a positive number")
 _NONNEG = _rule(lambda v: 0 <= v < math.inf, "a non-negative number")
 _NONNEG_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                "a non-negative integer")
+_POS_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+            "a positive integer")
 
 # Field names that mean the same thing in every experiment's config, and what they must hold
 # (each item of a tuple field). prepare() checks them after the overrides, before anything is
@@ -215,8 +217,17 @@ CONVENTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(("weight_decay", "adam_lr", "jitter_sigma", "speed_spread", "payload_params"),
                     _NONNEG),
     **dict.fromkeys(("seed", "seeds", "ssp_staleness"), _NONNEG_INT),
+    **dict.fromkeys(("hidden", "mlp_hidden", "features", "workers", "fig6_workers", "batches",
+                     "batch_sizes", "decreasing_periods", "easgd_interval"), _POS_INT),
     "straggler_slowdown": _rule(lambda v: 1 <= v < math.inf, "a number >= 1"),
 }
+
+
+# Tuple fields whose empty value means "none of these" (an MLP without hidden layers, no
+# simulated rows, no fixed-k or Fig. 6 extras). Every other tuple is a sweep or a list of
+# rows, and an empty one ran nothing and reported "done".
+EMPTY_ALLOWED = frozenset({"sim_runs", "hidden", "mlp_hidden", "features", "fixed_k",
+                           "fig6_workers"})
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
@@ -228,7 +239,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
 def check_conventions(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError for a field whose name has a library-wide meaning (:data:`CONVENTIONS`,
-  link/dataset/model names) and whose value breaks it, and for any non-finite float."""
+  link/dataset/model names) and whose value breaks it, for any non-finite float, and for an
+  empty tuple outside :data:`EMPTY_ALLOWED`."""
   choices = _choices()
   for key in flat_keys(config):
     value = config
@@ -236,6 +248,9 @@ def check_conventions(config: ml_collections.ConfigDict) -> None:
       value = value[part]
     name = key.rsplit(".", 1)[-1]
     items = value if isinstance(value, (tuple, list)) else (value,)
+    if isinstance(value, (tuple, list)) and not value and name not in EMPTY_ALLOWED:
+      raise ConfigError(f"config field {key!r} must not be empty (the run would do nothing), "
+                        f"got {value!r}")
     if name in CONVENTIONS:
       check, what = CONVENTIONS[name]
       bad = [v for v in items if not check(v)]

@@ -63,6 +63,14 @@ def test_bad_values(override, match):
     ("block_momentum_mu_vs_p", "momenta=(0.5,1.0)", r"'momenta' must be in \[0, 1\) \(each item\)"),
     ("mf_sweep", "seeds=(0,-1)", r"'seeds' must be a non-negative integer \(each item\)"),
     ("quickstart", "models=lstm_lm", r"'models' must be one of \['mlp', 'cnn', 'resnet18', 'resnet50'\]"),
+    # session 13's audit: these ran nothing and said "done", or failed after earlier runs trained
+    ("mf_mlp", "mfs=()", r"'mfs' must not be empty \(the run would do nothing\), got \(\)"),
+    ("async_convergence", "strategies=()", r"'strategies' must not be empty"),
+    ("async_convergence", "easgd_interval=0", r"'easgd_interval' must be a positive integer, got 0"),
+    ("block_momentum_table", "mlp_hidden=(0,)", r"'mlp_hidden' must be a positive integer \(each"),
+    ("block_momentum_table", "pairs=(('digits','mlp'),('digits','resnet9'))",
+     r"'pairs' item 1: unknown model 'resnet9'; known: \['mlp'"),
+    ("adpsgd_table", "decreasing_periods=(4,)", r"'decreasing_periods' must hold two periods"),
 ])
 def test_field_conventions_are_checked_in_every_experiment(name, override, match):
   _raises(match, name, override)
