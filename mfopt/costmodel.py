@@ -90,6 +90,7 @@ def _ring_time(payload_bytes: float, num_workers: int, net: str | Link,
   """:func:`wire_bytes` over the bandwidth plus one latency per ring step (2(n-1) for an
   all-reduce: reduce-scatter then all-gather; n-1 for an all-gather); 0 for one worker."""
   _check_workers(num_workers)
+  _checks.nonnegative_number("payload_bytes", payload_bytes)  # (a negative/NaN time before)
   net, n = link(net), num_workers
   if n == 1:
     return 0.0
@@ -123,6 +124,11 @@ def communication_time(totals: Mapping[str, int], num_workers: int, net: str | L
   taken as the kind's mean payload (exact when every exchange of a kind has the
   same size, as in every mfopt transform).
   """
+  needed = ("all_reduces", "all_reduce_bytes", "all_gathers", "all_gather_bytes")
+  if not isinstance(totals, Mapping) or any(k not in totals for k in needed):
+    # (a mapping without these keys, e.g. a misspelt one, used to model as no communication)
+    raise ValueError(f"totals must hold mfopt.comm_totals(state)'s keys {list(needed)} (a run "
+                     f"summary does), got {totals!r}")
   t = 0.0
   for kind, count_key, bytes_key in ((CollectiveKind.ALL_REDUCE, "all_reduces", "all_reduce_bytes"),
                                      (CollectiveKind.ALL_GATHER, "all_gathers", "all_gather_bytes")):

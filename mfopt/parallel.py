@@ -100,6 +100,8 @@ def stack_workers(tree: Any, num_workers: int) -> Any:
   first materialise all ``num_workers`` replicas on one device); other leaves (device arrays,
   typed PRNG keys) are broadcast with ``jnp``.
   """
+  _checks.positive_int("num_workers", num_workers)
+
   def one(x):
     shape = (num_workers,) + np.shape(x)
     if isinstance(x, (np.ndarray, np.generic)):
@@ -135,6 +137,10 @@ def per_device(fn: Callable[..., Any], mesh: Mesh, num_workers: int) -> Callable
 
 def unstack_worker(tree: Any, index: int = 0) -> Any:
   """Worker ``index``'s slice of a worker-stacked tree, fetched to the host."""
+  _checks.nonnegative_int("index", index)
+  sizes = {np.shape(x)[0] for x in jax.tree.leaves(tree) if np.ndim(x)}
+  if sizes and index >= min(sizes):  # (JAX clamps an out-of-range index: another worker's data)
+    raise ValueError(f"index must be < the number of workers {min(sizes)}, got {index}")
   return jax.tree.map(lambda x: np.asarray(jax.device_get(x[index])), tree)
 
 

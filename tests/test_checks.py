@@ -194,3 +194,23 @@ def test_an_update_outside_its_axis_names_binding_names_the_transform(owner, bui
   run = jax.vmap(lambda g: tx.update(g, tx.init(g), g)[0], axis_name="data")
   out = run({"w": jnp.arange(6.0).reshape(2, 3)})
   assert out["w"].shape == (2, 3)
+
+
+def test_small_helpers_name_bad_inputs():
+  """From session 13's audit: each of these returned something wrong (another worker's slice,
+  an empty stack, a negative time, zero communication) or failed with an unrelated error."""
+  import jax.numpy as jnp
+  import optax
+  stacked = {"w": jnp.arange(12.0).reshape(4, 3)}
+  with pytest.raises(ValueError, match=r"index must be < the number of workers 4, got 7"):
+    parallel.unstack_worker(stacked, 7)
+  np.testing.assert_array_equal(parallel.unstack_worker(stacked, 3)["w"], [9.0, 10.0, 11.0])
+  with pytest.raises(ValueError, match=r"num_workers must be a positive integer, got 0"):
+    parallel.stack_workers({"w": np.ones(3)}, 0)
+  with pytest.raises(ValueError, match=r"payload_bytes must be a non-negative number, got -1000000.0"):
+    costmodel.all_reduce_time(-1e6, 4, "10gbit")
+  with pytest.raises(ValueError, match=r"totals must hold mfopt.comm_totals\(state\)'s keys"):
+    costmodel.communication_time({"bogus": 5}, 4, "10gbit")
+  for wrap in (mfopt.precision.dynamic_loss_scale, mfopt.precision.skip_nonfinite):
+    with pytest.raises(ValueError, match=r"inner must be an optax.GradientTransformation"):
+      wrap(optax.sgd)
