@@ -124,11 +124,13 @@ def communication_time(totals: Mapping[str, int], num_workers: int, net: str | L
   taken as the kind's mean payload (exact when every exchange of a kind has the
   same size, as in every mfopt transform).
   """
-  needed = ("all_reduces", "all_reduce_bytes", "all_gathers", "all_gather_bytes")
-  if not isinstance(totals, Mapping) or any(k not in totals for k in needed):
+  pairs = (("all_reduces", "all_reduce_bytes"), ("all_gathers", "all_gather_bytes"))
+  if not isinstance(totals, Mapping) or not any(c in totals for c, _ in pairs) or any(
+      c in totals and b not in totals for c, b in pairs):
     # (a mapping without these keys, e.g. a misspelt one, used to model as no communication)
-    raise ValueError(f"totals must hold mfopt.comm_totals(state)'s keys {list(needed)} (a run "
-                     f"summary does), got {totals!r}")
+    raise ValueError(f"totals must hold mfopt.comm_totals(state)'s counts and bytes "
+                     f"(all_reduces + all_reduce_bytes and/or all_gathers + all_gather_bytes; "
+                     f"a run summary does), got {totals!r}")
   t = 0.0
   for kind, count_key, bytes_key in ((CollectiveKind.ALL_REDUCE, "all_reduces", "all_reduce_bytes"),
                                      (CollectiveKind.ALL_GATHER, "all_gathers", "all_gather_bytes")):

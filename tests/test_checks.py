@@ -209,7 +209,7 @@ def test_small_helpers_name_bad_inputs():
     parallel.stack_workers({"w": np.ones(3)}, 0)
   with pytest.raises(ValueError, match=r"payload_bytes must be a non-negative number, got -1000000.0"):
     costmodel.all_reduce_time(-1e6, 4, "10gbit")
-  with pytest.raises(ValueError, match=r"totals must hold mfopt.comm_totals\(state\)'s keys"):
+  with pytest.raises(ValueError, match=r"totals must hold mfopt.comm_totals\(state\)'s counts"):
     costmodel.communication_time({"bogus": 5}, 4, "10gbit")
   for wrap in (mfopt.precision.dynamic_loss_scale, mfopt.precision.skip_nonfinite):
     with pytest.raises(ValueError, match=r"inner must be an optax.GradientTransformation"):
