@@ -256,15 +256,21 @@ def child_auto_lowering(out):
   print(f"FAVOURITE {favourite} CHOICE {step.choose(state, batch)}", flush=True)
 
 
-@pytest.mark.slow  # child processes
-def test_two_processes_agree_on_the_auto_lowering(tmp_path):
+def _run_child(function: str, out) -> subprocess.CompletedProcess:
+  """Runs ``test_multiprocess.<function>(out)`` as a 2-process job and checks it succeeded."""
   code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
-          f"test_multiprocess.child_auto_lowering({str(tmp_path)!r})")
+          f"test_multiprocess.{function}({str(out)!r})")
   proc = subprocess.run(
       [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "5",
        "--grace", "20", "--", "-c", code],
       cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+  return proc
+
+
+@pytest.mark.slow  # child processes
+def test_two_processes_agree_on_the_auto_lowering(tmp_path):
+  proc = _run_child("child_auto_lowering", tmp_path)
   got = dict(re.findall(r"\[p(\d)\] FAVOURITE \S+ CHOICE (\S+)", proc.stdout))
   fav = dict(re.findall(r"\[p(\d)\] FAVOURITE (\S+)", proc.stdout))
   assert fav["0"] != fav["1"], proc.stdout  # the processes did measure differently
@@ -273,13 +279,7 @@ def test_two_processes_agree_on_the_auto_lowering(tmp_path):
 
 @pytest.mark.slow  # child processes
 def test_two_processes_fall_back_past_a_corrupt_checkpoint_together(tmp_path):
-  code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
-          f"test_multiprocess.child_corrupt_checkpoint({str(tmp_path)!r})")
-  proc = subprocess.run(
-      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "5",
-       "--grace", "20", "--", "-c", code],
-      cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+  proc = _run_child("child_corrupt_checkpoint", tmp_path)
   for p in (0, 1):
     assert f"[p{p}] RESTORED step 1 values [1.0]" in proc.stdout, proc.stdout[-3000:]
   assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["1", "corrupt-2-0"]
