@@ -314,8 +314,27 @@ class RunCheckpointer:
     return self.step_path(step)
 
   # -- restore
+  def _restore_item(self, step: int, args: Any) -> Any:
+    """``manager.restore``, meeting orbax's end-of-restore barrier even when the read raises.
+
+    orbax's ``Checkpointer.restore`` ends with a barrier (``Checkpointer:restore``) that a
+    process whose own shards fail to read never reaches; the others would wait there while
+    it entered the next collective (:func:`_all_processes`), and the two paired up wrongly
+    (a hang, measured with one process's read failing). Deviation from plain orbax: the
+    failing process joins that barrier before raising.
+    """
+    try:
+      return self.manager.restore(int(step), args=args)
+    except Exception:
+      if jax.process_count() > 1:
+        options = getattr(self.manager, "_multiprocessing_options", None)
+        prefix = getattr(options, "barrier_sync_key_prefix", None)
+        ocp.multihost.sync_global_processes(
+            ocp.multihost.unique_barrier_key("Checkpointer:restore", prefix=prefix))
+      raise
+
   def read_meta(self, step: int) -> dict[str, Any]:
-    restored = self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    restored = self._restore_item(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))
     meta = restored.meta
     version = meta.get("format") if isinstance(meta, dict) else None
     if isinstance(version, int) and version > FORMAT_VERSION and meta.get("step") == step:
@@ -351,8 +370,8 @@ class RunCheckpointer:
     target = jax.tree.map(
         lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x),
         abstract_state)  # NumPy leaves restore as NumPy (float64 stays float64)
-    restored = self.manager.restore(
-        int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    restored = self._restore_item(
+        step, ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     leaves, treedef = jax.tree.flatten(abstract_state)
     state = jax.tree.unflatten(treedef, jax.tree.leaves(restored.state))
     if len(jax.tree.leaves(restored.state)) != len(leaves):

@@ -225,6 +225,40 @@ def child_corrupt_checkpoint(out):
   print(f"RESTORED step {restored.step} values {sorted(values)}", flush=True)
 
 
+def child_one_process_read_fails(out):
+  """As :func:`child_corrupt_checkpoint`, but step 2's state read fails on process 1 only (its
+  own shards, as a damaged file holding them would): process 0 reads fine and waits in orbax's
+  end-of-restore barrier, which process 1 used to skip (then the job hung)."""
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding, PartitionSpec
+  distributed.initialize()
+  mesh = parallel.make_mesh()
+  sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+
+  def state(v):
+    return {"w": jax.make_array_from_callback(
+        (8, 3), sharding, lambda idx: np.full((8, 3), v, np.float32)[idx])}
+
+  directory = pathlib.Path(out) / "ckpt"
+  ckpt = checkpoint.RunCheckpointer(directory, keep=3, fingerprint={"run": 1})
+  ckpt.save(1, state(1.0), {})
+  ckpt.save(2, state(2.0), {})
+  ckpt.close()
+  multihost_utils.sync_global_devices("saved")
+  again = checkpoint.RunCheckpointer(directory, keep=3, fingerprint={"run": 1})
+  if jax.process_index() == 1:
+    restore = again.manager.restore
+
+    def failing(step, args=None):
+      if "state" in args.keys() and step == 2:
+        raise ValueError("DATA_LOSS: error reading a chunk (simulated, process 1 only)")
+      return restore(step, args=args)
+
+    again.manager.restore = failing
+  restored = again.restore_latest(state(0.0))
+  print(f"RESTORED step {restored.step}", flush=True)
+
+
 def child_auto_lowering(out):
   """Both processes time lowering="auto"'s candidates; the clock is rigged so that each process
   measures a different one fastest. They must still run one program: process 0's pick."""
@@ -285,6 +319,15 @@ def test_two_processes_fall_back_past_a_corrupt_checkpoint_together(tmp_path):
   assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["1", "corrupt-2-0"]
   said = proc.stdout + proc.stderr  # (the launcher forwards the children's stderr, prefixed)
   assert "checkpoint step 2" in said and "corrupt or truncated" in said
+
+
+@pytest.mark.slow  # child processes
+def test_two_processes_fall_back_when_only_one_cannot_read_its_shards(tmp_path):
+  proc = _run_child("child_one_process_read_fails", tmp_path)
+  for p in (0, 1):
+    assert f"[p{p}] RESTORED step 1" in proc.stdout, proc.stdout[-3000:]
+  assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["1", "corrupt-2-0"]
+  assert "unreadable on process(es) [1]" in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("kwargs,match", [
