@@ -117,10 +117,14 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
                      "train_examples": len(dataset.train)})
     restored = ckpt.restore_latest(state)
     if restored is not None:
-      if restored.meta.get("result") is not None:
+      if restored.meta["samples"] > total:  # (allow_mismatch with fewer epochs, as fit refuses)
+        ckpt.close()
+        raise ValueError(f"{ckpt.directory} holds a run at {restored.meta['samples']} samples, "
+                         f"past this run's {total}; use another workdir or more epochs")
+      if restored.meta.get("result") is not None and restored.meta["samples"] >= total:
         ckpt.close()
         return restored.meta["result"]
-      state, meta = restored.state, restored.meta
+      state, meta = restored.state, restored.meta  # (a finished shorter run trains on)
       samples, step, next_eval = meta["samples"], meta["step"], meta["next_eval"]
       history, train_s = meta["history"], meta["train_s"]
       rng.bit_generator.state = meta["rng"]

@@ -8,6 +8,7 @@ fix without a traceback dive.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -84,11 +85,19 @@ def number_where(name: str, value: Any, holds, what: str) -> Any:
   hyperparameter of the library is meaningful at ``inf`` or NaN (``inf`` passed ``v > 0`` and
   then made parameters NaN, or froze them), so neither passes."""
   ok, v = real_scalar(value)
-  if not ok or (v is not None and not (np.isfinite(v) and holds(v))):
-    finite = " (it must be finite)" if ok and v is not None and np.isinf(v) else ""
+  if not ok or (v is not None and not (_finite(v) and holds(v))):
+    finite = " (it must be finite)" if ok and v is not None and not _finite(v) and v == v else ""
     raise ValueError(f"{name} must be {what}, got {value!r}{finite}"
                      f"{_low_precision_hint(value)}")
   return value
+
+
+def _finite(v: Any) -> bool:
+  """``math.isfinite`` for any real, huge Python ints included (``np.isfinite`` raises on them)."""
+  try:
+    return math.isfinite(v)
+  except OverflowError:  # an int too large for a float
+    return False
 
 
 def _low_precision_hint(value: Any) -> str:

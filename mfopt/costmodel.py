@@ -90,7 +90,9 @@ def _ring_time(payload_bytes: float, num_workers: int, net: str | Link,
   """:func:`wire_bytes` over the bandwidth plus one latency per ring step (2(n-1) for an
   all-reduce: reduce-scatter then all-gather; n-1 for an all-gather); 0 for one worker."""
   _check_workers(num_workers)
-  _checks.nonnegative_number("payload_bytes", payload_bytes)  # (a negative/NaN time before)
+  ok, v = _checks.real_scalar(payload_bytes)  # NaN (a diverged run's counters) stays NaN
+  if not ok or (v is not None and v < 0):
+    raise ValueError(f"payload_bytes must be a non-negative number, got {payload_bytes!r}")
   net, n = link(net), num_workers
   if n == 1:
     return 0.0

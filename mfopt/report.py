@@ -118,20 +118,26 @@ def _torn_tail(text: str) -> int | None:
 
 
 def _drop_torn_tail(path: pathlib.Path) -> None:
-  """Truncates a JSON-lines file after its last complete line, saying so on stderr."""
+  """Truncates a JSON-lines file after its last complete line, saying so on stderr.
+
+  Works on bytes: a byte offset is what ``truncate`` takes (text-mode reading folds
+  ``\r\n`` into ``\n``, so a character offset cut short on such a file)."""
   if not path.exists():
     return
-  text = path.read_text()
-  start = _torn_tail(text)
-  if start is None:
-    if text and not text.endswith("\n"):  # a whole last row without its newline
-      with path.open("a") as f:
-        f.write("\n")
+  raw = path.read_bytes()
+  if not raw or raw.endswith(b"\n"):
     return
-  print(f"warning: {path}: dropping an unfinished last line ({len(text) - start} characters, "
-        f"a write cut short); the rows before it are kept", file=sys.stderr)
-  with path.open("r+") as f:
-    f.truncate(len(text[:start].encode()))
+  start = raw.rfind(b"\n") + 1
+  try:
+    json.loads(raw[start:])
+  except ValueError:
+    print(f"warning: {path}: dropping an unfinished last line ({len(raw) - start} bytes, a write "
+          f"cut short); the rows before it are kept", file=sys.stderr)
+    with path.open("r+b") as f:
+      f.truncate(start)
+    return
+  with path.open("ab") as f:  # a whole last row without its newline
+    f.write(b"\n")
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:

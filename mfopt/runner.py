@@ -398,11 +398,11 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
   workdir.mkdir(parents=True, exist_ok=True)
   enable_compilation_cache()
   if primary and not (resumed and not allow_config_change):  # others may be reading it
-    if allow_config_change and (workdir / "config.json").exists():
-      # The workdir keeps what it was written with: each allowed change is recorded, since
-      # finished sub-runs keep their results (computed with the old values).
+    if (workdir / "config.json").exists():
+      # The workdir keeps what it was written with: each allowed change is recorded (and kept
+      # by later runs), since finished sub-runs keep their results (computed with the old values).
       saved = json.loads((workdir / "config.json").read_text())
-      changes = _config_changes(saved, record)
+      changes = _config_changes(saved, record) if allow_config_change else []
       history = list(saved.get(ALLOWED_CHANGES, []))
       if changes:
         history.append({"utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

@@ -209,6 +209,8 @@ def test_small_helpers_name_bad_inputs():
     parallel.stack_workers({"w": np.ones(3)}, 0)
   with pytest.raises(ValueError, match=r"payload_bytes must be a non-negative number, got -1000000.0"):
     costmodel.all_reduce_time(-1e6, 4, "10gbit")
+  assert np.isnan(costmodel.all_reduce_time(float("nan"), 4, "10gbit"))  # a diverged run's
+  assert _checks.positive_number("x", 2**64) == 2**64  # (np.isfinite raised on a huge int)
   with pytest.raises(ValueError, match=r"totals must hold mfopt.comm_totals\(state\)'s counts"):
     costmodel.communication_time({"bogus": 5}, 4, "10gbit")
   for wrap in (mfopt.precision.dynamic_loss_scale, mfopt.precision.skip_nonfinite):

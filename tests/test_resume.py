@@ -500,3 +500,12 @@ def test_resume_in_process_equals_uninterrupted(name, tmp_path):
   for a, b in zip(jax.tree.leaves(jax.device_get(full.state)),
                   jax.tree.leaves(jax.device_get(resumed.state))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_torn_line_after_crlf_rows_is_cut_at_the_right_byte(tmp_path):
+  """Rows ending in \\r\\n (a file written in text mode on Windows): the cut is at a byte offset
+  (a character offset left part of the last whole row's newline out, gluing the next row on)."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_bytes(b'{"a": 1}\r\n{"b": 2}\r\n{"c": 3}\r\n{"d')
+  report.JsonlWriter(path)({"e": 5})
+  assert report.read_jsonl(path) == [{"a": 1}, {"b": 2}, {"c": 3}, {"e": 5}]
