@@ -350,6 +350,13 @@ def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, c
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["config"]["seed"] == 3
   assert [c["changes"] for c in saved[runner.ALLOWED_CHANGES]] == [["config.seed: 0 -> 3"]]
+  # A later run that rewrites config.json (here: no checkpoints left, same config, no flag)
+  # keeps that record.
+  import shutil
+  shutil.rmtree(workdir / "checkpoints")
+  runner.run_experiment("quickstart", quick=True, workdir=workdir, overrides=QUICK + ["seed=3"])
+  kept = json.loads((workdir / "config.json").read_text())
+  assert [c["changes"] for c in kept[runner.ALLOWED_CHANGES]] == [["config.seed: 0 -> 3"]]
 
 
 def test_metrics_log_resumes_after_a_torn_last_line(tmp_path, capsys):
