@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["is_int", "is_real", "is_traced", "real_scalar", "number_where", "positive_int", "nonnegative_int",
-           "positive_number", "nonnegative_number", "finite_positive_number", "unit_interval"]
+           "positive_number", "nonnegative_number", "finite_positive_number", "unit_interval",
+           "transformation", "flag"]
 
 
 def is_int(value: Any) -> bool:
@@ -126,6 +127,27 @@ def nonnegative_number(name: str, value: Any) -> Any:
 def finite_positive_number(name: str, value: Any) -> Any:
   """``value`` if it is a finite real scalar > 0, else ``ValueError`` naming ``name``."""
   return number_where(name, value, lambda v: 0 < v < float("inf"), "a finite positive number")
+
+
+def transformation(name: str, value: Any, *, owner: str | None = None,
+                   allow_none: bool = False) -> Any:
+  """``value`` if it is an optax transformation (has ``init`` and ``update``), or ``None``
+  when ``allow_none``; else ``ValueError`` naming ``name`` (``optax.sgd`` itself, uncalled,
+  is the usual slip)."""
+  if (value is None and allow_none) or (hasattr(value, "init") and hasattr(value, "update")):
+    return value
+  raise ValueError(f"{_label(name, owner)} must be {'None or ' if allow_none else ''}an "
+                   f"optax.GradientTransformation (e.g. optax.sgd(0.1), not optax.sgd), "
+                   f"got {value!r}")
+
+
+def flag(name: str, value: Any, *, allow_none: bool = False) -> Any:
+  """``value`` if it is a ``bool`` (or ``None`` when ``allow_none``), else ``ValueError``
+  naming ``name`` (a truthy string such as ``'no'`` would otherwise switch a feature on)."""
+  if (value is None and allow_none) or isinstance(value, (bool, np.bool_)):
+    return value
+  raise ValueError(f"{name} must be {'True, False or None' if allow_none else 'True or False'}, "
+                   f"got {value!r}")
 
 
 def unit_interval(name: str, value: Any) -> Any:

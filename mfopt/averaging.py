@@ -436,11 +436,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
   Seeds: 001 Alg. 1 (CPSGD), Alg. 2 (ADPSGD), eqs. 7, 11, 16; 003 Alg. 1 (M-AVG).
   """
-  if not (hasattr(inner, "init") and hasattr(inner, "update")):
-    raise ValueError(f"inner must be an optax.GradientTransformation (e.g. optax.sgd(0.1)), "
-                     f"got {inner!r}")
-  if outer is not None and not (hasattr(outer, "init") and hasattr(outer, "update")):
-    raise ValueError(f"outer must be None or an optax.GradientTransformation, got {outer!r}")
+  _checks.transformation("inner", inner)
+  _checks.transformation("outer", outer, allow_none=True)
   if _checks.is_int(period):
     period = constant_period(_checks.positive_int("period", period))
   if not isinstance(period, PeriodController):

@@ -239,7 +239,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
     >>> u["w"], float(s.dynamic_scale.scale), bool(s.finite)
     (Array([0., 0.], dtype=float32), 16384.0, False)
   """
-  _check_inner(inner, "dynamic_loss_scale")
+  _checks.transformation("inner", inner, owner="dynamic_loss_scale")
   _checks.positive_number("init_scale", init_scale)
   _checks.positive_number("growth_factor", growth_factor)
   if not _checks.is_real(backoff_factor) or not 0 < backoff_factor < 1:
@@ -271,12 +271,6 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_inner(inner: Any, owner: str) -> None:
-  if not (hasattr(inner, "init") and hasattr(inner, "update")):
-    raise ValueError(f"{owner}: inner must be an optax.GradientTransformation (e.g. "
-                     f"optax.sgd(0.1), not optax.sgd), got {inner!r}")
-
-
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
   """``optax.apply_if_finite`` that never gives up: a non-finite gradient is a skipped step.
 
@@ -288,7 +282,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
   per worker, so a skipping worker keeps its old step counter, the workers disagree on when
   to average, and across devices the collective waits forever for the one that did not join.
   """
-  _check_inner(inner, "skip_nonfinite")
+  _checks.transformation("inner", inner, owner="skip_nonfinite")
   return optax.apply_if_finite(inner, max_consecutive_errors=2 ** 31 - 1)
 
 

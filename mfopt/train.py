@@ -750,8 +750,7 @@ def _check_fit_objects(model, tx, dataset, mesh, learning_rate, loss_fn, extra_m
 
   if not (hasattr(model, "init") and hasattr(model, "apply")):
     bad("model", "a Flax module (e.g. mfopt.models.get_model('mlp', num_classes=10))", model)
-  if not (hasattr(tx, "init") and hasattr(tx, "update")):
-    bad("tx", "an optax.GradientTransformation (e.g. optax.sgd(0.1), not optax.sgd)", tx)
+  _checks.transformation("tx", tx)
   if not (hasattr(dataset, "train") and hasattr(dataset, "test")):
     bad("dataset", "a mfopt.data.Dataset (e.g. mfopt.data.load('digits'))", dataset)
   if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
@@ -764,8 +763,7 @@ def _check_fit_objects(model, tx, dataset, mesh, learning_rate, loss_fn, extra_m
   if extra_metrics is not None and not (isinstance(extra_metrics, Mapping) and all(
       callable(f) for f in extra_metrics.values())):
     bad("extra_metrics", "a mapping of names to callables of the TrainState", extra_metrics)
-  if host_gates is not None and not isinstance(host_gates, (bool, np.bool_)):
-    bad("host_gates", "True, False or None", host_gates)
+  _checks.flag("host_gates", host_gates, allow_none=True)
 
 
 def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, num_workers: int,

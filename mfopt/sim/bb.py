@@ -42,7 +42,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mfopt import _checks
 
@@ -88,8 +87,7 @@ class BBConfig:
     w("backtrack", self.backtrack, lambda v: 0 < v < 1, "in (0, 1)")
     _checks.nonnegative_int("max_bt", self.max_bt)
     for flag in ("clamp", "nu_bias_correction", "double_on_k_increase"):
-      if not isinstance(getattr(self, flag), (bool, np.bool_)):
-        raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+      _checks.flag(flag, getattr(self, flag))
     w("alpha_min", self.alpha_min, lambda v: v >= 0, ">= 0")
     w("alpha_max_factor", self.alpha_max_factor, lambda v: v > 0, "> 0")
     w("eps", self.eps, lambda v: 0 < v < 1, "in (0, 1)")

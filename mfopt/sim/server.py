@@ -406,8 +406,7 @@ class KSyncConfig:
 
   def __post_init__(self):
     _checks.number_where("gamma", self.gamma, lambda v: 0 <= v < 1, "in [0, 1)")
-    if not isinstance(self.dampening, (bool, np.bool_)):
-      raise ValueError(f"dampening must be True or False, got {self.dampening!r}")
+    _checks.flag("dampening", self.dampening)
     if not isinstance(self.ktest, ksync_lib.KTestConfig):
       raise ValueError(f"ktest must be a mfopt.sim.ksync.KTestConfig, got {self.ktest!r}")
     if self.bb is not None and not isinstance(self.bb, bb_lib.BBConfig):
