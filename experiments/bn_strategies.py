@@ -27,7 +27,6 @@ reproduced (``_seed004_common``).
 from __future__ import annotations
 
 import pathlib
-import re
 import time
 from typing import Any
 
@@ -109,9 +108,9 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
   next_eval, history, train_s, window = spe * w * b, [], 0.0, []
   policy, ckpt = ckpt_lib.active_policy(), None
   if policy is not None:
-    slug = re.sub(r"[^A-Za-z0-9._=-]+", "_", desc or "run").strip("_")[:80] or "run"
     ckpt = ckpt_lib.RunCheckpointer(
-        policy.root / f"varying-{slug}", keep=policy.keep, allow_mismatch=policy.allow_mismatch,
+        policy.named_run_dir("varying", desc), keep=policy.keep,
+        allow_mismatch=policy.allow_mismatch,
         fingerprint={"desc": desc, "seed": seed, "sizes": sizes, "total": total,
                      "num_workers": w, "dataset": dataset.name, "model": c.model,
                      "train_examples": len(dataset.train)})

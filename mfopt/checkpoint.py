@@ -644,8 +644,13 @@ class CheckpointPolicy:
     """``<root>/<index>-<desc slug>``: stable across a resumed experiment (same call order)."""
     index = self.runs
     self.runs += 1
+    return self.named_run_dir(f"{index:03d}", desc)
+
+  def named_run_dir(self, prefix: str, desc: str | None) -> pathlib.Path:
+    """``<root>/<prefix>-<desc slug>``, outside the numbering of :meth:`next_run_dir` (for a
+    run with its own training loop, which must not shift the numbered runs after it)."""
     slug = re.sub(r"[^A-Za-z0-9._=-]+", "_", desc or "run").strip("_")[:80] or "run"
-    return self.root / f"{index:03d}-{slug}"
+    return self.root / f"{prefix}-{slug}"
 
 
 _POLICY: contextvars.ContextVar[CheckpointPolicy | None] = contextvars.ContextVar(

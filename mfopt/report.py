@@ -105,39 +105,34 @@ class JsonlWriter:
       f.write(json.dumps(row) + "\n")
 
 
-def _torn_tail(text: str) -> int | None:
-  """Where an unfinished last line (no newline, or not JSON) of a JSON-lines text starts."""
-  if not text or text.endswith("\n"):
+def _torn_tail(raw: bytes) -> int | None:
+  """The byte offset where an unfinished last line (no newline and not JSON) of a JSON-lines
+  file starts; ``None`` if there is none. Bytes, not text: ``truncate`` takes a byte offset
+  (text-mode reading folds ``\r\n`` into ``\n``, so a character offset cut short)."""
+  if not raw or raw.endswith(b"\n"):
     return None
-  start = text.rfind("\n") + 1
+  start = raw.rfind(b"\n") + 1
   try:
-    json.loads(text[start:])
+    json.loads(raw[start:])
   except ValueError:
     return start
   return None
 
 
 def _drop_torn_tail(path: pathlib.Path) -> None:
-  """Truncates a JSON-lines file after its last complete line, saying so on stderr.
-
-  Works on bytes: a byte offset is what ``truncate`` takes (text-mode reading folds
-  ``\r\n`` into ``\n``, so a character offset cut short on such a file)."""
+  """Truncates a JSON-lines file after its last complete line, saying so on stderr."""
   if not path.exists():
     return
   raw = path.read_bytes()
-  if not raw or raw.endswith(b"\n"):
-    return
-  start = raw.rfind(b"\n") + 1
-  try:
-    json.loads(raw[start:])
-  except ValueError:
+  start = _torn_tail(raw)
+  if start is not None:
     print(f"warning: {path}: dropping an unfinished last line ({len(raw) - start} bytes, a write "
           f"cut short); the rows before it are kept", file=sys.stderr)
     with path.open("r+b") as f:
       f.truncate(start)
-    return
-  with path.open("ab") as f:  # a whole last row without its newline
-    f.write(b"\n")
+  elif raw and not raw.endswith(b"\n"):  # a whole last row without its newline
+    with path.open("ab") as f:
+      f.write(b"\n")
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -146,12 +141,12 @@ def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
   path = pathlib.Path(path)
   if not path.exists():
     return []
-  text = path.read_text()
-  start = _torn_tail(text)
+  raw = path.read_bytes()
+  start = _torn_tail(raw)
   if start is not None:
     print(f"warning: {path}: skipping an unfinished last line", file=sys.stderr)
-    text = text[:start]
-  return [json.loads(line) for line in text.splitlines() if line.strip()]
+    raw = raw[:start]
+  return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
 
 
 def fmt(x: Any, digits: int = 4) -> str:
