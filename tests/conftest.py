@@ -42,6 +42,13 @@ def budget_category(nodeid: str) -> str:
   return "unit"
 
 
+def pytest_configure(config):
+  # on the xdist controller only: a test whose worker dies (native crash) runs once more
+  if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist"):
+    from _crash_rerun import CrashRerun  # noqa: PLC0415 (tests/ is on sys.path: no __init__.py)
+    config.pluginmanager.register(CrashRerun(max_reruns=1), "mfopt-crash-rerun")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
   import collections
   seconds, tests = collections.Counter(), collections.Counter()

@@ -1,0 +1,64 @@
+"""The CI's crash rerun (tests/_crash_rerun.py): a test that kills its xdist worker once runs
+again and passes; one that kills it every time, or fails an assertion, still fails the run."""
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+CONFTEST = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from _crash_rerun import CrashRerun
+
+def pytest_configure(config):
+  if not hasattr(config, "workerinput"):
+    config.pluginmanager.register(CrashRerun(max_reruns=1), "crash-rerun")
+"""
+
+TESTS_PY = """
+import os, pathlib
+
+def test_crashes_once(tmp_path_factory):
+  marker = pathlib.Path(os.environ["MARK_DIR"]) / "crashed_once"
+  if not marker.exists():
+    marker.touch()
+    os.abort()
+
+def test_crashes_always():
+  if os.environ.get("ALWAYS") == "1":
+    os.abort()
+
+def test_fails_normally():
+  assert os.environ.get("FAIL") != "1"
+"""
+
+
+def _run(tmp_path, **env):
+  (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST))
+  (tmp_path / "test_inner.py").write_text(textwrap.dedent(TESTS_PY))
+  mark = tmp_path / "marks"
+  mark.mkdir(exist_ok=True)
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "-q", "-rA",
+       "test_inner.py"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120,
+      env={"PATH": "/usr/bin:/bin", "MARK_DIR": str(mark), **env})
+  return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_test_that_crashes_its_worker_once_reruns_and_passes(tmp_path):
+  rc, out = _run(tmp_path)
+  assert rc == 0, out
+  assert "3 passed" in out and "1 rerun" in out, out
+  assert "test_inner.py::test_crashes_once: crashed 1 time(s), rerun" in out, out
+
+
+def test_a_test_that_crashes_twice_or_fails_still_fails_the_run(tmp_path):
+  rc, out = _run(tmp_path, ALWAYS="1", FAIL="1")
+  assert rc == 1, out
+  assert "FAILED test_inner.py::test_crashes_always" in out, out
+  assert "FAILED test_inner.py::test_fails_normally" in out, out
+  assert "test_inner.py::test_crashes_always: crashed 2 time(s), failed (no rerun left)" in out, out
