@@ -450,8 +450,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   compute_s = controller.uses_variance if sync_variance is None else bool(sync_variance)
   if controller.uses_variance and not compute_s:
     raise ValueError(f"sync_variance=False but the controller {controller.name} needs S_k")
-  if flat_anchor not in (None, True, False):
-    raise ValueError(f"flat_anchor must be True, False or None, got {flat_anchor!r}")
+  # a bool or None, not 0/1 (``0 in (None, True, False)`` is true, and ``0 is False`` is not)
+  flat_anchor = _checks.flag("flat_anchor", flat_anchor, allow_none=True)
+  flat_anchor = None if flat_anchor is None else bool(flat_anchor)
   keep_anchor = outer is not None or comm_dtype is not None
   outer_tx = outer if outer is not None else optax.identity()
   communicates = axis_name is not None

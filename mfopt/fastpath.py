@@ -80,6 +80,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from mfopt import _checks
 from mfopt import comm as comm_lib
 from mfopt import models as models_lib
 from mfopt import parallel
@@ -162,8 +163,8 @@ def init_train_state(model, inner: optax.GradientTransformation, example_x, *, n
 def _grouped_model(model, groups: int, group_bn: bool | None):
   """``model.clone(bn_groups=groups)`` where the fast path runs the model on the flat batch,
   else ``None`` (the ``vmap``-over-groups path)."""
-  if group_bn not in (None, True, False):
-    raise ValueError(f"group_bn must be True, False or None, got {group_bn!r}")
+  group_bn = _checks.flag("group_bn", group_bn, allow_none=True)  # a bool, not 0/1
+  group_bn = None if group_bn is None else bool(group_bn)
   has_field = "bn_groups" in getattr(type(model), "__dataclass_fields__", {})
   if group_bn and not has_field:
     raise ValueError(f"group_bn=True needs a model with a bn_groups field (mfopt's CNN and "

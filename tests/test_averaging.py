@@ -246,6 +246,8 @@ def test_flat_anchor_default_and_errors():
     mfopt.block_momentum(optax.sgd(0.1), None, 4, flat_anchor=True).init(mixed)
   with pytest.raises(ValueError, match=r"flat_anchor must be True, False or None, got 'yes'"):
     mfopt.periodic_averaging(optax.sgd(0.1), None, 4, flat_anchor="yes")
+  with pytest.raises(ValueError, match=r"flat_anchor must be True, False or None, got 0"):
+    mfopt.block_momentum(optax.sgd(0.1), None, 4, flat_anchor=0)  # 0 == False, but not a flag
   # no anchor (no outer, no comm_dtype): nothing to flatten
   assert mfopt.periodic_averaging(optax.sgd(0.1), None, 4, flat_anchor=True).init(mixed).anchor == ()
 

@@ -199,6 +199,8 @@ def test_group_bn_runs_the_model_on_the_flat_batch():
   with pytest.raises(ValueError, match="group_bn=True needs a model with a bn_groups field"):
     fastpath.make_train_step(models.get_model("mlp", hidden=(4,), num_classes=3), inner,
                              mesh=mesh, num_workers=4, group_bn=True)
+  with pytest.raises(ValueError, match=r"group_bn must be True, False or None, got 1\b"):
+    fastpath.make_train_step(MODEL, inner, mesh=mesh, num_workers=4, group_bn=1)
   with pytest.raises(ValueError, match="got bn_groups=2"):
     fastpath.make_train_step(models.get_model("cnn", features=(4,), num_classes=3, bn_groups=2),
                              inner, mesh=mesh, num_workers=4)
