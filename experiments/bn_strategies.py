@@ -140,6 +140,7 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
     state, m = compiled[bt](state, parallel.shard_workers({k: v[:, :bt] for k, v in full.items()},
                                                           mesh))
     window.append(m)
+    train.wait_for_old_steps(window)  # an XLA:CPU deadlock past ~32 queued steps
     samples += w * bt
     step += 1
     if samples >= next_eval or samples >= total:

@@ -766,6 +766,32 @@ def _check_fit_objects(model, tx, dataset, mesh, learning_rate, loss_fn, extra_m
   _checks.flag("host_gates", host_gates, allow_none=True)
 
 
+MAX_STEPS_IN_FLIGHT = 8
+"""How many train steps :func:`fit` lets the host dispatch ahead of the devices.
+
+JAX dispatches asynchronously, so a loop that only syncs at its logging steps can queue
+``log_every`` steps. On XLA:CPU (jaxlib 0.10.2) with several devices in one process, a queue
+of more than about 32 steps whose program has an in-process all-reduce deadlocks: some devices'
+threads wait at the all-reduce for devices whose part was never started, and after 40 s XLA
+aborts the process ("Termination timeout for `all reduce ...` exceeded"). Measured with fit on
+8 CPU devices and logging only at the end (two processes at a time, 12000 steps): a window of
+31 steps ran through, 35 aborted every time; one process, 1000 steps, aborts too
+(``tests/test_train.py::test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu``). This is
+what crashed CI on 2026-11-24 (``test_readme``, ``log_every=50``, a loaded 2-core machine).
+Eight steps ahead keeps the devices fed (the host waits for a step eight back, not the last).
+"""
+
+
+def wait_for_old_steps(window: list[Any], limit: int | None = None) -> None:
+  """Blocks until the step ``limit`` (default :data:`MAX_STEPS_IN_FLIGHT`, read at each call)
+  places before the newest in ``window`` (its outputs, one entry per dispatched step, oldest
+  first) has finished. Pass outputs that are not donated to the next step (metrics, not the
+  state)."""
+  limit = MAX_STEPS_IN_FLIGHT if limit is None else limit
+  if len(window) > limit:
+    jax.block_until_ready(window[-1 - limit])
+
+
 def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, num_workers: int,
         per_worker_batch: int, num_steps: int, mesh=None, seed: int = 0,
         log_every: int = 50, eval_every: int | None = None,
@@ -988,6 +1014,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       next_batch = device_batch(step + 1) if step + 1 < num_steps else None
       state, metrics = compiled(state, batch)
       window.append(metrics)
+      wait_for_old_steps(window)
       batch = next_batch
       done = step + 1
       if done % log_every == 0 or done == num_steps:

@@ -419,3 +419,43 @@ def test_fit_names_a_wrong_object_before_building_anything(override, match):
             log_every=1, progress=False)
   with pytest.raises(ValueError, match=match):
     train.fit(**{**kw, **override})
+
+
+_DEADLOCK_SCRIPT = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+import optax, mfopt
+from mfopt import data, models, runner, train
+runner.enable_compilation_cache(sys.argv[2])
+train.MAX_STEPS_IN_FLIGHT = int(sys.argv[1]) if sys.argv[1] != "default" else train.MAX_STEPS_IN_FLIGHT
+tx = optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.01))
+ds = data.load("digits")
+n = 1000
+result = train.fit(model=models.get_model("mlp", hidden=(8,), num_classes=10), tx=tx,
+                   dataset=ds, num_workers=8, per_worker_batch=4, num_steps=n, log_every=n,
+                   progress=False)
+print("finished", result.history[-1]["step"])
+"""
+
+
+def test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu(tmp_path):
+  """XLA:CPU (jaxlib 0.10.2) deadlocks when more than ~32 steps with an in-process all-reduce
+  are queued (see train.MAX_STEPS_IN_FLIGHT), and aborts after its collective timeout, here cut
+  to 3 s. fit with logging only at the end used to queue all 1000 steps and abort in ~9 s;
+  it now waits for the step MAX_STEPS_IN_FLIGHT back and finishes. (The script's first
+  argument sets that limit: 100000 reproduces the abort.)"""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  script = tmp_path / "deadlock.py"
+  script.write_text(_DEADLOCK_SCRIPT)
+  cache = os.environ.get("MFOPT_JAX_CACHE") or str(pathlib.Path(__file__).resolve().parents[1]
+                                                   / ".jax_cache")
+  env = {**os.environ, "XLA_FLAGS": "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1 "
+         "--xla_cpu_collective_call_terminate_timeout_seconds=3", "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, str(script), "default", cache], env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0 and "finished 1000" in proc.stdout, proc.stderr[-3000:]
