@@ -37,6 +37,8 @@ declare -A CALLS=(
   # CUDA graph (one command buffer for the whole step in a deviceless compile, where the
   # convolutions become XLA's own loop kernels, not cuDNN: session 9), with CONCURRENT.
   [8]="bench_virtual_workers:--shapes 16x256 --stretch-only --compiler-option xla_gpu_experimental_enable_conv_fusion=true --compiler-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+  # What fit's 8-step dispatch bound (session 14, against an XLA:CPU deadlock) costs on a GPU.
+  [9]="bench_fit_dispatch:"
 )
 BUDGET=${BENCH_BUDGET:-540}  # seconds per call, shared by its benches
 

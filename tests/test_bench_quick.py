@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from experiments import (bench_comm, bench_input, bench_train_step, bench_update,
+from experiments import (bench_comm, bench_fit_dispatch, bench_input, bench_train_step, bench_update,
                          bench_virtual_workers)
 
 # MLP 784-64-10 of bench_comm: (784*64 + 64) + (64*10 + 10) float32 parameters.
@@ -318,12 +318,13 @@ def test_gpu_plan_calls_run_in_quick_mode():
   assert "--stretch-only --bn-variants" in listed.stdout
   check = run("--check")
   assert check.returncode == 0, check.stdout + check.stderr
-  assert check.stdout.count("call ") >= 11 and "FAILED" not in check.stdout
+  assert check.stdout.count("call ") >= 12 and "FAILED" not in check.stdout
+  assert "call 9: bench_fit_dispatch --quick" in check.stdout
   import shutil
   if shutil.which("nvidia-smi") is None:  # (with GPUs, call 7 would run its benches)
     multi = run("7", "/tmp/unused")
     assert multi.returncode == 2 and "needs >= 2 GPUs" in multi.stdout
-  assert run("9").returncode == 2
+  assert run("10").returncode == 2
 
 
 @pytest.mark.parametrize("dataset", ["imagenet2012", "cifar10"])
@@ -338,3 +339,15 @@ def test_bench_input_quick_threaded_batches_are_identical(dataset):
   assert figs["normalize, in place (data._normalize)"]["identical_values"] is True
   with pytest.raises(SystemExit, match="--threads must be >= 2 .* got 1"):
     bench_input.main(["--quick", "--threads", "1"])
+
+
+def test_bench_fit_dispatch_quick_reports_each_limit_against_8():
+  """On CPU: limits 8, 1 and 30 (no unbounded run: it deadlocks XLA:CPU), ratios to limit 8."""
+  result = bench_fit_dispatch.main(["--quick"])
+  figs = {f["limit"]: f for f in _figures(result)}
+  assert sorted(figs) == [1, 8, 30] and result["targets"] == []
+  assert figs[8]["ratio_to_8"] == 1.0
+  for f in figs.values():
+    assert f["value"] > 0 and abs(f["ratio_to_8"] - f["value"] / figs[8]["value"]) < 1e-9
+  with pytest.raises(SystemExit, match="--steps must be positive, got -1"):
+    bench_fit_dispatch.main(["--quick", "--steps", "-1"])
