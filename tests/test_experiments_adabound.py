@@ -255,3 +255,25 @@ def test_seed004_add_efficiency_of_a_diverged_run():
   assert eff["epochs_to_target"] is None and eff["convergence_rate"] == 0.0
   assert eff["scaling_efficiency"] != eff["scaling_efficiency"]  # nan: n/a
   assert eff["efficiency_source"] == "n/a (run diverged)"
+
+
+def test_bn_strategies_varying_row_trains_on_from_a_finished_shorter_run(tmp_path, monkeypatch):
+  """More epochs with --allow-config-change: the finished one-epoch varying row is restored and
+  trains only the second epoch's steps (counted at each dispatch), keeping its first row."""
+  from mfopt import train
+  base = TINY[:4] + ["warmup_epochs=1", "rows=('varying_sync_ma',)"]
+  kw = dict(quick=True, workdir=tmp_path, checkpoint_every=1, keep_checkpoints=3)
+  dispatched = []
+  real = train.wait_for_old_steps
+  monkeypatch.setattr(train, "wait_for_old_steps",
+                      lambda window, limit=None: (dispatched.append(1), real(window, limit)))
+  runner.run_experiment("bn_strategies", overrides=base + ["epochs=1"], **kw)
+  one = _runs(tmp_path)["varying_sync_ma"][0]
+  first_steps = len(dispatched)
+  assert first_steps == one["summary"]["steps"] > 0
+  runner.run_experiment("bn_strategies", overrides=base + ["epochs=2"],
+                        allow_config_change=True, **kw)
+  two = _runs(tmp_path)["varying_sync_ma"][0]
+  assert len(dispatched) - first_steps == two["summary"]["steps"] - one["summary"]["steps"] > 0
+  assert two["history"][0] == one["history"][0] and len(two["history"]) == 2
+  assert two["history"][-1]["samples"] == two["summary"]["samples"] > one["summary"]["samples"]
