@@ -775,10 +775,11 @@ of more than about 32 steps whose program has an in-process all-reduce deadlocks
 threads wait at the all-reduce for devices whose part was never started, and after 40 s XLA
 aborts the process ("Termination timeout for `all reduce ...` exceeded"). Measured with fit on
 8 CPU devices and logging only at the end (two processes at a time, 12000 steps): a window of
-31 steps ran through, 35 aborted every time; one process, 1000 steps, aborts too
-(``tests/test_train.py::test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu``). This is
-what crashed CI on 2026-11-24 (``test_readme``, ``log_every=50``, a loaded 2-core machine).
-Eight steps ahead keeps the devices fed (the host waits for a step eight back, not the last).
+31 steps ran through, 35 aborted every time; one process, 1000 steps, usually aborts too
+(``tests/test_train.py::test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu``). CI's crash
+on 2026-11-24 had this abort's signature (``test_readme``, ``log_every=50``, a loaded 2-core
+machine, the main thread in ``Compiled.__call__`` in ``fit``). Eight steps ahead keeps the
+devices fed (the host waits for a step eight back, not the last).
 """
 
 

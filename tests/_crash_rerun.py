@@ -2,9 +2,10 @@
 
 CI on 2026-11-24 (commit 31e5d21) lost a whole run to one crash: the worker running
 ``tests/test_readme.py`` aborted inside ``Compiled.__call__`` in ``train.fit`` after 823 other
-tests had passed. The cause was found and fixed (XLA:CPU deadlocks past ~32 queued steps with an
-in-process all-reduce and aborts after 40 s; see ``mfopt.train.MAX_STEPS_IN_FLIGHT``), but a
-native crash in a dependency can come back in another form, and one costs the whole CI run.
+tests had passed. Its likely cause was found and fixed (XLA:CPU deadlocks past ~32 queued
+steps with an in-process all-reduce and aborts after 40 s; see
+``mfopt.train.MAX_STEPS_IN_FLIGHT``), but a native crash in a dependency can come back in
+another form, and one costs the whole CI run.
 
 A crash is not an assertion: this plugin reschedules only tests whose *worker process died*,
 at most ``max_reruns`` times each, and lists every rerun in the terminal summary with the crash
