@@ -770,16 +770,18 @@ MAX_STEPS_IN_FLIGHT = 8
 """How many train steps :func:`fit` lets the host dispatch ahead of the devices.
 
 JAX dispatches asynchronously, so a loop that only syncs at its logging steps can queue
-``log_every`` steps. On XLA:CPU (jaxlib 0.10.2) with several devices in one process, a queue
-of more than about 32 steps whose program has an in-process all-reduce deadlocks: some devices'
-threads wait at the all-reduce for devices whose part was never started, and after 40 s XLA
-aborts the process ("Termination timeout for `all reduce ...` exceeded"). Measured with fit on
-8 CPU devices and logging only at the end (two processes at a time, 12000 steps): a window of
-31 steps ran through, 35 aborted every time; one process, 1000 steps, usually aborts too
+``log_every`` steps. On XLA:CPU (jaxlib 0.10.2) with 8 devices in one process, a queue of more
+than about 32 steps whose program has an in-process all-reduce deadlocks: some devices' threads
+wait at the all-reduce for devices whose part was never started, and after 40 s XLA aborts the
+process ("Termination timeout for `all reduce ...` exceeded"). Measured with fit on 8 CPU
+devices and logging only at the end (two processes at a time, 12000 steps): a limit of 30 (at
+most 31 steps queued) ran through, limits of 34 and 48 aborted (2 of 2 runs each); one process,
+1000 steps, no limit, usually aborts too
 (``tests/test_train.py::test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu``). CI's crash
 on 2026-11-24 had this abort's signature (``test_readme``, ``log_every=50``, a loaded 2-core
-machine, the main thread in ``Compiled.__call__`` in ``fit``). Eight steps ahead keeps the
-devices fed (the host waits for a step eight back, not the last).
+machine, the main thread in ``Compiled.__call__`` in ``fit``). The host waits for a step eight
+back, not the last, so the queue never runs dry; on CPU this costs nothing measurable
+(``experiments/bench_fit_dispatch.py``), on a GPU it is not yet measured.
 """
 
 
@@ -788,7 +790,7 @@ def wait_for_old_steps(window: list[Any], limit: int | None = None) -> None:
   places before the newest in ``window`` (its outputs, one entry per dispatched step, oldest
   first) has finished. Pass outputs that are not donated to the next step (metrics, not the
   state)."""
-  limit = MAX_STEPS_IN_FLIGHT if limit is None else limit
+  limit = MAX_STEPS_IN_FLIGHT if limit is None else _checks.positive_int("limit", limit)
   if len(window) > limit:
     jax.block_until_ready(window[-1 - limit])
 

@@ -21,24 +21,52 @@ from __future__ import annotations
 
 import collections
 
+import pytest
+
 
 class CrashRerun:
-  """A pytest plugin (register it on the xdist controller): see the module docstring."""
+  """A pytest plugin (register it on the xdist controller): see the module docstring.
+
+  A rescheduled test that never reports again (xdist out of worker restarts, or a session
+  stopped early) fails the session at its end, so a crash can never turn into a pass. With a
+  scheduler that cannot reschedule (``--dist loadfile``, ``loadscope``, ``each``) the crash
+  stays the failure xdist reported.
+  """
 
   def __init__(self, max_reruns: int = 1):
     self.max_reruns = max_reruns
     self.crashes: collections.Counter[str] = collections.Counter()
+    self.awaiting: set[str] = set()  # rescheduled, no report since
 
   def pytest_handlecrashitem(self, crashitem, report, sched):
     self.crashes[crashitem] += 1
-    if self.crashes[crashitem] <= self.max_reruns:
+    if self.crashes[crashitem] > self.max_reruns:
+      return
+    try:
       sched.mark_test_pending(crashitem)
-      report.outcome = "rerun"
+    except NotImplementedError:  # this --dist mode cannot reschedule: the crash fails the test
+      return
+    report.outcome = "rerun"
+    self.awaiting.add(crashitem)
+
+  def pytest_runtest_logreport(self, report):
+    if report.outcome != "rerun":
+      self.awaiting.discard(report.nodeid)
+
+  @pytest.hookimpl(trylast=True)
+  def pytest_sessionfinish(self, session):
+    if self.awaiting and session.exitstatus == pytest.ExitCode.OK:
+      session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
   def pytest_terminal_summary(self, terminalreporter):
     if not self.crashes:
       return
     terminalreporter.section("tests that crashed their worker (native crash; output above)")
     for nodeid, n in sorted(self.crashes.items()):
-      verdict = "rerun" if n <= self.max_reruns else "failed (no rerun left)"
+      if nodeid in self.awaiting:
+        verdict = "FAILED: rescheduled, but never ran again (no worker restart left?)"
+      elif n <= self.max_reruns:
+        verdict = "rerun (its result is reported with the others)"
+      else:
+        verdict = "failed (no rerun left)"
       terminalreporter.write_line(f"{nodeid}: crashed {n} time(s), {verdict}")

@@ -342,10 +342,10 @@ def test_bench_input_quick_threaded_batches_are_identical(dataset):
 
 
 def test_bench_fit_dispatch_quick_reports_each_limit_against_8():
-  """On CPU: limits 8, 1 and 30 (no unbounded run: it deadlocks XLA:CPU), ratios to limit 8."""
+  """On CPU: limits 8, 1 and 16 (no unbounded run: it deadlocks XLA:CPU), ratios to limit 8."""
   result = bench_fit_dispatch.main(["--quick"])
   figs = {f["limit"]: f for f in _figures(result)}
-  assert sorted(figs) == [1, 8, 30] and result["targets"] == []
+  assert sorted(figs) == [1, 8, 16] and result["targets"] == []
   assert figs[8]["ratio_to_8"] == 1.0
   for f in figs.values():
     assert f["value"] > 0 and abs(f["ratio_to_8"] - f["value"] / figs[8]["value"]) < 1e-9

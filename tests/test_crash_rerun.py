@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 TESTS = pathlib.Path(__file__).resolve().parent
 
 CONFTEST = f"""
@@ -36,14 +38,14 @@ def test_fails_normally():
 """
 
 
-def _run(tmp_path, **env):
+def _run(tmp_path, *args, **env):
   (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST))
   (tmp_path / "test_inner.py").write_text(textwrap.dedent(TESTS_PY))
   mark = tmp_path / "marks"
   mark.mkdir(exist_ok=True)
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "-q", "-rA",
-       "test_inner.py"],
+       *args, "test_inner.py"],
       cwd=tmp_path, capture_output=True, text=True, timeout=120,
       env={"PATH": "/usr/bin:/bin", "MARK_DIR": str(mark), **env})
   return proc.returncode, proc.stdout + proc.stderr
@@ -62,3 +64,19 @@ def test_a_test_that_crashes_twice_or_fails_still_fails_the_run(tmp_path):
   assert "FAILED test_inner.py::test_crashes_always" in out, out
   assert "FAILED test_inner.py::test_fails_normally" in out, out
   assert "test_inner.py::test_crashes_always: crashed 2 time(s), failed (no rerun left)" in out, out
+
+
+def test_a_rescheduled_test_that_never_runs_again_fails_the_run(tmp_path):
+  """With no worker restart left, xdist stops before the rescheduled test runs: the crash
+  must not pass as a "rerun" (the reviewer's case: exit code 0 before this check)."""
+  rc, out = _run(tmp_path, "--max-worker-restart=0")
+  assert rc == 1, out
+  assert ("test_inner.py::test_crashes_once: crashed 1 time(s), FAILED: rescheduled, but never "
+          "ran again") in out, out
+
+
+@pytest.mark.parametrize("dist", ["loadfile", "loadscope"])
+def test_a_scheduler_that_cannot_reschedule_keeps_the_crash_a_failure(tmp_path, dist):
+  rc, out = _run(tmp_path, "--dist", dist)
+  assert rc == 1 and "INTERNALERROR" not in out, out
+  assert "FAILED test_inner.py::test_crashes_once" in out, out

@@ -460,3 +460,23 @@ def test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu(tmp_path):
   proc = subprocess.run([sys.executable, str(script), "default", cache], env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0 and "finished 1000" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_wait_for_old_steps_waits_only_past_its_limit_and_names_a_bad_one():
+  waited = []
+
+  class Out:  # stands in for a step's metrics: block_until_ready calls this
+    def __init__(self, i):
+      self.i = i
+
+    def block_until_ready(self):
+      waited.append(self.i)
+      return self
+
+  window = []
+  for i in range(5):
+    window.append(Out(i))
+    train.wait_for_old_steps(window, limit=2)
+  assert waited == [0, 1, 2]  # after step i (i >= 2), the step 2 back: i - 2
+  with pytest.raises(ValueError, match="limit must be a positive integer, got 0"):
+    train.wait_for_old_steps(window, limit=0)
