@@ -75,6 +75,8 @@ def run_jax(tx, steps=N, mesh=None, num_workers=W):
   stepper = jax.jit(parallel.per_worker(step, mesh, num_workers), donate_argnums=(0, 1))
   for k in range(steps):
     params, opt_state = stepper(params, opt_state, parallel.shard_workers(NOISE[k], mesh))
+    if k % train.MAX_STEPS_IN_FLIGHT == 0:  # N = 240 queued steps could deadlock XLA:CPU
+      jax.block_until_ready(params)  # (the newest, not yet donated)
   stacked = jax.device_get(params)
   out = np.stack([_join({"a": stacked["a"][i], "b": stacked["b"][i]}) for i in range(num_workers)])
   return out, opt_state

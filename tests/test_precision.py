@@ -101,8 +101,11 @@ def fifty_steps():
     state = train.init_train_state(model, tx, b0["x"][0], num_workers=W, mesh=mesh, seed=1)
     p0 = parallel.unstack_worker(state.params)
     step = train.make_train_step(model, tx, mesh=mesh, num_workers=W)
+    queued = []
     for _ in range(50):
       state, metrics = step(state, parallel.shard_workers(_batch(rng), mesh))
+      queued.append(metrics)
+      train.wait_for_old_steps(queued)  # 50 queued all-reduce steps could deadlock XLA:CPU
     out[name] = (p0, parallel.unstack_worker(state.params), _np(metrics), _np(state.opt_state))
   return out
 
