@@ -770,18 +770,20 @@ MAX_STEPS_IN_FLIGHT = 8
 """How many train steps :func:`fit` lets the host dispatch ahead of the devices.
 
 JAX dispatches asynchronously, so a loop that only syncs at its logging steps can queue
-``log_every`` steps. On XLA:CPU (jaxlib 0.10.2) with 8 devices in one process, a queue of more
-than about 32 steps whose program has an in-process all-reduce deadlocks: some devices' threads
-wait at the all-reduce for devices whose part was never started, and after 40 s XLA aborts the
-process ("Termination timeout for `all reduce ...` exceeded"). Measured with fit on 8 CPU
-devices and logging only at the end (two processes at a time, 12000 steps): a limit of 30 (at
-most 31 steps queued) ran through, limits of 34 and 48 aborted (2 of 2 runs each); one process,
-1000 steps, no limit, usually aborts too
-(``tests/test_train.py::test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu``). CI's crash
-on 2026-11-24 had this abort's signature (``test_readme``, ``log_every=50``, a loaded 2-core
-machine, the main thread in ``Compiled.__call__`` in ``fit``). The host waits for a step eight
-back, not the last, so the queue never runs dry; on CPU this costs nothing measurable
-(``experiments/bench_fit_dispatch.py``), on a GPU it is not yet measured.
+``log_every`` steps. On XLA:CPU (jaxlib 0.10.2) with several devices in one process (2, 4 and 8
+tried), a queue of more than about 32 steps whose program has an in-process all-reduce
+deadlocks: some devices' threads wait at the all-reduce for devices whose part was never
+started, and after 40 s XLA aborts the process ("Termination timeout for `all reduce ...`
+exceeded"). Measured with fit on 8 CPU devices and logging only at the end (two processes at a
+time, 12000 steps): a limit of 30 (at most 31 steps queued) ran through, limits of 34 and 48
+aborted (2 of 2 runs each); one process, 1000 steps, no limit, usually aborts too
+(``tests/test_train.py::test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu``). Without
+mfopt: ``scripts/xla_cpu_deadlock_repro.py`` (a limit of 30 finished on 2, 4 and 8 devices, 40
+aborted on 2 and 4). CI's crash on 2026-11-24 had this abort's signature (``test_readme``,
+``log_every=50``, a loaded 2-core machine, the main thread in ``Compiled.__call__`` in ``fit``).
+The host waits for a step eight back, not the last, so the devices keep queued work; on CPU this
+costs nothing measurable (``experiments/bench_fit_dispatch.py``), on a GPU it is not yet
+measured.
 """
 
 

@@ -480,3 +480,20 @@ def test_wait_for_old_steps_waits_only_past_its_limit_and_names_a_bad_one():
   assert waited == [0, 1, 2]  # after step i (i >= 2), the step 2 back: i - 2
   with pytest.raises(ValueError, match="limit must be a positive integer, got 0"):
     train.wait_for_old_steps(window, limit=0)
+
+
+def test_the_pure_jax_deadlock_reproducer_runs_with_fits_limit():
+  """scripts/xla_cpu_deadlock_repro.py (kept for an upstream report) parses its flags and
+  finishes with fit's limit; without one it aborts, which is not run here (it costs the
+  timeout)."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "xla_cpu_deadlock_repro.py"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, str(script), "--devices", "2", "--steps", "100",
+                         "--limit", "8", "--width", "32"], env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "finished 100 steps on 2 devices, limit 8" in proc.stdout
