@@ -141,11 +141,14 @@ def transformation(name: str, value: Any, *, owner: str | None = None,
                    f"got {value!r}")
 
 
-def flag(name: str, value: Any, *, allow_none: bool = False) -> Any:
-  """``value`` if it is a ``bool`` (or ``None`` when ``allow_none``), else ``ValueError``
-  naming ``name`` (a truthy string such as ``'no'`` would otherwise switch a feature on)."""
-  if (value is None and allow_none) or isinstance(value, (bool, np.bool_)):
-    return value
+def flag(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
+  """``value`` as a Python ``bool`` if it is a ``bool`` or NumPy bool (or ``None`` when
+  ``allow_none``), else ``ValueError`` naming ``name`` (a truthy string such as ``'no'`` would
+  otherwise switch a feature on, and ``0``/``1`` are not flags)."""
+  if value is None and allow_none:
+    return None
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
   raise ValueError(f"{name} must be {'True, False or None' if allow_none else 'True or False'}, "
                    f"got {value!r}")
 

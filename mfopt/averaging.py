@@ -452,7 +452,6 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     raise ValueError(f"sync_variance=False but the controller {controller.name} needs S_k")
   # a bool or None, not 0/1 (``0 in (None, True, False)`` is true, and ``0 is False`` is not)
   flat_anchor = _checks.flag("flat_anchor", flat_anchor, allow_none=True)
-  flat_anchor = None if flat_anchor is None else bool(flat_anchor)
   keep_anchor = outer is not None or comm_dtype is not None
   outer_tx = outer if outer is not None else optax.identity()
   communicates = axis_name is not None

@@ -228,7 +228,8 @@ class TFDSSource:
   Reading, decoding and preprocessing can run on ``num_threads`` threads whenever no
   generator is shared between examples (evaluation, and :class:`WorkerBatcher`'s
   per-example streams), so the result does not depend on the thread count; with one
-  shared generator they run in order. Threads pay only where the per-example work releases the GIL: decoding a
+  shared generator they run in order. Threads pay only where the per-example work
+  releases the GIL: decoding a
   large JPEG does (ImageNet, whose loader defaults to ``min(16, CPUs)`` threads), while
   a 32 x 32 CIFAR image is mostly Python bookkeeping, where two threads read at about
   half the rate of one (BENCHMARKS.md, "Input pipeline"); hence the default of 1

@@ -164,7 +164,6 @@ def _grouped_model(model, groups: int, group_bn: bool | None):
   """``model.clone(bn_groups=groups)`` where the fast path runs the model on the flat batch,
   else ``None`` (the ``vmap``-over-groups path)."""
   group_bn = _checks.flag("group_bn", group_bn, allow_none=True)  # a bool, not 0/1
-  group_bn = None if group_bn is None else bool(group_bn)
   has_field = "bn_groups" in getattr(type(model), "__dataclass_fields__", {})
   if group_bn and not has_field:
     raise ValueError(f"group_bn=True needs a model with a bn_groups field (mfopt's CNN and "

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_aot.sh [OUTDIR]        # default OUTDIR: runs/gpu_aot
 #
 # Builds .venv-gpu-aot (mfopt[dev] plus the JAX CUDA plugin of the same JAX version, ~6 GB
-# with the CUDA wheels, `du -sh .venv-gpu-aot` 2026-11-24; a separate environment so the main .venv stays CPU-only), then runs
+# with the CUDA wheels, `du -sh .venv-gpu-aot` 2026-11-24; a separate environment so the
+# main .venv stays CPU-only), then runs
 #   python -m experiments.bench_comm --platform gpu-aot   (bf16 all-reduce operands, 8 x H100)
 #   python -m experiments.bench_gpu_hlo                    (convolutions, launches, buffers)
 #   python -m experiments.bench_update --platform gpu-aot  (every update's traffic vs optax's)
