@@ -70,3 +70,10 @@ class CrashRerun:
       else:
         verdict = "failed (no rerun left)"
       terminalreporter.write_line(f"{nodeid}: crashed {n} time(s), {verdict}")
+
+
+def register(config, max_reruns: int = 1) -> None:
+  """Registers :class:`CrashRerun` from a ``pytest_configure``: on the xdist controller only
+  (workers carry ``workerinput``), and only where pytest-xdist is installed."""
+  if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist"):
+    config.pluginmanager.register(CrashRerun(max_reruns=max_reruns), "mfopt-crash-rerun")

@@ -43,10 +43,9 @@ def budget_category(nodeid: str) -> str:
 
 
 def pytest_configure(config):
-  # on the xdist controller only: a test whose worker dies (native crash) runs once more
-  if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist"):
-    from _crash_rerun import CrashRerun  # noqa: PLC0415 (tests/ is on sys.path: no __init__.py)
-    config.pluginmanager.register(CrashRerun(max_reruns=1), "mfopt-crash-rerun")
+  # a test whose xdist worker dies (a native crash) runs once more
+  import _crash_rerun  # noqa: PLC0415 (tests/ is on sys.path: no __init__.py)
+  _crash_rerun.register(config)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

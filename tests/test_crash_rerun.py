@@ -13,11 +13,10 @@ TESTS = pathlib.Path(__file__).resolve().parent
 CONFTEST = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
-from _crash_rerun import CrashRerun
+import _crash_rerun
 
 def pytest_configure(config):
-  if not hasattr(config, "workerinput"):
-    config.pluginmanager.register(CrashRerun(max_reruns=1), "crash-rerun")
+  _crash_rerun.register(config)
 """
 
 TESTS_PY = """
@@ -80,3 +79,27 @@ def test_a_scheduler_that_cannot_reschedule_keeps_the_crash_a_failure(tmp_path, 
   rc, out = _run(tmp_path, "--dist", dist)
   assert rc == 1 and "INTERNALERROR" not in out, out
   assert "FAILED test_inner.py::test_crashes_once" in out, out
+
+
+def test_the_suites_conftest_registers_the_plugin_on_the_controller_only():
+  """tests/conftest.py's pytest_configure wires _crash_rerun.register in: the plugin goes on
+  the xdist controller, not on a worker (which has ``workerinput``), not without xdist."""
+  import types
+
+  import _crash_rerun
+  import conftest
+
+  def fake_config(worker: bool, xdist: bool):
+    registered = []
+    manager = types.SimpleNamespace(hasplugin=lambda name: xdist and name == "xdist",
+                                    register=lambda plugin, name: registered.append(plugin))
+    config = types.SimpleNamespace(pluginmanager=manager)
+    if worker:
+      config.workerinput = {}
+    return config, registered
+
+  for worker, xdist, want in ((False, True, 1), (True, True, 0), (False, False, 0)):
+    config, registered = fake_config(worker, xdist)
+    conftest.pytest_configure(config)
+    assert len(registered) == want and all(isinstance(p, _crash_rerun.CrashRerun)
+                                           for p in registered)

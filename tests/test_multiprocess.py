@@ -87,13 +87,19 @@ def child_main(out, num_steps, algo="sync"):
         json.dumps({k: np.asarray(v).tolist() for k, v in trace.items()}))
 
 
-def _launch(out, num_steps, heartbeat=5, algo="sync"):
+def _launch_job(call: str, *, heartbeat=5, grace=40) -> subprocess.Popen:
+  """Starts ``test_multiprocess.<call>`` (e.g. ``"child_main(...)"``) as a 2-process job of
+  ``scripts/launch_local.py`` with 4 CPU devices per process."""
   code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
-          f"test_multiprocess.child_main({str(out)!r}, {num_steps}, {algo!r})")
+          f"test_multiprocess.{call}")
   return subprocess.Popen(
       [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout",
-       str(heartbeat), "--grace", "40", "--", "-c", code],
+       str(heartbeat), "--grace", str(grace), "--", "-c", code],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _launch(out, num_steps, heartbeat=5, algo="sync"):
+  return _launch_job(f"child_main({str(out)!r}, {num_steps}, {algo!r})", heartbeat=heartbeat)
 
 
 def _two_processes_vs_one(tmp_path, algo):
@@ -288,12 +294,14 @@ def child_auto_lowering(out):
 
 def _run_child(function: str, out) -> subprocess.CompletedProcess:
   """Runs ``test_multiprocess.<function>(out)`` as a 2-process job and checks it succeeded."""
-  code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
-          f"test_multiprocess.{function}({str(out)!r})")
-  proc = subprocess.run(
-      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "5",
-       "--grace", "20", "--", "-c", code],
-      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  job = _launch_job(f"{function}({str(out)!r})", grace=20)
+  try:
+    stdout, stderr = job.communicate(timeout=120)
+  except subprocess.TimeoutExpired:
+    job.kill()
+    stdout, stderr = job.communicate()
+    raise AssertionError(f"{function}: no result in 120 s\n{(stdout + stderr)[-4000:]}") from None
+  proc = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
   return proc
 
