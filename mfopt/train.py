@@ -776,7 +776,8 @@ deadlocks: some devices' threads wait at the all-reduce for devices whose part w
 started, and after 40 s XLA aborts the process ("Termination timeout for `all reduce ...`
 exceeded"). Measured with fit on 8 CPU devices and logging only at the end (two processes at a
 time, 12000 steps): a limit of 30 (at most 31 steps queued) ran through, limits of 34 and 48
-aborted (2 of 2 runs each); one process, 1000 steps, no limit, usually aborts too
+aborted (2 of 2 runs each); one process, 1000 steps, no limit, aborted in 3 of 4 runs here and 1
+of 11 in a reviewer's
 (``tests/test_train.py::test_fit_does_not_queue_enough_steps_to_deadlock_xla_cpu``). Without
 mfopt: ``scripts/xla_cpu_deadlock_repro.py`` (a limit of 30 finished on 2, 4 and 8 devices, 40
 aborted on 2 and 4). CI's crash on 2026-11-24 had this abort's signature (``test_readme``,

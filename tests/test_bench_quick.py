@@ -341,9 +341,16 @@ def test_bench_input_quick_threaded_batches_are_identical(dataset):
     bench_input.main(["--quick", "--threads", "1"])
 
 
-def test_bench_fit_dispatch_quick_reports_each_limit_against_8():
-  """On CPU: limits 8, 1 and 16 (no unbounded run: it deadlocks XLA:CPU), ratios to limit 8."""
+def test_bench_fit_dispatch_quick_reports_each_limit_against_8(monkeypatch):
+  """On CPU: limits 8, 1 and 16 (no unbounded run: it deadlocks XLA:CPU), ratios to limit 8;
+  fit really runs under each limit (seen at its dispatch-bound calls), then gets 8 back."""
+  from mfopt import train
+  limits_seen = set()
+  real = train.wait_for_old_steps
+  monkeypatch.setattr(train, "wait_for_old_steps", lambda window, limit=None: (
+      limits_seen.add(train.MAX_STEPS_IN_FLIGHT), real(window, limit)))
   result = bench_fit_dispatch.main(["--quick"])
+  assert limits_seen == {1, 8, 16} and train.MAX_STEPS_IN_FLIGHT == 8
   figs = {f["limit"]: f for f in _figures(result)}
   assert sorted(figs) == [1, 8, 16] and result["targets"] == []
   assert figs[8]["ratio_to_8"] == 1.0
