@@ -61,10 +61,9 @@ def step_decay(peak: float, num_steps: int) -> optax.Schedule:
 
 
 def mesh_for(num_workers: int):
-  """The largest mesh over local devices whose size divides ``num_workers`` (P = 6 on 8 devices: 6)."""
-  devices = jax.devices()
-  d = max(k for k in range(1, len(devices) + 1) if num_workers % k == 0)
-  return parallel.make_mesh(devices[:d])
+  """The largest mesh whose size divides ``num_workers`` (P = 6 on 8 devices: 6; on 2 processes
+  x 4 devices: 3 + 3), as :func:`mfopt.parallel.worker_mesh`."""
+  return parallel.worker_mesh(num_workers)
 
 
 def run(*, dataset, model_name: str, tx: optax.GradientTransformation, num_workers: int,

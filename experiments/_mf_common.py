@@ -55,15 +55,19 @@ def make_optimizer(name: str, learning_rate: float, mf: float, mf2: float = 0.99
 def mesh_for(num_workers: int) -> tuple[Any, str]:
   """A mesh whose device count divides ``num_workers``, and a note saying which was used.
 
-  All local devices when ``num_workers`` is a multiple of their count; otherwise the
-  first ``gcd(num_workers, D)`` devices (e.g. 1 worker on a 1-device mesh).
+  :func:`mfopt.parallel.worker_mesh`: all devices when ``num_workers`` is a multiple of
+  their count; otherwise the largest mesh ``num_workers`` split over evenly, with as many
+  devices from each process (e.g. 1 worker on a 1-device mesh). Raises ``ValueError`` in a
+  job of several processes when ``num_workers`` is not a multiple of their count
+  (:func:`mfopt.runner.require_process_multiple` says so before anything trains).
   """
-  devices = jax.local_devices()
-  d = len(devices)
-  if num_workers % d == 0:
-    return parallel.make_mesh(devices), f"{d} device(s)"
-  g = math.gcd(num_workers, d)
-  return parallel.make_mesh(devices[:g]), f"{g} of {d} device(s) (W not a multiple of {d})"
+  mesh = parallel.worker_mesh(num_workers)
+  g, d = mesh.devices.size, jax.device_count()
+  if g == d:
+    return mesh, f"{d} device(s)"
+  procs = jax.process_count()
+  per = f", {g // procs} per process" if procs > 1 else ""
+  return mesh, f"{g} of {d} device(s) (W not a multiple of {d}{per})"
 
 
 def run_cell(*, model, dataset, optimizer: str, learning_rate: float, mf: float, num_workers: int,

@@ -10,7 +10,8 @@ seeds), the empirical best mu per P, and the bound-optimal mu per P from
 ``mfopt.theory.optimal_momentum`` with L, sigma^2, M and F(w1) estimated on the
 model at initialisation (``theory.estimate_constants``, labelled as a theory
 prediction, not a measurement). P that the device count does not divide run on
-the largest dividing sub-mesh (P = 6 on 8 devices: 2 devices x 3 workers).
+the largest dividing sub-mesh (``mfopt.parallel.worker_mesh``: P = 6 on 8 devices uses 6;
+on 2 processes x 4 devices, 3 + 3).
 A run that diverges is recorded (``runs.json``: ``diverged`` and the error), shown
 as ``diverged (k/n)`` and never chosen as a best mu; a claim involving it is "not
 reproduced at this scale".
@@ -36,11 +37,6 @@ from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import report, runner, theory, train
 
-
-# Refused in a multi-process job (mfopt.runner) until this is lifted: a 2-process audit
-# (session 11) saw it fail.
-SINGLE_PROCESS_ONLY = (
-    "a worker count that is not a multiple of the processes' devices (P = 6) splits unevenly")
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
@@ -94,6 +90,7 @@ def _estimated_constants(c, dataset):
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "workers")
   dataset = data_lib.load(c.dataset)
   b, k = c.per_worker_batch, c.period
   log = report.JsonlWriter(workdir / "metrics.jsonl")

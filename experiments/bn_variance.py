@@ -40,11 +40,6 @@ from mfopt import models as models_lib
 from mfopt import parallel, report, runner, train
 
 
-# Refused in a multi-process job (mfopt.runner) until this is lifted: a 2-process audit
-# (session 11) saw it fail.
-SINGLE_PROCESS_ONLY = (
-    "its mesh is built from this process's devices: each process would train every worker alone")
-
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """§3.1 measurement config.
@@ -104,6 +99,7 @@ def _bn_inputs(model, params, model_state, x) -> dict[str, np.ndarray]:
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "train_workers")
   dataset = data_lib.load("mnist1d", num_train=c.num_train)
   model = models_lib.get_model("cnn", features=tuple(c.features), num_classes=10)
   start = time.perf_counter()

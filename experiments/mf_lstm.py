@@ -31,11 +31,6 @@ from mfopt import models as models_lib
 from mfopt import report, runner
 
 
-# Refused in a multi-process job (mfopt.runner) until this is lifted: a 2-process audit
-# (session 11) saw it fail.
-SINGLE_PROCESS_ONLY = (
-    "its mesh is built from this process's devices: each process would train every worker alone")
-
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Table 4 config.
@@ -82,6 +77,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "num_workers")
   dataset = data_lib.load(c.dataset, seq_len=c.seq_len)
   model = models_lib.get_model("lstm_lm", vocab_size=dataset.num_classes, embed_dim=c.embed_dim,
                                hidden=c.hidden, num_layers=c.num_layers)

@@ -31,11 +31,6 @@ from mfopt import models as models_lib
 from mfopt import report, runner
 
 
-# Refused in a multi-process job (mfopt.runner) until this is lifted: a 2-process audit
-# (session 11) saw it fail.
-SINGLE_PROCESS_ONLY = (
-    "its mesh is built from this process's devices: each process would train every worker alone")
-
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Figs. 5-7 config.
@@ -89,6 +84,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "workers")
   kw = {"num_train": c.num_train, "num_test": c.num_test} if c.dataset == "mnist1d" else {}
   dataset = data_lib.load(c.dataset, **kw)
   model = models_lib.get_model("cnn", features=tuple(c.features), num_classes=dataset.num_classes)

@@ -52,6 +52,34 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
 
 
+def worker_mesh(num_workers: int) -> Mesh:
+  """The largest mesh that ``num_workers`` split over evenly, with as many devices from each process.
+
+  ``num_workers`` workers need a mesh whose size divides ``num_workers``. In one process
+  this is the first ``k`` devices, ``k`` the largest divisor of ``num_workers`` not above
+  the device count (6 workers on 8 devices: 6 devices, one worker each). In a job of ``P``
+  processes every process must own the same share of the workers (each feeds and
+  checkpoints its own rows), so the mesh is the first ``k`` devices of every process, ``k``
+  the largest divisor of ``num_workers / P`` not above a process's device count (6 workers
+  on 2 processes x 4 devices: 3 + 3 devices; the first ``W`` of all 8 devices would put
+  4 workers on one process and 2 on the other). Raises ``ValueError`` when ``num_workers``
+  is not a multiple of ``P``: one worker cannot span processes.
+  """
+  num_workers = _checks.positive_int("num_workers", num_workers)
+  procs = jax.process_count()
+  if num_workers % procs:
+    raise ValueError(
+        f"num_workers must be a multiple of the process count {procs} (every process trains "
+        f"an equal share of the workers), got {num_workers}")
+  by_process: dict[int, list[jax.Device]] = {}
+  for d in jax.devices():
+    by_process.setdefault(d.process_index, []).append(d)
+  per_process = min(len(v) for v in by_process.values())
+  share = num_workers // procs
+  k = max(j for j in range(1, per_process + 1) if share % j == 0)
+  return make_mesh([d for p in sorted(by_process) for d in by_process[p][:k]])
+
+
 def local_workers(num_workers: int, mesh: Mesh) -> int:
   """Virtual workers per device; raises unless ``num_workers`` is a positive multiple of the device count."""
   num_devices = mesh.shape[DATA_AXIS]
@@ -136,7 +164,13 @@ def per_device(fn: Callable[..., Any], mesh: Mesh, num_workers: int) -> Callable
 
 
 def unstack_worker(tree: Any, index: int = 0) -> Any:
-  """Worker ``index``'s slice of a worker-stacked tree, fetched to the host."""
+  """Worker ``index``'s slice of a worker-stacked tree, fetched to the host.
+
+  In a multi-process run the slice of a global array is one program over all its devices
+  (JAX returns it replicated, so every process can read it): every process must call this,
+  and every process gets the same slice (test_multiprocess reads each of 6 workers on 3 + 3
+  devices back in both processes).
+  """
   _checks.nonnegative_int("index", index)
   sizes = {np.shape(x)[0] for x in jax.tree.leaves(tree) if np.ndim(x)}
   if sizes and index >= min(sizes):  # (JAX clamps an out-of-range index: another worker's data)

@@ -177,6 +177,34 @@ def require_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
         raise ConfigError(f"config field {field!r} must be positive, got {value!r}")
 
 
+def require_process_multiple(config: ml_collections.ConfigDict, *fields: str) -> None:
+  """Raises ConfigError unless every worker count in the named fields is a multiple of the
+  process count (one worker cannot span processes; :func:`mfopt.parallel.worker_mesh`).
+
+  Experiments call it at the start of ``run`` (the process count is known only once the
+  backend is up, after :func:`validate_config`), so that a multi-process grid fails before
+  its first cell rather than at its first ``W = 1`` cell hours later. The message names the
+  field, the counts that do not divide and the value that would run.
+  """
+  import jax  # noqa: PLC0415  (the backend is up by the time an experiment runs)
+
+  procs = jax.process_count()
+  for field in fields:
+    value = config
+    for part in field.split("."):
+      value = value[part]
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    bad = [w for w in items if w % procs]
+    if bad:
+      keep = tuple(w for w in items if not w % procs)
+      fix = (f"pass {field}={keep!r}" if keep and isinstance(value, (tuple, list))
+             else f"use multiples of {procs}")
+      raise ConfigError(
+          f"config field {field!r}: worker counts {bad} are not multiples of the {procs} "
+          f"processes of this job (one worker cannot span processes); run as one process, or "
+          f"{fix}")
+
+
 def require_choice(config: ml_collections.ConfigDict, field: str, choices: Sequence[Any]) -> None:
   value = config
   for part in field.split("."):

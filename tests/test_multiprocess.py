@@ -292,6 +292,27 @@ def child_auto_lowering(out):
   print(f"FAVOURITE {favourite} CHOICE {step.choose(state, batch)}", flush=True)
 
 
+def child_worker_mesh(out):
+  """Records which process owns each device of ``worker_mesh(W)``, and reads every worker of a
+  6-worker array (3 + 3 devices) back with ``unstack_worker`` in both processes."""
+  distributed.initialize()
+  layouts = {w: [d.process_index for d in parallel.worker_mesh(w).devices.flat]
+             for w in (2, 6, 8, 16)}
+  try:
+    parallel.worker_mesh(1)
+    refused = None
+  except ValueError as e:
+    refused = str(e)
+  mesh = parallel.worker_mesh(6)
+  rows = parallel.process_worker_slice(6, mesh)
+  values = np.arange(6 * 3, dtype=np.float32).reshape(6, 3)
+  tree = parallel.shard_workers({"w": values[rows], "n": np.arange(6)[rows]}, mesh)
+  read = [{k: np.asarray(v).tolist() for k, v in parallel.unstack_worker(tree, i).items()}
+          for i in range(6)]
+  (pathlib.Path(out) / f"mesh{jax.process_index()}.json").write_text(json.dumps(
+      {"layouts": layouts, "refused": refused, "rows": [rows.start, rows.stop], "read": read}))
+
+
 def _run_child(function: str, out) -> subprocess.CompletedProcess:
   """Runs ``test_multiprocess.<function>(out)`` as a 2-process job and checks it succeeded."""
   job = _launch_job(f"{function}({str(out)!r})", grace=20)
@@ -313,6 +334,45 @@ def test_two_processes_agree_on_the_auto_lowering(tmp_path):
   fav = dict(re.findall(r"\[p(\d)\] FAVOURITE (\S+)", proc.stdout))
   assert fav["0"] != fav["1"], proc.stdout  # the processes did measure differently
   assert got == {"0": fav["0"], "1": fav["0"]}, proc.stdout
+
+
+@pytest.mark.slow  # child processes
+def test_worker_mesh_gives_every_process_an_equal_share_and_reads_back_across_them(tmp_path):
+  _run_child("child_worker_mesh", tmp_path)
+  for p in (0, 1):
+    got = json.loads((tmp_path / f"mesh{p}.json").read_text())
+    assert got["layouts"] == {"2": [0, 1], "6": [0, 0, 0, 1, 1, 1], "8": [0] * 4 + [1] * 4,
+                              "16": [0] * 4 + [1] * 4}
+    assert got["refused"] == ("num_workers must be a multiple of the process count 2 (every "
+                              "process trains an equal share of the workers), got 1")
+    assert got["rows"] == [3 * p, 3 * p + 3]
+    # every process reads every worker, its own and the other process's
+    assert got["read"] == [{"w": [3.0 * i, 3.0 * i + 1, 3.0 * i + 2], "n": i} for i in range(6)]
+
+
+MF_CELLS = ["batches=(48,)", "workers=(2, 6, 8)", "optimizers=('sgd',)", "progress=false"]
+
+
+@pytest.mark.slow  # child processes
+def test_an_mf_experiment_on_two_processes_matches_one_process(tmp_path):
+  """mf_batch_workers' cells on 2 processes x 4 devices: W = 2 on 1 + 1 devices, W = 6 on
+  3 + 3, W = 8 on all 8; the same accuracies and losses as one process with 8 devices."""
+  job = subprocess.run(
+      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10",
+       "--", "-m", "experiments", "mf_batch_workers", "--quick", "--workdir",
+       str(tmp_path / "two"), *MF_CELLS], cwd=ROOT, capture_output=True, text=True, timeout=150)
+  assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+  runner.run_experiment("mf_batch_workers", quick=True, workdir=tmp_path / "one",
+                        overrides=MF_CELLS)
+  two, one = (json.loads((tmp_path / d / "runs.json").read_text()) for d in ("two", "one"))
+  assert [r["workers"] for r in two] == [r["workers"] for r in one] == [2, 6, 8]
+  assert [r["mesh"] for r in two] == ["2 of 8 device(s) (W not a multiple of 8, 1 per process)",
+                                      "6 of 8 device(s) (W not a multiple of 8, 3 per process)",
+                                      "8 device(s)"]
+  for a, b in zip(two, one):
+    assert a["test_accuracy"] == b["test_accuracy"], (a, b)
+    np.testing.assert_allclose(a["final_train_loss"], b["final_train_loss"], rtol=1e-5)
+  assert (tmp_path / "two" / "process-1" / "report.md").exists()
 
 
 @pytest.mark.slow  # child processes
@@ -356,8 +416,9 @@ def test_distributed_settings_from_environment():
 
 def test_single_process_experiments_are_refused_in_a_multi_process_job(monkeypatch, tmp_path):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  with pytest.raises(runner.ConfigError, match=r"'mf_mlp' does not run as several processes yet"):
-    runner.run_experiment("mf_mlp", quick=True, workdir=tmp_path)
+  with pytest.raises(runner.ConfigError,
+                     match=r"'adpsgd_table' does not run as several processes yet"):
+    runner.run_experiment("adpsgd_table", quick=True, workdir=tmp_path)
   assert not (tmp_path / "config.json").exists()  # refused before anything was written
 
 

@@ -166,3 +166,22 @@ def test_restart_discards_checkpoints_and_the_data_log(tmp_path):
     assert not any((d / n).exists() for n in ("config.json", "summary.json", "metrics.jsonl"))
     assert (d / "report.md").exists()  # rewritten by the new run, not deleted
   assert runner.check_resumable(tmp_path, {"experiment": "x"}) is False
+
+
+def test_worker_counts_that_do_not_split_over_the_processes_are_named(monkeypatch):
+  import jax
+  import ml_collections
+  c = ml_collections.ConfigDict({"workers": (1, 2, 3, 8), "num_workers": 6, "nested": {"w": 4}})
+  runner.require_process_multiple(c, "workers", "num_workers", "nested.w")  # one process: any
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  runner.require_process_multiple(c, "num_workers", "nested.w")
+  with pytest.raises(runner.ConfigError, match=(
+      r"config field 'workers': worker counts \[1, 3\] are not multiples of the 2 processes .*"
+      r"pass workers=\(2, 8\)$")):
+    runner.require_process_multiple(c, "workers")
+  monkeypatch.setattr(jax, "process_count", lambda: 4)
+  with pytest.raises(runner.ConfigError, match=r"'num_workers': worker counts \[6\] .*use multiples of 4$"):
+    runner.require_process_multiple(c, "num_workers")
+  c.workers = (1, 3)
+  with pytest.raises(runner.ConfigError, match=r"'workers'.*\[1, 3\] .*use multiples of 4$"):
+    runner.require_process_multiple(c, "workers")

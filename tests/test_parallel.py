@@ -1,0 +1,31 @@
+"""``mfopt.parallel.worker_mesh`` in one process (the multi-process layout: test_multiprocess)."""
+
+import jax
+import pytest
+
+from mfopt import parallel
+
+
+@pytest.mark.parametrize("num_workers,size", [
+    (1, 1), (2, 2), (3, 3), (6, 6), (7, 7), (8, 8), (9, 3), (12, 6), (16, 8), (24, 8), (96, 8)])
+def test_worker_mesh_is_the_largest_dividing_prefix_of_the_devices(num_workers, size):
+  assert len(jax.devices()) == 8
+  mesh = parallel.worker_mesh(num_workers)
+  assert list(mesh.devices.flat) == jax.devices()[:size]
+  assert num_workers % mesh.shape[parallel.DATA_AXIS] == 0
+  # the brute-force rule: no larger prefix of the devices divides num_workers
+  assert all(num_workers % k for k in range(size + 1, 9))
+  assert parallel.local_workers(num_workers, mesh) == num_workers // size
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "8"])
+def test_worker_mesh_names_a_bad_worker_count(bad):
+  with pytest.raises(ValueError, match=rf"num_workers must be a positive integer, got {bad!r}"):
+    parallel.worker_mesh(bad)
+
+
+def test_worker_mesh_refuses_workers_that_do_not_split_over_the_processes(monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"num_workers must be a multiple of the process count 2 "
+                                       r"\(every process trains an equal share.*got 3"):
+    parallel.worker_mesh(3)
