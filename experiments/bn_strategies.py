@@ -47,12 +47,6 @@ ROW_INFO = {  # fixed batch, independent statistics, without moving average, BN 
 }
 
 
-# Refused in a multi-process job (mfopt.runner) until this is lifted: a 2-process audit
-# (session 11) saw it fail.
-SINGLE_PROCESS_ONLY = (
-    "its varying-batch row feeds all workers' rows to every process")
-
-
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """bn_strategies config.
 
@@ -130,15 +124,16 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
   step_fn = train.make_train_step(model, tx, mesh=mesh, num_workers=w)
   eval_fn = train.make_eval_fn(model)
   full = batcher.batch(0)
+  rows = parallel.process_worker_slice(w, mesh)  # this process feeds only its own workers
   compiled = {s: step_fn.lower(state, parallel.shard_workers(  # three shapes, compiled untimed
-      {k: v[:, :s] for k, v in full.items()}, mesh)).compile() for s in sizes}
+      {k: v[rows, :s] for k, v in full.items()}, mesh)).compile() for s in sizes}
   last_save = tick = time.perf_counter()
   result = None
   while samples < total:
     bt = int(rng.choice(sizes))
     full = batcher.batch(step)
-    state, m = compiled[bt](state, parallel.shard_workers({k: v[:, :bt] for k, v in full.items()},
-                                                          mesh))
+    state, m = compiled[bt](state, parallel.shard_workers(
+        {k: v[rows, :bt] for k, v in full.items()}, mesh))
     window.append(m)
     train.wait_for_old_steps(window)  # an XLA:CPU deadlock past ~32 queued steps
     samples += w * bt
@@ -146,7 +141,7 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
     if samples >= next_eval or samples >= total:
       jax.block_until_ready(state)
       train_s += time.perf_counter() - tick
-      got = jax.device_get(window)
+      got = train.to_host(window, mesh)  # (every worker's, in a multi-process run too)
       try:  # the guard of train.fit: a non-finite loss/update in the window stops the run
         train.check_finite(got, step - len(got) + 1, detected_at=step,
                            checkpoint=ckpt.describe_last_good() if ckpt else
@@ -183,7 +178,7 @@ def _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_
   summary = {"test_accuracy": history[-1]["test_accuracy"],
              "final_train_accuracy": history[-1]["train_accuracy"], "samples": samples,
              "steps": step, "num_workers": w, "train_s": train_s,
-             **comm.comm_totals(state.opt_state), "diverged": False}
+             **comm.comm_totals(train.to_host(state.opt_state, mesh)), "diverged": False}
   return {"history": history, "summary": summary, "steps_per_epoch": spe,
           "num_devices": mesh.shape[parallel.DATA_AXIS], "per_worker_batch": b, "seed": seed,
           "diverged": False, "error": None, "diverged_at_step": None}

@@ -672,8 +672,13 @@ def _replicate_fn(mesh, first_worker_only: bool):
   return jax.jit(lambda t: t, out_shardings=replicated)
 
 
-def _to_host(tree: Any, mesh) -> Any:
-  """``jax.device_get`` that also works for worker-sharded arrays of a multi-process run."""
+def to_host(tree: Any, mesh) -> Any:
+  """``jax.device_get`` that also works for worker-sharded arrays of a multi-process run.
+
+  In a multi-process run the tree is first replicated over ``mesh`` (one program: every
+  process must call this), so every process gets every worker's rows. Loops of one's own
+  (``experiments/bn_strategies.py``) read their step metrics with it, as ``fit`` does.
+  """
   if jax.process_count() > 1:
     tree = _replicate_fn(mesh, False)(tree)
   return jax.device_get(tree)
@@ -684,7 +689,7 @@ def _skipped_steps(opt_state: Any, mesh) -> int:
   scaling = comm_lib.states_of(opt_state, precision_lib.LossScaleState)
   if not scaling:
     return 0
-  return int(np.asarray(_to_host(scaling[0].overflows, mesh)).reshape(-1)[0])
+  return int(np.asarray(to_host(scaling[0].overflows, mesh)).reshape(-1)[0])
 
 
 def _comm_totals(opt_state: Any, mesh) -> dict[str, int]:
@@ -974,7 +979,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   last_row: dict[str, Any] = history[-1] if history else {}
 
   def log_row(step: int, state: TrainState, evaluate_now: bool) -> dict[str, Any]:
-    fetched = _to_host(window, mesh)
+    fetched = to_host(window, mesh)
     check_finite(fetched, step - len(fetched) + 1, detected_at=step,
                  checkpoint=ckpt.describe_last_good() if ckpt else "none (checkpointing off)")
     per_worker = {k: np.stack([m[k] for m in fetched]) for k in fetched[0]}  # (steps, W)
@@ -996,7 +1001,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       row["learning_rate"] = float(learning_rate(max(step - 1 - skipped, 0)))
     row.update(_comm_totals(state.opt_state, mesh))
     for name, fn in (extra_metrics or {}).items():
-      row[name] = _to_host(fn(state), mesh)
+      row[name] = to_host(fn(state), mesh)
       if isinstance(row[name], np.ndarray):
         row[name] = row[name].tolist()
     if evaluate_now:

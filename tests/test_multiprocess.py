@@ -350,21 +350,9 @@ def test_worker_mesh_gives_every_process_an_equal_share_and_reads_back_across_th
     assert got["read"] == [{"w": [3.0 * i, 3.0 * i + 1, 3.0 * i + 2], "n": i} for i in range(6)]
 
 
-MF_CELLS = ["batches=(48,)", "workers=(2, 6, 8)", "optimizers=('sgd',)", "progress=false"]
-
-
-@pytest.mark.slow  # child processes
-def test_an_mf_experiment_on_two_processes_matches_one_process(tmp_path):
-  """mf_batch_workers' cells on 2 processes x 4 devices: W = 2 on 1 + 1 devices, W = 6 on
-  3 + 3, W = 8 on all 8; the same accuracies and losses as one process with 8 devices."""
-  job = subprocess.run(
-      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10",
-       "--", "-m", "experiments", "mf_batch_workers", "--quick", "--workdir",
-       str(tmp_path / "two"), *MF_CELLS], cwd=ROOT, capture_output=True, text=True, timeout=150)
-  assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
-  runner.run_experiment("mf_batch_workers", quick=True, workdir=tmp_path / "one",
-                        overrides=MF_CELLS)
-  two, one = (json.loads((tmp_path / d / "runs.json").read_text()) for d in ("two", "one"))
+def _mf_batch_workers_agree(two, one):
+  """W = 2 ran on 1 + 1 devices, W = 6 on 3 + 3, W = 8 on all 8; same accuracies and losses."""
+  two, one = (json.loads((d / "runs.json").read_text()) for d in (two, one))
   assert [r["workers"] for r in two] == [r["workers"] for r in one] == [2, 6, 8]
   assert [r["mesh"] for r in two] == ["2 of 8 device(s) (W not a multiple of 8, 1 per process)",
                                       "6 of 8 device(s) (W not a multiple of 8, 3 per process)",
@@ -372,6 +360,35 @@ def test_an_mf_experiment_on_two_processes_matches_one_process(tmp_path):
   for a, b in zip(two, one):
     assert a["test_accuracy"] == b["test_accuracy"], (a, b)
     np.testing.assert_allclose(a["final_train_loss"], b["final_train_loss"], rtol=1e-5)
+
+
+def _bn_strategies_agree(two, one):
+  """The varying-batch row (its own loop: each process feeds its rows, reads every worker's
+  metrics) logs the same losses and accuracies at every evaluation, and the same all-reduces."""
+  two, one = (json.loads((d / "runs.json").read_text())["varying_sync_ma"][0] for d in (two, one))
+  assert [h["step"] for h in two["history"]] == [h["step"] for h in one["history"]] != []
+  for a, b in zip(two["history"], one["history"]):
+    for k in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=k)
+  assert two["summary"]["all_reduces"] == one["summary"]["all_reduces"] > 0
+
+
+@pytest.mark.slow  # child processes
+@pytest.mark.parametrize("name,overrides,agree", [
+    ("mf_batch_workers", ["batches=(48,)", "workers=(2, 6, 8)", "optimizers=('sgd',)"],
+     _mf_batch_workers_agree),
+    ("bn_strategies", ["rows=('varying_sync_ma',)"], _bn_strategies_agree),
+])
+def test_an_experiment_on_two_processes_matches_one_process(tmp_path, name, overrides, agree):
+  """The experiment on 2 processes x 4 devices and on one process with 8 devices."""
+  overrides = [*overrides, "progress=false"]
+  job = subprocess.run(
+      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10",
+       "--", "-m", "experiments", name, "--quick", "--workdir", str(tmp_path / "two"),
+       *overrides], cwd=ROOT, capture_output=True, text=True, timeout=150)
+  assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+  runner.run_experiment(name, quick=True, workdir=tmp_path / "one", overrides=overrides)
+  agree(tmp_path / "two", tmp_path / "one")
   assert (tmp_path / "two" / "process-1" / "report.md").exists()
 
 
