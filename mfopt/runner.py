@@ -360,7 +360,8 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
   return has_ckpts
 
 
-RUN_DATA = ("config.json", "summary.json", "metrics.jsonl")  # what --restart discards, with the
+ATTEMPTS = "attempts.json"  # every attempt at a workdir's run: start, wall time, interrupted?
+RUN_DATA = ("config.json", "summary.json", "metrics.jsonl", ATTEMPTS)  # what --restart discards, with the
 # checkpoints: the data log of every process (process-<i>/ too); reports and plots are rewritten.
 
 
@@ -372,6 +373,69 @@ def discard_run_data(workdir: pathlib.Path) -> None:
   for d in [workdir, *sorted(workdir.glob("process-*"))]:
     for name in RUN_DATA:
       (d / name).unlink(missing_ok=True)
+
+
+def _last_write(paths: Iterable[pathlib.Path]) -> float | None:
+  """The newest modification time (epoch s) of the files at or under ``paths``; None if none."""
+  times = []
+  for path in paths:
+    if path.is_file():
+      times.append(path.stat().st_mtime)
+    elif path.is_dir():
+      times.extend(f.stat().st_mtime for f in path.rglob("*") if f.is_file())
+  return max(times, default=None)
+
+
+def begin_attempt(workdir: pathlib.Path, files_dir: pathlib.Path, *,
+                  resumed: bool) -> list[dict[str, Any]]:
+  """Records the start of this attempt in ``files_dir/attempts.json`` and returns the list.
+
+  A resumed run keeps the earlier attempts (a fresh one starts the list again). An attempt
+  that raised is recorded with its time by :func:`fail_attempt`; one that was killed is
+  closed here: its time is counted up to
+  its last sign of life, the newest write to the workdir's checkpoints or to this process's
+  ``metrics.jsonl``, so ``wall_time_at_least_s`` is a lower bound (it ran on for as long as
+  it wrote nothing). :func:`end_attempt` adds them up.
+  """
+  path = files_dir / ATTEMPTS
+  attempts: list[dict[str, Any]] = []
+  if resumed and path.exists():
+    try:
+      attempts = list(json.loads(path.read_text()))
+    except ValueError:  # (written atomically; a hand-edited file is not fatal)
+      print(f"warning: {path} is not valid JSON; earlier attempts are not counted",
+            file=sys.stderr)
+  for a in attempts:
+    if a.get("wall_time_s") is None and not a.get("interrupted"):
+      last = _last_write([workdir / CHECKPOINTS, files_dir / "metrics.jsonl"])
+      a["interrupted"] = True
+      a["wall_time_at_least_s"] = max(0.0, (last or a["started"]) - a["started"])
+  now = time.time()
+  attempts.append({"started": now,
+                   "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now)),
+                   "resumed": resumed, "wall_time_s": None})
+  report.write_json(path, attempts)
+  return attempts
+
+
+def fail_attempt(files_dir: pathlib.Path, attempts: list[dict[str, Any]], wall_time_s: float,
+                 error: BaseException) -> None:
+  """Records that this attempt ended with ``error`` after ``wall_time_s`` (counted in the total)."""
+  attempts[-1].update(wall_time_s=wall_time_s, failed=f"{type(error).__name__}: {error}"[:500])
+  report.write_json(files_dir / ATTEMPTS, attempts)
+
+
+def end_attempt(files_dir: pathlib.Path, attempts: list[dict[str, Any]],
+                wall_time_s: float) -> dict[str, Any]:
+  """Closes this (the last) attempt; returns the summary fields for all attempts together:
+  ``attempts`` (their count), ``wall_time_all_attempts_s`` and whether it is a lower bound
+  (an interrupted attempt's time counts only to its last write)."""
+  attempts[-1]["wall_time_s"] = wall_time_s
+  report.write_json(files_dir / ATTEMPTS, attempts)
+  total = sum(a["wall_time_s"] if a.get("wall_time_s") is not None
+              else a.get("wall_time_at_least_s", 0.0) for a in attempts)
+  return {"attempts": len(attempts), "wall_time_all_attempts_s": total,
+          "wall_time_all_attempts_is_lower_bound": any(a.get("interrupted") for a in attempts)}
 
 
 def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike | None = None,
@@ -440,17 +504,23 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
     report.write_json(workdir / "config.json", record)
   files_dir = workdir if primary else workdir / f"process-{jax.process_index()}"
   files_dir.mkdir(parents=True, exist_ok=True)
+  attempts = begin_attempt(workdir, files_dir, resumed=resumed)
   start = time.perf_counter()
   with checkpoint.auto_checkpoint(
       workdir / CHECKPOINTS, every=checkpoint_every, keep=keep_checkpoints,
       allow_mismatch=allow_config_change,
       min_interval_s=CHECKPOINT_INTERVAL_S if checkpoint_every is None else None):
-    summary = module.run(config, files_dir)
+    try:
+      summary = module.run(config, files_dir)
+    except BaseException as e:  # (KeyboardInterrupt too) the attempt's time and why it ended
+      fail_attempt(files_dir, attempts, time.perf_counter() - start, e)
+      raise
   summary = dict(summary or {})
   summary.setdefault("experiment", name)
   summary["quick"] = quick
   summary["resumed"] = resumed
-  summary["wall_time_s"] = time.perf_counter() - start
+  summary["wall_time_s"] = time.perf_counter() - start  # this attempt's
+  summary.update(end_attempt(files_dir, attempts, summary["wall_time_s"]))
   summary["environment"] = report.environment()
   summary["files_dir"] = str(files_dir)
   report.write_json(files_dir / "summary.json", summary)
@@ -512,6 +582,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (ConfigError, checkpoint.ConfigMismatchError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"{args.name}: done in {summary['wall_time_s']:.1f} s; report: "
+  earlier = ""
+  if summary["attempts"] > 1:
+    earlier = (f" ({summary['attempts']} attempts, "
+               + ("at least " if summary["wall_time_all_attempts_is_lower_bound"] else "")
+               + f"{summary['wall_time_all_attempts_s']:.1f} s in all)")
+  print(f"{args.name}: done in {summary['wall_time_s']:.1f} s{earlier}; report: "
         f"{os.path.join(summary['files_dir'], 'report.md')}")
   return 0

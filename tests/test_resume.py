@@ -11,6 +11,7 @@ uninterrupted in-process run. Adding an algorithm is one entry in
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -324,6 +325,11 @@ def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, c
   again = runner.run_experiment("quickstart", quick=True, workdir=workdir,
                                 overrides=QUICK + ["progress=true"], checkpoint_every=5)
   assert again["resumed"] is True
+  # Both attempts' wall times are in the summary (it used to hold the last attempt's only).
+  assert first["attempts"] == 1 and first["wall_time_all_attempts_s"] == first["wall_time_s"]
+  assert again["attempts"] == 2 and not again["wall_time_all_attempts_is_lower_bound"]
+  assert again["wall_time_all_attempts_s"] == pytest.approx(
+      first["wall_time_s"] + again["wall_time_s"], rel=1e-12)
   # progress (display only) may change between the runs: QUICK sets it false, this run true.
   # The resumed steps were logged again; metrics.jsonl still holds each row once, as an
   # uninterrupted run's does (wall-clock times aside).
@@ -340,12 +346,36 @@ def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, c
   # The CLI says the same and exits 2 before training anything.
   code = runner.main(["quickstart", "--quick", "--workdir", str(workdir), *QUICK, "seed=3"])
   assert code == 2 and "config.seed: 0 -> 3" in capsys.readouterr().err
+  # An attempt that died (no wall time recorded) counts up to its last write: here the
+  # metrics log, touched 40 s after the attempt started.
+  attempts = json.loads((workdir / runner.ATTEMPTS).read_text())
+  killed = time.time() - 1000
+  attempts.append({"started": killed, "wall_time_s": None})
+  (workdir / runner.ATTEMPTS).write_text(json.dumps(attempts))
+  for f in [workdir / "metrics.jsonl", *(workdir / "checkpoints").rglob("*")]:
+    os.utime(f, (killed + 40, killed + 40))
   # --allow-config-change: the finished runs keep their (seed-0) results, the differing fields
   # are printed, and config.json records the allowed change (it used to be overwritten with
   # no trace of the old values).
   allowed = runner.run_experiment("quickstart", quick=True, workdir=workdir,
                                   overrides=QUICK + ["seed=3"], allow_config_change=True)
   assert "seed: 0 -> 3" in capsys.readouterr().err
+  assert allowed["attempts"] == 4 and allowed["wall_time_all_attempts_is_lower_bound"]
+  closed = json.loads((workdir / runner.ATTEMPTS).read_text())[2]
+  assert closed["interrupted"] and closed["wall_time_at_least_s"] == pytest.approx(40, abs=1e-3)
+  assert allowed["wall_time_all_attempts_s"] == pytest.approx(
+      first["wall_time_s"] + again["wall_time_s"] + 40 + allowed["wall_time_s"], abs=1e-3)
+  # An attempt that fails (here: the checkpoints are seed 0's) is recorded with its time.
+  capsys.readouterr()
+  cli = ["quickstart", "--quick", "--workdir", str(workdir), *QUICK, "seed=3"]
+  assert runner.main(cli) == 2
+  err = capsys.readouterr().err
+  assert "seed: 0 -> 3" in err, err
+  failed = json.loads((workdir / runner.ATTEMPTS).read_text())[4]
+  assert "ConfigMismatchError" in failed["failed"] and failed["wall_time_s"] >= 0
+  assert runner.main(cli + ["--allow-config-change"]) == 0
+  assert re.search(r"quickstart: done in [0-9.]+ s \(6 attempts, at least [0-9.]+ s in all\)",
+                   capsys.readouterr().out)
   assert allowed["rows"][0]["test_accuracy"] == first["rows"][0]["test_accuracy"]
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["config"]["seed"] == 3

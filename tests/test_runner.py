@@ -158,12 +158,13 @@ def test_quickstart_quick_writes_report_table_and_plot(tmp_path):
 def test_restart_discards_checkpoints_and_the_data_log(tmp_path):
   for d in (tmp_path, tmp_path / "process-1"):
     (d / "checkpoints" / "000-run").mkdir(parents=True)
-    for name in ("config.json", "summary.json", "metrics.jsonl", "report.md"):
+    for name in ("config.json", "summary.json", "metrics.jsonl", "attempts.json", "report.md"):
       (d / name).write_text("{}")
   runner.discard_run_data(tmp_path)
   assert not (tmp_path / "checkpoints").exists()
   for d in (tmp_path, tmp_path / "process-1"):
-    assert not any((d / n).exists() for n in ("config.json", "summary.json", "metrics.jsonl"))
+    assert not any((d / n).exists()
+                   for n in ("config.json", "summary.json", "metrics.jsonl", "attempts.json"))
     assert (d / "report.md").exists()  # rewritten by the new run, not deleted
   assert runner.check_resumable(tmp_path, {"experiment": "x"}) is False
 
