@@ -361,8 +361,9 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
 
 
 ATTEMPTS = "attempts.json"  # every attempt at a workdir's run: start, wall time, interrupted?
-RUN_DATA = ("config.json", "summary.json", "metrics.jsonl", ATTEMPTS)  # what --restart discards, with the
-# checkpoints: the data log of every process (process-<i>/ too); reports and plots are rewritten.
+# What --restart discards, with the checkpoints: the data log of every process (process-<i>/
+# too); reports and plots are rewritten.
+RUN_DATA = ("config.json", "summary.json", "metrics.jsonl", ATTEMPTS)
 
 
 def discard_run_data(workdir: pathlib.Path) -> None:
@@ -392,10 +393,10 @@ def begin_attempt(workdir: pathlib.Path, files_dir: pathlib.Path, *,
 
   A resumed run keeps the earlier attempts (a fresh one starts the list again). An attempt
   that raised is recorded with its time by :func:`fail_attempt`; one that was killed is
-  closed here: its time is counted up to
-  its last sign of life, the newest write to the workdir's checkpoints or to this process's
-  ``metrics.jsonl``, so ``wall_time_at_least_s`` is a lower bound (it ran on for as long as
-  it wrote nothing). :func:`end_attempt` adds them up.
+  closed here, its time counted up to its last sign of life: the newest write to the
+  workdir's checkpoints or to this process's ``metrics.jsonl``. So ``wall_time_at_least_s``
+  is a lower bound (the attempt ran on for as long as it wrote nothing).
+  :func:`end_attempt` adds them up.
   """
   path = files_dir / ATTEMPTS
   attempts: list[dict[str, Any]] = []
