@@ -80,12 +80,17 @@ class AdaBoundState(NamedTuple):
     mu: first moment ``m`` (EMA of gradients).
     nu: second moment ``v`` (EMA of squared gradients).
     nu_max: running maximum of ``nu`` (AMSBound); an empty tuple for AdaBound.
+    base_lr: float32 learning rate at step 0 (the reference's ``base_lr``): the bounds scale by
+      ``lr_t / base_lr``. Kept in the state because under ``optax.inject_hyperparams`` each
+      update sees only the current rate (a scalar), and a schedule or a changed rate must
+      still move the bounds, as it does in the reference and with a schedule passed directly.
   """
 
   count: chex.Array
   mu: optax.Updates
   nu: optax.Updates
   nu_max: Any
+  base_lr: chex.Array
 
 
 def _bias_correction(decay: float, t: jax.Array) -> jax.Array:
@@ -161,9 +166,11 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
 
   def init_fn(params):
     zeros = optax.tree.zeros_like(params)
+    base = learning_rate(0) if callable(learning_rate) else learning_rate
     return AdaBoundState(count=jnp.zeros([], jnp.int32), mu=zeros,
                          nu=optax.tree.zeros_like(params),
-                         nu_max=optax.tree.zeros_like(params) if amsbound else ())
+                         nu_max=optax.tree.zeros_like(params) if amsbound else (),
+                         base_lr=jnp.asarray(base, jnp.float32))
 
   def update_fn(updates, state, params=None):
     del params
@@ -172,6 +179,10 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
     if callable(learning_rate):
       lr = learning_rate(state.count)
       final = final_lr * lr / learning_rate(0)
+    elif _checks.is_traced(learning_rate) or isinstance(learning_rate, jax.Array):
+      # optax.inject_hyperparams: the current rate only; the rate at step 0 is in the state
+      lr = learning_rate
+      final = final_lr * lr / state.base_lr.astype(jnp.result_type(lr, jnp.float32))
     else:
       lr, final = learning_rate, final_lr
     t = _float_count(count, mu)
@@ -179,7 +190,7 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
     lower = final * (1.0 - 1.0 / (gamma * t + 1.0))
     upper = final * (1.0 + 1.0 / (gamma * t))
     out = _clipped_step(step_size, lower, upper, eps, mu, nu_max if amsbound else nu)
-    return out, AdaBoundState(count=count, mu=mu, nu=nu, nu_max=nu_max)
+    return out, AdaBoundState(count=count, mu=mu, nu=nu, nu_max=nu_max, base_lr=state.base_lr)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -378,7 +378,11 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
     count = optax.safe_int32_increment(state.count)
     product = (state.mf1_product * b1).astype(jnp.float32)
     if phi == "adam":
-      c1 = 1 - product if callable(mf1) else 1 - b1**count  # as optax.tree_bias_correction
+      # A schedule, or a value injected by optax.inject_hyperparams (which may be a schedule's
+      # current value): 1 - prod(MF1_s), the exact sum of the EMA's weights. A constant:
+      # 1 - MF1**t, as optax.tree_bias_correction (bitwise optax.adam).
+      injected = _checks.is_traced(mf1) or isinstance(mf1, jax.Array)
+      c1 = 1 - product if callable(mf1) or injected else 1 - b1**count
       c2 = 1 - mf2**count
       direction = jax.tree.map(
           lambda m, v, g: ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype), mu, nu, updates)
@@ -527,7 +531,7 @@ class MFConditionsReport:
 def _schedule_values(name: str, value: Any, num_steps: int) -> np.ndarray:
   if callable(value):
     vals = np.array([float(value(jnp.asarray(t, jnp.int32))) for t in range(num_steps)])
-  elif isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, str):
+  elif isinstance(value, (Sequence, np.ndarray, jax.Array)) and not isinstance(value, str):
     vals = np.asarray(value, dtype=np.float64).reshape(-1)
     if vals.size != num_steps:
       raise ValueError(f"{name} as a sequence must have num_steps={num_steps} values, "

@@ -69,7 +69,11 @@ def quantize(v: jax.Array, key: jax.Array, bits: int = 8,
   nb = -(-n // bucket_size)
   s = _levels(bits)
   x = jnp.pad(v.astype(jnp.float32), (0, nb * bucket_size - n)).reshape(nb, bucket_size)
-  norms = jnp.sqrt(jnp.sum(jnp.square(x), axis=1))
+  # ||x|| as max|x| * ||x / max|x|||: squaring first overflows float32 once |x_i| > ~1.8e19,
+  # and a finite gradient then came back NaN (counted as an overflow under loss scaling).
+  peak = jnp.max(jnp.abs(x), axis=1)
+  unit = x / jnp.where(peak > 0, peak, 1.0)[:, None]
+  norms = peak * jnp.sqrt(jnp.sum(jnp.square(unit), axis=1))
   safe = jnp.where(norms > 0, norms, 1.0)
   scaled = jnp.abs(x) / safe[:, None] * s
   low = jnp.floor(scaled)

@@ -538,6 +538,36 @@ def test_inject_hyperparams_equals_the_plain_transform(name, make, hyper, static
   assert float(jnp.abs(changed[-1]["w"] - run(plain, 6)[-1]["w"]).max()) > 1e-4
 
 
+@pytest.mark.parametrize("amsbound", [False, True])
+def test_an_lr_schedule_through_inject_hyperparams_moves_the_bounds_as_a_direct_one(amsbound):
+  """Injected, the rate arrives as this step's value only; the bounds must still scale by
+  lr_t / lr_0 (the reference's final_lr * lr / base_lr). They stayed at final_lr: the
+  trajectory was off by 0.6 after 60 steps."""
+  lr = optax.exponential_decay(0.1, 10, 0.1)
+  kw = dict(final_lr=0.1, gamma=0.5, amsbound=amsbound)
+
+  def run(tx, steps=60):
+    p = {"w": jnp.linspace(-1.0, 1.0, 6)}
+    s, update = tx.init(p), jax.jit(tx.update)
+    for _ in range(steps):
+      u, s = update(jax.tree.map(lambda a: 2.0 * a + 0.1, p), s, p)
+      p = optax.apply_updates(p, u)
+    return np.asarray(p["w"]), s
+
+  direct, _ = run(mfopt.adabound(lr, **kw))
+  injected, state = run(optax.inject_hyperparams(mfopt.adabound)(learning_rate=lr, **kw))
+  np.testing.assert_allclose(injected, direct, rtol=0, atol=1e-5)  # (float32 rounding)
+  # A rate set by hand moves the bounds too, as in the reference: at t = 1 a tiny gradient's
+  # rate clips to the upper bound final * (1 + 1/gamma), final = final_lr * lr / base_lr.
+  tx = optax.inject_hyperparams(mfopt.adabound)(learning_rate=0.1, **kw)
+  state = tx.init({"w": jnp.zeros(2)})
+  state.hyperparams["learning_rate"] = jnp.asarray(0.05, jnp.float32)
+  g = jnp.full(2, 1e-6)
+  u, _ = jax.jit(tx.update)({"w": g}, state, {"w": jnp.zeros(2)})  # (weight decay 0)
+  final = 0.1 * 0.05 / 0.1
+  np.testing.assert_allclose(np.asarray(u["w"]), -final * 3.0 * 0.1 * 1e-6, rtol=1e-5)  # m = 0.1 g
+
+
 def test_empty_parameter_tree_updates_like_optax():
   # optax's transforms take an empty tree (e.g. a frozen model under optax.multi_transform);
   # the hybrid's LARS norm table used to fail to stack zero leaves. Past the switch too.

@@ -253,6 +253,30 @@ def test_mf_adam_with_increasing_mf1_schedule_matches_numpy():
     np.testing.assert_allclose(np.asarray(got["x"][0]), want, rtol=1e-4, atol=1e-5, err_msg=phi)
 
 
+def _run_steps(tx, steps=60):
+  p = {"w": jnp.linspace(-1.0, 1.0, 6)}
+  s, update = tx.init(p), jax.jit(tx.update)
+  for _ in range(steps):
+    u, s = update(jax.tree.map(lambda a: 2.0 * a + 0.1, p), s, p)
+    p = optax.apply_updates(p, u)
+  return np.asarray(p["w"])
+
+
+def test_mf_adam_with_an_mf1_schedule_through_inject_hyperparams_equals_the_direct_schedule():
+  """Injected, MF1 arrives as this step's value only; the bias correction must still be the
+  product of the values so far (it was 1 - MF1_t**t: off by 2e-2 after 60 steps)."""
+  sched = optax.linear_schedule(0.5, 0.99, 50)
+  direct = _run_steps(mfopt.mf_adam(0.05, sched))
+  injected = _run_steps(optax.inject_hyperparams(mfopt.mf_adam)(learning_rate=0.05, mf1=sched))
+  np.testing.assert_allclose(injected, direct, rtol=0, atol=1e-5)  # (float32 rounding)
+  # constant gradient, MF2 = 0: every bias-corrected Adam step is exactly -lr
+  tx = optax.inject_hyperparams(mfopt.mf_adam)(learning_rate=1.0, mf1=sched, mf2=0.0)
+  s = tx.init(jnp.zeros(1))
+  for _ in range(3):
+    u, s = tx.update(jnp.ones(1), s)
+    np.testing.assert_allclose(np.asarray(u), [-1.0], rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- validation
 
 
@@ -371,6 +395,14 @@ def test_check_mf_conditions_agrees_with_direct_evaluation_of_2a_on_a_grid():
   assert "decreases at step 2: 0.95 -> 0.93" in str(bad)
   assert mfopt.check_mf_conditions(optax.linear_schedule(0.9, 0.99, 50), 1e-3, 60,
                                    second_order=True)
+
+
+def test_check_mf_conditions_takes_per_step_values_as_a_jax_array():
+  mfs = np.linspace(0.5, 0.9, 10)
+  want = mfopt.check_mf_conditions(mfs, 1e-3, 10, second_order=True)
+  got = mfopt.check_mf_conditions(jnp.asarray(mfs), 1e-3, 10, second_order=True)
+  assert [c.holds for c in got.conditions] == [c.holds for c in want.conditions]
+  assert bool(got) == bool(want) and len(got.conditions) > 1  # (it raised TypeError)
 
 
 def test_check_mf_conditions_report_is_readable():

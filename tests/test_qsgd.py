@@ -118,3 +118,19 @@ def test_distributed_qsgd_equals_mean_of_per_worker_quantizations_w16():
 def test_bad_arguments(kw, match):
   with pytest.raises(ValueError, match=match):
     mfopt.qsgd(None, **kw)
+
+
+def test_a_huge_finite_gradient_stays_finite():
+  """The bucket norm is max|x| * ||x / max|x||| : squaring first overflowed float32 at
+  |x_i| ~ 1.8e19 and a finite gradient came back NaN."""
+  v = jnp.asarray([3e19, 1.0, 0.0, -2e19], jnp.float32)
+  q, norms = quantize(v, jax.random.key(0), bits=8, bucket_size=4)
+  np.testing.assert_allclose(np.asarray(norms), [np.hypot(3e19, 2e19)], rtol=1e-6)
+  out = np.asarray(dequantize(q, norms, bits=8, bucket_size=4))
+  assert np.isfinite(out).all() and out[2] == 0.0
+  np.testing.assert_allclose(out[[0, 3]], [3e19, -2e19], rtol=0.01)  # 127 levels of the norm
+  # an ordinary vector's norms are unchanged (to float32 rounding)
+  w = jax.random.normal(jax.random.key(1), (1000,))
+  _, n = quantize(w, jax.random.key(2), bucket_size=512)
+  want = [np.linalg.norm(np.asarray(w[:512], np.float64)), np.linalg.norm(np.asarray(w[512:], np.float64))]
+  np.testing.assert_allclose(np.asarray(n), want, rtol=1e-6)
