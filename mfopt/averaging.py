@@ -149,7 +149,9 @@ def constant_period(p: int) -> PeriodController:
 
   Over N steps that is exactly ``floor(N / p)`` averagings (SPEC.md, seed 001
   Alg. 1; seed 003 Alg. 1 with K = p). ``p`` is held in the state as an int32,
-  so a different ``p`` does not change the compiled step.
+  so a different ``p`` does not change the compiled step; for the same reason a run resumed
+  from a checkpoint keeps the checkpoint's ``p`` (``mfopt.train.fit(run_info=...)`` is how a
+  changed ``p`` is refused there).
 
   Args:
     p: the averaging period, a positive integer (1 = average every step).
@@ -234,7 +236,7 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
 
   Choices where the paper is open: during ``warmup_steps`` the period is 1 and
   those syncs are *not* sampled for ``C2`` (the paper runs the warm-up epoch
-  before starting Alg. 2); ``k`` and ``K_s`` count global iterations, warm-up
+  before starting Alg. 2), nor is a sync at ``lr_k = 0`` (``S_k / lr_k`` is undefined); ``k`` and ``K_s`` count global iterations, warm-up
   included; ``C2`` is held as ``c2_sum / c2_count`` (float32), and the tests
   are evaluated as ``S_k < (low * lr_k) * C2``.
 
@@ -281,7 +283,10 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
     in_warmup = k < warmup_steps
     sampling = jnp.logical_and(~in_warmup, k < sampling_steps)
     adapting = jnp.logical_and(~in_warmup, ~sampling)
-    c2_sum = jnp.where(sampling, state.c2_sum + s_k / lr, state.c2_sum)
+    # S_k / lr_k of a sync at lr_k = 0 (a warm-up schedule starting at 0) is 0/0: skipped,
+    # else one NaN sample froze the period at p_init for the rest of the run.
+    sampling = jnp.logical_and(sampling, lr > 0)
+    c2_sum = jnp.where(sampling, state.c2_sum + s_k / jnp.where(lr > 0, lr, 1.0), state.c2_sum)
     c2_count = jnp.where(sampling, state.c2_count + 1, state.c2_count)
     c2 = c2_sum / jnp.maximum(c2_count, 1).astype(jnp.float32)
     grow = s_k < (low32 * lr) * c2
@@ -365,6 +370,12 @@ def _is_float(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _pmean_floats(tree: Any, axis_name: AxisName, comm_dtype: Any = None) -> Any:
+  """:func:`mfopt.comm.pmean_tree` of the floating leaves; other leaves (an integer parameter)
+  stay each worker's own: their mean would be a float, which the sync loop cannot carry."""
+  return jax.tree.map(lambda x: pmean_tree(x, axis_name, comm_dtype) if _is_float(x) else x, tree)
+
+
 def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
                        period: PeriodController | int,
                        outer: optax.GradientTransformation | None = None, *,
@@ -400,7 +411,11 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       every sync (part of the same logical exchange; its bytes are counted).
     comm_dtype: exchange the deltas ``w - anchor`` since the last sync in this
       floating dtype (e.g. ``jnp.bfloat16``); the fp32 master weights are never
-      rounded: ``mean = anchor + pmean(delta.astype(comm_dtype))``.
+      rounded: ``mean = anchor + pmean(delta.astype(comm_dtype))``. The anchor starts as
+      each worker's own initial parameters, so the workers must start from the same
+      parameters (``mfopt.train.init_train_state`` does): from different ones, every worker
+      keeps its own offset for good (the same holds with ``outer``, as in the papers'
+      ``w_1``, though there the gap shrinks by the outer momentum at each sync).
     sync_variance: compute ``S_k`` at every sync (one scalar all-reduce, counted
       in ``scalar_comm``); default: only if the controller needs it.
     track_variance: opt-in diagnostic ``Var[W_k]`` (eq. 7) at every step, two
@@ -473,7 +488,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
   def init_fn(params):
     inner_state = inner.init(params)
-    payload = tree_payload_bytes(params, comm_dtype)
+    payload = tree_payload_bytes([x for x in jax.tree.leaves(params) if _is_float(x)], comm_dtype)
     if average_inner_state:
       payload += tree_payload_bytes([x for x in jax.tree.leaves(inner_state) if _is_float(x)])
     t = int(trace_length)
@@ -518,7 +533,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
     diag = state.diagnostics
     if track_variance:
-      mean_now = pmean_tree(params, axis_name)
+      mean_now = _pmean_floats(params, axis_name)
       var_k = pmean_tree(_sq_norm(jax.tree.map(jnp.subtract, mean_now, params)), axis_name)
       diag = diag._replace(variance=var_k, variance_sum=diag.variance_sum + var_k,
                            variance_exchanges=diag.variance_exchanges + (2 if communicates else 0))
@@ -548,9 +563,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         local, unravel = ravel_pytree(local)
       if comm_dtype is not None:
         delta = jax.tree.map(jnp.subtract, local, anchor)
-        mean = jax.tree.map(jnp.add, anchor, pmean_tree(delta, axis_name, comm_dtype))
+        mean = jax.tree.map(jnp.add, anchor, _pmean_floats(delta, axis_name, comm_dtype))
       else:
-        mean = pmean_tree(local, axis_name)
+        mean = _pmean_floats(local, axis_name)
       if average_inner_state:
         inner_state = jax.tree.map(
             lambda x: pmean_tree(x, axis_name) if _is_float(x) else x, inner_state)
@@ -707,6 +722,10 @@ def find_averaging_state(opt_state: Any) -> PeriodicAveragingState:
 
 def averaging_metrics(opt_state: Any) -> dict[str, jax.Array]:
   """Scalars to log (worker 0 of a stacked state): period, syncs, last ``S_k``, ``C2`` samples.
+
+  ``period`` is the period the controller holds: during ADPSGD's warm-up it still reads
+  ``p_init`` while every step averages (the state does not know the warm-up length);
+  :func:`sync_trace` has the periods actually run.
 
   For ``mfopt.train.fit(extra_metrics=...)``:
   ``{"period": lambda s: mfopt.averaging_metrics(s.opt_state)["period"]}``.

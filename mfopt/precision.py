@@ -250,7 +250,9 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
     ds = DynamicScale(growth_factor=growth_factor, backoff_factor=backoff_factor,
                       growth_interval=growth_interval, fin_steps=jnp.zeros([], jnp.int32),
                       scale=jnp.asarray(init_scale, jnp.float32))
-    return LossScaleState(dynamic_scale=ds, inner_state=inner.init(params),
+    inner_state = inner.init(params)
+    _check_local_steps_skip(inner_state)
+    return LossScaleState(dynamic_scale=ds, inner_state=inner_state,
                           finite=jnp.array(True), overflows=jnp.zeros([], jnp.int32))
 
   inner_x = optax.with_extra_args_support(inner)  # plain transforms ignore loss_scale
@@ -271,6 +273,25 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _check_local_steps_skip(inner_state: Any) -> None:
+  """Refuses a local algorithm whose local optimizer does not skip non-finite steps.
+
+  Without :func:`skip_nonfinite`, one worker's overflowing gradient makes only its update
+  non-finite, :func:`dynamic_loss_scale` reverts that worker's whole state, its averaging
+  step counter falls one behind the others', and from then on the workers disagree on when
+  to average (across devices the collective then waits for a worker that does not come).
+  """
+  from mfopt.averaging import PeriodicAveragingState  # noqa: PLC0415 (averaging -> comm only)
+  for s in states_of(inner_state, PeriodicAveragingState):
+    if not states_of(s.inner_state, optax.ApplyIfFiniteState):
+      raise ValueError(
+          "dynamic_loss_scale (with_policy's fp16) around periodic_averaging or block_momentum "
+          "needs their local optimizer wrapped in mfopt.precision.skip_nonfinite: "
+          "periodic_averaging(skip_nonfinite(inner), axis_name, period). Otherwise a worker "
+          "whose gradient overflowed is reverted alone, its step counter falls behind the "
+          "others' and the workers stop agreeing on when to average")
+
+
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
   """``optax.apply_if_finite`` that never gives up: a non-finite gradient is a skipped step.
 
@@ -288,7 +309,11 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
 def with_policy(tx: optax.GradientTransformation, policy: str | Policy,
                 **loss_scale_kwargs) -> optax.GradientTransformation:
-  """``dynamic_loss_scale(tx)`` if the policy computes in float16, else ``tx`` unchanged."""
+  """``dynamic_loss_scale(tx)`` if the policy computes in float16, else ``tx`` unchanged.
+
+  For a local algorithm, wrap its local optimizer in :func:`skip_nonfinite` first
+  (``periodic_averaging(skip_nonfinite(inner), ...)``); ``init`` refuses it otherwise.
+  """
   return dynamic_loss_scale(tx, **loss_scale_kwargs) if get_policy(policy).needs_loss_scaling else tx
 
 

@@ -161,7 +161,8 @@ def apply_transform(tx: optax.GradientTransformation, grads: Any, opt_state: Any
   the averaging jump of a sync step excluded (its size is the ``S_k`` diagnostic,
   ``periodic_averaging(sync_variance=True)``). Wrapped in another transform
   (``optax.chain``, :func:`mfopt.precision.dynamic_loss_scale`) the attribute is gone and the
-  plain ``update`` + ``apply_updates`` path runs, with the same result up to rounding.
+  plain ``update`` + ``apply_updates`` path runs: the same parameters up to rounding, but
+  ``norm`` is then that of the whole update, a sync step's averaging jump included.
 
   ``norm`` is ``None`` without ``norm_fn``.
   """
@@ -856,7 +857,10 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     keep_checkpoints: checkpoints kept (>= 2 allows falling back past a corrupt one).
     run_info: extra JSON fields for the run's fingerprint (e.g. the algorithm
       name and its hyperparameters): a checkpoint with a different fingerprint
-      is refused, naming the differing fields.
+      is refused, naming the differing fields. ``tx`` itself is not in the fingerprint (an
+      optax transform cannot be read back), and hyperparameters held in its state, e.g.
+      ``constant_period``'s ``p`` or ``optax.inject_hyperparams``' values, resume with the
+      checkpoint's values: name them here to have a change refused (the experiments do).
     allow_mismatch: resume from a checkpoint with a different fingerprint anyway (the
       differing fields are printed). A finished run with the same ``num_steps`` returns
       its saved result, computed with the checkpoint's values, not the new ones.

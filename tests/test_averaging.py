@@ -662,3 +662,50 @@ def test_a_payload_of_2_gib_or_more_is_counted_not_refused():
   assert small.payload_bytes.shape == () and mfopt.comm.payload_of(small) == 1000
   with pytest.raises(ValueError, match="payload_bytes must be a non-negative integer, got -1"):
     mfopt.comm.init_comm_stats(-1, mfopt.comm.CollectiveKind.ALL_REDUCE)
+
+
+@pytest.mark.parametrize("comm_dtype", [None, jnp.bfloat16])
+def test_an_integer_parameter_leaf_is_kept_per_worker_and_floats_are_averaged(comm_dtype):
+  """pmean turned an int leaf into a float and the sync loop refused the changed type."""
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), "w", 2, comm_dtype=comm_dtype)
+  # the same start on every worker (comm_dtype's anchor needs it), different gradients
+  params = {"x": jnp.ones((4, 3)), "n": jnp.arange(4, dtype=jnp.int32)}
+  grads = {"x": jnp.arange(4.0)[:, None] * jnp.ones((4, 3)), "n": jnp.zeros((4,), jnp.int32)}
+  state = jax.vmap(tx.init, axis_name="w")(params)
+  step = jax.jit(jax.vmap(lambda g, s, p: mfopt.train.apply_transform(tx, g, s, p)[:2],
+                          axis_name="w"))
+  for _ in range(2):  # the second step averages
+    params, state = step(grads, state, params)
+  np.testing.assert_array_equal(params["n"], np.arange(4))
+  assert params["n"].dtype == jnp.int32
+  # worker i took two steps of -0.1 * i; the mean is 1 - 0.2 * 1.5 on every worker
+  np.testing.assert_allclose(params["x"], np.full((4, 3), 0.7), rtol=1e-2 if comm_dtype else 1e-6)
+  # the counted payload is the float leaf's alone
+  assert int(mfopt.comm_totals(state)["payload_bytes"]) == 3 * (2 if comm_dtype else 4)
+
+
+def test_adpsgd_skips_a_sample_at_learning_rate_zero():
+  """S_k / lr_k at lr_k = 0 (a warm-up from 0) is NaN: sampled, it froze the period for good."""
+  sched = lambda k: jnp.where(k < 2, 0.0, 0.1)  # noqa: E731
+  ctl = mfopt.adpsgd_period(learning_rate=sched, sampling_steps=8, p_init=1)
+  st = ctl.init()
+  for k, s_k in enumerate([0.5, 0.7, 0.2, 0.4]):  # sampled syncs at k = 0..3
+    st = ctl.on_sync(st, jnp.asarray(k), jnp.asarray(s_k, jnp.float32))
+  assert int(st.c2_count) == 2
+  np.testing.assert_allclose(float(st.c2_sum / st.c2_count), (0.2 / 0.1 + 0.4 / 0.1) / 2, rtol=1e-6)
+  # after sampling, the period adapts again (it stayed put with a NaN C2)
+  st = ctl.on_sync(st, jnp.asarray(8), jnp.asarray(0.01, jnp.float32))  # << 0.7 * lr * C2
+  assert int(st.period) == 2
+
+
+def test_loss_scaling_refuses_a_local_algorithm_whose_local_steps_do_not_skip():
+  from mfopt import precision
+  params = {"w": jnp.ones(3)}
+  for bare in (mfopt.periodic_averaging(optax.sgd(0.1), "w", 2),
+               mfopt.block_momentum(optax.sgd(0.1), "w", 2)):
+    with pytest.raises(ValueError, match=r"needs their local optimizer wrapped in "
+                                         r"mfopt.precision.skip_nonfinite"):
+      precision.with_policy(bare, "fp16").init(params)
+  ok = mfopt.periodic_averaging(precision.skip_nonfinite(optax.sgd(0.1)), "w", 2)
+  precision.with_policy(ok, "fp16").init(params)  # the documented way passes
+  precision.dynamic_loss_scale(optax.sgd(0.1)).init(params)  # and anything without averaging
