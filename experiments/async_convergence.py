@@ -18,9 +18,10 @@ Hardware/runtime: CPU; full preset (16 workers, 30 epochs, 3 seeds, 2 networks,
 ~20); ``--quick`` < 25 s.
 Expected (paper): the seed's model needs fewer steps and less time than every
 baseline, with a larger gain at 100 Gbit/s than at 10 Gbit/s.
-Measured (2026-11-24, full preset, BB workers charged for their Armijo trials and exact-ν
+Measured (2026-11-25, full preset, ``python -m experiments async_convergence progress=false``,
+111 s; BB workers charged for their Armijo trials and, from their second step, exact-ν
 gradients): not reproduced. KSync[working] never reached 0.45 test accuracy in 30 epochs (0/3
-seeds, both networks); KSync[working,reaverage] reached it in 617 +- 140 / 425 +- 32 simulated
+seeds, both networks); KSync[working,reaverage] reached it in 644 +- 120 / 468 +- 100 simulated
 s (10 / 100 Gbit/s) against ASP's 169 +- 18 / 66 +- 2 s and SSP's 217 +- 28 / 93 +- 23 s.
 """
 

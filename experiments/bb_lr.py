@@ -14,9 +14,10 @@ Hardware/runtime: CPU; full preset (2 presets x 2 step rules x 3 seeds) 46 s on 
 2-core CPU (2026-11-24); ``--quick`` < 25 s.
 Expected (paper): α differs across workers and adapts over time; BB improves
 steps by up to 25 % and time by up to 27 % over the decay method.
-Measured (2026-11-24, full preset, simulated): α differs across workers in every seed (CV of
-per-worker median α 0.105 working, 0.122 faithful; reproduced); BB never reached the target
-while the decay method did (working preset): not reproduced.
+Measured (2026-11-25, full preset, simulated, ``python -m experiments bb_lr progress=false``,
+34 s): α differs across workers in every seed (CV of per-worker median α 0.095 working, 0.122
+faithful; reproduced); BB never reached the target while the decay method did (working
+preset): not reproduced.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ Hardware/runtime: CPU; full preset (6 variants x 3 seeds) 56 s on a quiet 2-core
 (2026-11-24); ``--quick`` < 25 s.
 Expected (paper): k is non-monotone and small ("usually less than 5"); fixed
 large k loses accuracy; fixed small k needs more steps and time than adaptive k.
-Measured (2026-11-24, full preset, simulated): k is non-monotone and < 5 in 97 % (working) and
-93 % (faithful) of steps in every seed (reproduced); adaptive k did not reach the target and
-fixed k = 8 and 16 reached higher accuracy (0.579, 0.511 vs 0.376; not reproduced).
+Measured (2026-11-25, full preset, simulated, ``python -m experiments ksync_trace
+progress=false``, 61 s): k is non-monotone and < 5 in 97 % (working) and 93 % (faithful) of
+steps in every seed (reproduced); adaptive k did not reach the target and fixed k = 8 and 16
+reached higher accuracy (0.586, 0.511 vs 0.327; not reproduced).
 """
 
 from __future__ import annotations

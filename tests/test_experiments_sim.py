@@ -37,6 +37,21 @@ def test_async_scaling_quick(tmp_path):
     assert rows[(s, 1)]["mean_staleness_mean"] == 0.0
   assert rows[("ASP", 4)]["mean_staleness_mean"] > rows[("ASP", 2)]["mean_staleness_mean"] > 0
   assert np.isfinite(rows[("ASP", 4)]["speedup_time_mean"])
+  # Fig. 12's speedup counts a worker's training steps (samples / (M b)), the same unit for
+  # ASP and KSync; it used server steps, of which KSync makes one per k gradients.
+  base = {(r["strategy"], r["seed"]): r for r in res["runs"] if r["workers"] == 1}
+  checked = 0
+  for r in res["runs"]:
+    if not np.isfinite(r["samples_to_target"]):
+      continue
+    assert r["worker_steps_to_target"] == r["samples_to_target"] / (r["workers"] * 16)  # quick b
+    b = base[(r["strategy"], r["seed"])]
+    np.testing.assert_allclose(r["speedup_steps"], r["workers"] * b["samples_to_target"]
+                               / r["samples_to_target"], rtol=1e-12)
+    checked += r["workers"] > 1
+  assert checked >= 2
+  ks = [r["mean_k"] for r in res["runs"] if r["strategy"] == "KSync[working]" and r["workers"] > 1]
+  assert min(ks) > 1  # (so server steps would have differed from worker steps)
 
 
 def test_ksync_trace_quick(tmp_path):

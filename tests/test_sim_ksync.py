@@ -117,3 +117,16 @@ def test_ktest_config_errors_name_the_argument():
     sim.KTestConfig(k_min=4, k_max=2)
   with pytest.raises(ValueError, match="confidence"):
     sim.KTestConfig(confidence=1.5)
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.9, 0.95, 0.99])
+def test_reaverage_horizon_keeps_every_staleness_the_cutoff_keeps(gamma):
+  """The re-average slots are pruned past the horizon; it must be the largest tau with
+  gamma**tau >= cutoff, the test stale gradients are merged by. floor(log cut / log gamma)
+  gave 1 for gamma = 0.9, cut = 0.81 (1.9999999999999998): slot v was pruned before its
+  tau = 2 gradients arrived, and they were dropped."""
+  for tau in range(1, 12):
+    for cut in (gamma ** tau, np.nextafter(gamma ** tau, 1.0), np.nextafter(gamma ** tau, 0.0)):
+      s = sim.ksync_preset("working", stale_merge="reaverage", gamma=gamma, stale_cutoff=cut)
+      want = max(t for t in range(0, 200) if gamma ** t >= cut)
+      assert s._horizon() == want, (tau, cut)

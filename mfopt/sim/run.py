@@ -83,6 +83,7 @@ class WorkerOut:
   num_backtracks: int = 0
   hit_limit: bool = False
   bb_applied: bool = False
+  had_prev: bool = True  # (BB) the worker had theta_prev and g_prev: exact nu was computable
 
 
 @dataclasses.dataclass
@@ -411,7 +412,8 @@ class Simulator:
       for i, w in enumerate(pending):
         self.out[w] = WorkerOut(float(o.loss[i]), np.asarray(o.grad[i]), float(o.alpha[i]),
                                 float(o.alpha_carry[i]), int(o.num_backtracks[i]),
-                                bool(o.hit_limit[i]), bool(o.bb_applied[i]))
+                                bool(o.hit_limit[i]), bool(o.bb_applied[i]),
+                                bool(inputs.has_prev[i]))
     self.w_computed[pending] = True
     low = int(self.w_step.min())
     for s in [s for s in self._batches if s < low]:
@@ -425,7 +427,8 @@ class Simulator:
     if not self.w_computed[w]:
       self._flush()
     o = self.out[w]
-    units = self.compute.bb_extra_steps(bb.nu == "exact", 1 + o.num_backtracks)
+    # exact nu is one more gradient at theta_prev: a worker's first step has none to take
+    units = self.compute.bb_extra_steps(bb.nu == "exact" and o.had_prev, 1 + o.num_backtracks)
     dt = units * self.compute.time(self.speeds, self.seed, w, int(self.w_step[w]))
     if not dt > 0:
       return False

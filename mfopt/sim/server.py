@@ -209,7 +209,7 @@ class SSP(_OptStrategy):
   spec's rule as written (§5; Ho et al.: ``s = 0`` is bulk-synchronous clocks);
   otherwise it blocks until the slowest worker catches up (then it pulls the
   newest θ). Hence at every push the pusher's ``c_i - min_j c_j <= s + 1``
-  (``sim.ssp_max_gap`` records the largest gap seen at a push).
+  (``max_gap`` records the largest gap seen at a push; ``summary["max_gap"]``).
   """
 
   name = "SSP"
@@ -515,8 +515,19 @@ class KSync(_Collect):
     self._tested = None
 
   def _horizon(self) -> int:
+    """The largest staleness ``tau`` with ``gamma**tau >= cut``: the same test as
+    :meth:`_stale`'s (``floor(log cut / log gamma)`` alone rounded 1.9999999999999998 down to 1
+    at cut = gamma**2, and a slot was pruned while its gradients still merged elsewhere)."""
     cut = self.config.stale_cutoff or 1e-3
-    return int(np.floor(np.log(cut) / np.log(self.config.gamma))) if self.config.gamma > 0 else 1
+    gamma = self.config.gamma
+    if not gamma > 0:
+      return 1
+    tau = max(int(np.floor(np.log(cut) / np.log(gamma))), 0)
+    while tau > 0 and gamma ** tau < cut:
+      tau -= 1
+    while gamma ** (tau + 1) >= cut:
+      tau += 1
+    return tau
 
   def _stale(self, sim, w, msg):
     c = self.config

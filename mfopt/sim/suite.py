@@ -139,13 +139,22 @@ def run(c, strategy: server.Strategy, *, dataset, model, network: str | None, se
 
 
 def to_target(result: run_lib.SimResult, target: float) -> dict[str, float]:
-  """Server steps, simulated time, samples and worker steps at the first evaluation reaching ``target``."""
+  """Server steps, simulated time, samples and worker steps at the first evaluation reaching ``target``.
+
+  ``worker_steps_to_target`` is the mean training step count of a worker then, samples /
+  (M b): the seed's "training steps (counted by the worker)", comparable across algorithms.
+  ``steps_to_target`` counts server updates, which are not: ASP's server steps once per
+  gradient, k-sync once per k gradients.
+  """
   row = result.first_reaching(target)
   if row is None:
     return {"steps_to_target": float("nan"), "time_to_target": float("nan"),
-            "samples_to_target": float("nan")}
+            "samples_to_target": float("nan"), "worker_steps_to_target": float("nan")}
+  s = result.summary
   return {"steps_to_target": float(row["server_step"]), "time_to_target": float(row["sim_time"]),
-          "samples_to_target": float(row["samples"])}
+          "samples_to_target": float(row["samples"]),
+          "worker_steps_to_target": float(row["samples"]) / (s["num_workers"]
+                                                             * s["per_worker_batch"])}
 
 
 def per_step_times(result: run_lib.SimResult) -> dict[str, float]:
