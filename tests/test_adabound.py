@@ -578,3 +578,29 @@ def test_empty_parameter_tree_updates_like_optax():
     for _ in range(3):
       updates, state = jax.jit(tx.update)({}, state, {})
     assert updates == {}
+
+
+def test_the_hybrid_under_multisteps_equals_the_hybrid_on_mean_micro_gradients():
+  """optax.MultiSteps(hybrid, 2) on micro-batch gradients g1, g2 is the hybrid on (g1+g2)/2,
+  through the switch from AdaBound to LARS (S = 3 updates of AdaBound here)."""
+  make = lambda: mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=2,  # noqa: E731
+                                            warmup_epochs=1.5, base_lr=0.1, weight_decay=1e-3)
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.zeros(3)}
+  micro = [jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+           for _ in range(16)]
+  multi = optax.MultiSteps(make(), every_k_schedule=2)
+  sm, pm = multi.init(params), params
+  plain = make()
+  sp, pp = plain.init(params), params
+  for i in range(0, 16, 2):
+    for g in micro[i:i + 2]:
+      u, sm = jax.jit(multi.update)(g, sm, pm)
+      pm = optax.apply_updates(pm, u)
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, micro[i], micro[i + 1])
+    u, sp = jax.jit(plain.update)(mean, sp, pp)
+    pp = optax.apply_updates(pp, u)
+    for k in pp:
+      np.testing.assert_allclose(np.asarray(pm[k]), np.asarray(pp[k]), rtol=1e-5, atol=1e-6,
+                                 err_msg=f"update {i // 2 + 1}, {k}")
+  assert float(jnp.abs(pp["w"] - params["w"]).max()) > 1e-3  # 8 updates: both phases ran

@@ -134,3 +134,19 @@ def test_a_huge_finite_gradient_stays_finite():
   _, n = quantize(w, jax.random.key(2), bucket_size=512)
   want = [np.linalg.norm(np.asarray(w[:512], np.float64)), np.linalg.norm(np.asarray(w[512:], np.float64))]
   np.testing.assert_allclose(np.asarray(n), want, rtol=1e-6)
+
+
+def test_a_nonfinite_gradient_through_qsgd_is_a_reverted_step_under_loss_scaling():
+  from mfopt import precision
+  tx = precision.dynamic_loss_scale(optax.chain(mfopt.qsgd(None), optax.sgd(0.1, momentum=0.9)),
+                                    init_scale=2.0 ** 10)
+  params = {"w": jnp.ones(4)}
+  state = tx.init(params)
+  u, state = tx.update({"w": jnp.array([1.0, 2.0, 3.0, 4.0])}, state, params)  # a finite step
+  for bad in (jnp.inf, jnp.nan):
+    u2, s2 = tx.update({"w": jnp.array([1.0, bad, 3.0, 4.0])}, state, params)
+    np.testing.assert_array_equal(np.asarray(u2["w"]), np.zeros(4))
+    assert not bool(s2.finite) and int(s2.overflows) == int(state.overflows) + 1
+    assert float(s2.dynamic_scale.scale) == float(state.dynamic_scale.scale) / 2
+    for a, b in zip(jax.tree.leaves(s2.inner_state), jax.tree.leaves(state.inner_state)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # momentum, key: unchanged

@@ -443,3 +443,41 @@ def test_run_resumable_saves_at_the_interval_and_always_at_the_end(ds, linear, t
   checkpoint.run_resumable(s, tmp_path / "c", chunk_events=50, min_interval_s=1e9,
                            on_checkpoint=saves.append, max_samples=8 * 100)
   assert s.samples == 8 * 100 and len(saves) == 1 and saves[0] > 1  # chunks ran, one save
+
+
+def test_easgd_arithmetic_matches_a_numpy_replay_of_its_events(ds, linear):
+  """EASGD (TF EAO): the simulator's local steps and exchanges, replayed in NumPy from the
+  recorded gradients in the order they happened, give the same local copies and centre."""
+  events = []
+
+  class Recorded(sim.EASGD):
+    def on_compute_done(self, s, w):
+      events.append(("step", w, s.out[w].grad.copy(), np.float32(self.base.lr(s.epoch))))
+      super().on_compute_done(s, w)
+
+    def on_push(self, s, w):
+      events.append(("push", w))
+      super().on_push(s, w)
+
+  m, interval = 3, 4
+  s = sim.Simulator(Recorded(interval=interval, base=sim.BaseSGD(0.1, decay_rate=1.0)),
+                    model=linear, dataset=ds, num_workers=m, per_worker_batch=8,
+                    network=None, compute=sim.ComputeModel(0.01, speed_spread=0.5))
+  theta0 = s.theta.copy()
+  s.run(max_samples=8 * 60)
+  assert sum(e[0] == "push" for e in events) >= m  # every worker exchanged at least once
+  a = np.float32(0.9 / (interval * m))  # TF's default moving rate
+  local, center_loc, center = np.tile(theta0, (m, 1)), np.tile(theta0, (m, 1)), theta0.copy()
+  for e in events:
+    if e[0] == "step":
+      _, w, g, eta = e
+      local[w] = local[w] - eta * g - a * (local[w] - center_loc[w])
+    else:
+      w = e[1]
+      delta = local[w] - center
+      center_loc[w] = center
+      local[w] = local[w] - a * delta
+      center = center + a * delta
+  np.testing.assert_allclose(s.strategy.local, local, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(s.theta, center, rtol=1e-6, atol=1e-7)
+  assert np.abs(center - theta0).max() > 1e-3  # the centre moved
