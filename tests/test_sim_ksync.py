@@ -130,3 +130,71 @@ def test_reaverage_horizon_keeps_every_staleness_the_cutoff_keeps(gamma):
       s = sim.ksync_preset("working", stale_merge="reaverage", gamma=gamma, stale_cutoff=cut)
       want = max(t for t in range(0, 200) if gamma ** t >= cut)
       assert s._horizon() == want, (tau, cut)
+
+
+def _replay_ksync_server(received, theta0, gamma, damp, theta_c, conf, k_max, merge):
+  """An independent NumPy (float64, scipy t-quantile) server of spec §1.2/§2.2/§2.3/§4, fed the
+  messages the simulator's server received, in order: the k of each update and the final θ."""
+  from scipy import stats
+  theta, u = theta0.astype(np.float64).copy(), np.zeros(theta0.shape, np.float64)
+  t, fresh, kbuf, slots, ks = 0, [], {}, {}, []
+  scale = (1 - gamma) if damp else 1.0
+  for version_then, v, g, a in received:
+    assert version_then == t
+    g = g.astype(np.float64)
+    if v == t:  # fresh: Welford statistics, then Tests A and B (or k_max)
+      fresh.append((g, a))
+      n = len(fresh)
+      done = n >= k_max
+      if n >= 2:
+        G = np.stack([x for x, _ in fresh])
+        gbar, s2 = G.mean(0), G.var(0, ddof=1)
+        e_hat = s2.sum() / n
+        mu = gbar + stats.t.ppf(1 - (1 - conf) / 2, n - 1) * np.sqrt(s2 / n)
+        done = done or (e_hat <= theta_c ** 2 * gbar @ gbar and e_hat <= theta_c ** 2 * mu @ mu)
+      if done:
+        mean = sum(a_ * x for x, a_ in fresh) / n
+        u = gamma * u + scale * mean
+        theta = theta - u
+        kbuf[t], slots[t] = n, (mean, n)
+        ks.append(n)
+        t, fresh = t + 1, []
+    else:  # stale by tau: merged into the momentum, weighted gamma^(tau-1)
+      tau = t - v
+      if merge == "additive":
+        u = u + gamma ** (tau - 1) * scale * a / kbuf[v] * g
+      else:
+        mean, cnt = slots[v]
+        new = (mean * cnt + a * g) / (cnt + 1)
+        u = u + gamma ** (tau - 1) * scale * (new - mean)
+        slots[v] = (new, cnt + 1)
+  return theta, ks
+
+
+@pytest.mark.parametrize("preset,overrides,workers", [
+    ("faithful", {}, 6), ("working", {}, 8), ("working", {"stale_merge": "reaverage"}, 8)])
+def test_ksync_server_equals_an_independent_replay_of_its_messages(preset, overrides, workers):
+  """Adaptive k end to end: the simulator's k sequence and final θ equal a NumPy server's fed
+  the same messages (heterogeneous workers on a 1 Gbit/s link, so gradients arrive stale)."""
+  from mfopt import data, models
+  strat = sim.ksync_preset(preset, alpha0=0.05, **overrides)
+  s = sim.Simulator(strat, model=models.get_model("mlp", hidden=(8,), num_classes=10),
+                    dataset=data.load("mnist1d"), num_workers=workers, per_worker_batch=8, seed=1,
+                    network="1gbit",
+                    compute=sim.ComputeModel(0.01, speed_spread=0.5, jitter_sigma=0.3))
+  theta0, received, on_push = s.theta.copy(), [], strat.on_push
+
+  def spy(sim_, w):
+    m = sim_.msg[w]
+    received.append((sim_.version, m.version, m.grad.copy(), float(m.alpha)))
+    on_push(sim_, w)
+
+  strat.on_push = spy
+  s.run(max_server_steps=40)
+  c = strat.config
+  assert c.stale_cutoff is None or c.stale_cutoff < c.gamma ** 40  # no stale gradient dropped
+  theta, ks = _replay_ksync_server(received, theta0, c.gamma, c.dampening, c.ktest.theta,
+                                   c.ktest.confidence, strat.k_max, c.stale_merge)
+  assert ks == [int(k) for _, _, k in s.k_trace]
+  assert len(set(ks)) > 1 and strat.merged > 0  # k adapted, and stale gradients were merged
+  np.testing.assert_allclose(s.theta, theta, rtol=0, atol=2e-6)
