@@ -69,7 +69,7 @@ def mesh_for(num_workers: int):
 def run(*, dataset, model_name: str, tx: optax.GradientTransformation, num_workers: int,
         per_worker_batch: int, num_steps: int, seed: int, log_every: int, progress: bool,
         desc: str, schedule: optax.Schedule | None = None, on_log=None,
-        model_kwargs: dict[str, Any] | None = None) -> RunResult:
+        model_kwargs: dict[str, Any] | None = None, eval_every: int | None = None) -> RunResult:
   """One ``train.fit`` run on a model from the registry; a divergence is returned, not raised.
 
   Returns:
@@ -85,7 +85,8 @@ def run(*, dataset, model_name: str, tx: optax.GradientTransformation, num_worke
     res = train.fit(model=model, tx=tx, dataset=dataset, num_workers=num_workers,
                     per_worker_batch=per_worker_batch, num_steps=num_steps,
                     mesh=mesh_for(num_workers), seed=seed, log_every=log_every,
-                    learning_rate=schedule, progress=progress, desc=desc, on_log=on_log)
+                    learning_rate=schedule, progress=progress, desc=desc, on_log=on_log,
+                    eval_every=eval_every)
   except train.NonFiniteError as e:
     summary = train.diverged_summary(e, num_steps=num_steps, num_workers=num_workers,
                                      per_worker_batch=per_worker_batch)

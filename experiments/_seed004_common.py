@@ -124,6 +124,15 @@ def make_tx(algo: str, c, *, num_workers: int, steps_per_epoch: int,
   return optax.chain(sync, opt)
 
 
+def build_model(c, dataset, *, policy: str = "fp32", bn: str | None = None):
+  """The model of a run: ``c.model`` with the BN strategy's arguments, under ``policy``."""
+  strategy = batchnorm.get_strategy(bn or c.bn)
+  model = models_lib.get_model(c.model, num_classes=dataset.num_classes,
+                               **({"features": tuple(c.features)} if c.model == "cnn" else {}),
+                               **(strategy.model_kwargs() if c.model != "mlp" else {}))
+  return precision.apply_policy(model, policy)
+
+
 def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
             per_worker_batch: int | None = None, warmup_epochs: float | None = None,
             bn: str | None = None, desc: str = "", on_log=None) -> dict[str, Any]:
@@ -143,11 +152,7 @@ def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
   global_batch = c.num_workers * b
   spe = max(len(dataset.train) // global_batch, 1)
   num_steps = c.epochs * spe
-  strategy = batchnorm.get_strategy(bn or c.bn)
-  model = models_lib.get_model(c.model, num_classes=dataset.num_classes,
-                               **({"features": tuple(c.features)} if c.model == "cnn" else {}),
-                               **(strategy.model_kwargs() if c.model != "mlp" else {}))
-  model = precision.apply_policy(model, policy)
+  model = build_model(c, dataset, policy=policy, bn=bn)
   tx = precision.with_policy(
       make_tx(algo, c, num_workers=c.num_workers, steps_per_epoch=spe,
               warmup_epochs=warmup_epochs), policy)
@@ -268,7 +273,7 @@ def fmt_ms(values: Sequence[float | None], digits: int = 4, *,
   kept = [x for x, d in zip(vals, flags) if not d]
   m, s = mean_std(kept)
   missing = sum(1 for x in kept if x is None or not np.isfinite(x))
-  one = len(kept) - missing == 1 and n > 1  # the other seeds left out: no spread
+  one = len(kept) - missing == 1  # one value (one seed, or the others left out): no spread
   text = "n/a" if not np.isfinite(m) else f"{m:.{digits}g}" + ("" if one else f" ± {s:.2g}")
   notes = (["1 seed"] if one else []) + ([f"{missing} of {n} never"] if missing else []) + (
       [f"{k}/{n} diverged"] if k else [])

@@ -109,8 +109,9 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
            report.markdown_table(rows, ["method", "final_test", "best_test", "final_train", "epochs",
                                         "speed", "eff", "single", "all_reduces"],
                                  ["method", "final test acc", "best test acc", "final train acc",
-                                  "epochs to target", "samples/s/worker (measured, "
-                                  f"{rows and runs[c.algorithms[0]][0]['efficiency']['speed_device']})",
+                                  "epochs to target", "samples/s per device (measured, "
+                                  f"{rows and runs[c.algorithms[0]][0]['efficiency']['speed_device']}"
+                                  "; taken as one worker's speed on its own device: derived)",
                                   "scaling eff. (projected)",
                                   "actual avg single-GPU time s (projected)", "all-reduces/worker"]),
            *common.diverged_lines(runs, lambda a: common.LABELS[a]),

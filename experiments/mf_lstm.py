@@ -114,7 +114,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       f"- Workers: {c.num_workers} (virtual); global batch {c.global_batch} sequences, "
       f"per-worker {c.global_batch // c.num_workers}; synchronous all-reduce + mfopt.mf_sgd, "
       f"constant lr {c.learning_rate}",
-      f"- Steps: {steps} per run = {samples:,} sequences ({c.epochs} epochs) for every MF",
+      f"- Steps: {steps} per run x global batch {c.global_batch} = {steps * c.global_batch:,} "
+      f"sequences processed ({c.epochs} epochs = {samples:,}, to whole steps) for every MF",
       f"- Seeds: {tuple(c.seeds)}; mean ± std over seeds",
       f"- Wall time: {wall:.1f} s measured on this machine (compile included)\n",
       report.markdown_table(table, ["mf", "train", "val"],

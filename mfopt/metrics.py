@@ -81,7 +81,10 @@ def efficiency_report(*, summary: Mapping[str, Any], history: Sequence[Mapping[s
     device: name of the compute device, for the speed label.
 
   Returns:
-    ``single_device_speed`` (samples/s, measured), ``compute_s`` (per worker), ``comm_s``,
+    ``single_device_speed`` (samples/s per device, measured over the run's training time;
+    used as one worker's speed on its own device, which is derived: it holds when a device's
+    virtual workers run one after another, and understates it when ``vmap`` batches them),
+    ``compute_s`` (per worker), ``comm_s``,
     ``scaling_efficiency``, ``efficiency_source``, ``epochs_to_target``, ``convergence_rate``,
     ``actual_single_gpu_time_s``, ``actual_training_time_s``.
   """

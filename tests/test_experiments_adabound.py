@@ -20,7 +20,8 @@ def test_hybrid_vs_baselines_quick(tmp_path):
                               overrides=TINY + ["algorithms=hybrid,warmup_sgd"])
   text = (tmp_path / "report.md").read_text()
   for needle in ("AdaBound warmup + LARS SGD (hybrid)", "gradual warmup + linear-scaling SGD",
-                 "projected", "samples/s/worker (measured, CPU)", "## Paper claims"):
+                 "projected", "samples/s per device (measured, CPU; taken as one worker",
+                 "## Paper claims"):
     assert needle in text
   runs = _runs(tmp_path)
   for algo in ("hybrid", "warmup_sgd"):
@@ -44,8 +45,20 @@ def test_hybrid_warmup_T_quick(tmp_path):
   assert h1[1]["train_loss"] != pytest.approx(h2[1]["train_loss"], rel=1e-6)
 
 
-def test_precision_quick(tmp_path):
+def test_precision_quick(tmp_path, monkeypatch):
+  from experiments import _seed004_common as common
+  built = []
+  make_tx = common.make_tx
+
+  def spy_tx(*a, **kw):
+    built.append(kw["steps_per_epoch"])
+    return make_tx(*a, **kw)
+
+  monkeypatch.setattr(common, "make_tx", spy_tx)
   out = runner.run_experiment("precision", quick=True, workdir=tmp_path, overrides=TINY)
+  # the throughput benchmark built both of the hybrid's phases for each (policy, batch)
+  bench = [spe for spe in built if spe in (1, 10 ** 6)]
+  assert sorted(set(bench)) == [1, 10 ** 6] and len(bench) == 2 * 2  # 2 policies, 1 batch
   text = (tmp_path / "report.md").read_text()
   assert "measured" in text and "CPU" in text and "fp16" in text
   rows = {r["policy"]: r for r in out["rows"]}
@@ -223,6 +236,7 @@ def test_seed004_helpers_count_diverged_runs():
       "2 (1 seed; 1 of 3 never; 1/3 diverged)"
   assert common.fmt_runs(rs[1:2], acc) == "diverged (1/1)"
   assert common.fmt_ms([0.5, 0.7]) == "0.6 ± 0.14"  # unchanged without divergence
+  assert common.fmt_ms([0.5]) == "0.5 (1 seed)"  # no spread to show (it read "0.5 ± 0")
   assert common.first_ok(rs) is rs[0] and common.first_ok(rs[1:2]) is None
   # A diverged run has no epochs-to-target bound; a run that never reached it: epochs + 1.
   assert common.censored_epochs(rs, 5)[0] == 2.0 and common.censored_epochs(rs, 5)[2] == 6.0

@@ -6,6 +6,7 @@ import json
 import numpy as np
 
 from experiments import _averaging_common as common
+from experiments import adpsgd_table
 from mfopt import runner
 
 
@@ -40,10 +41,34 @@ def test_adpsgd_table_quick(tmp_path):
   assert small["steps"] == 16 * 8
   assert 0.25 < q["payload_bytes"] / full["payload_bytes"] < 0.27
   assert runs["CPSGD p=8"][0]["param_syncs"] == 2
-  assert runs["DECREASING 4->2"][0]["param_syncs"] == 8 // 4 + 8 // 2
+  # §V.B at equal syncs: the switch step is chosen so the decreasing period syncs as often as
+  # ADPSGD did (it was fixed at half way, matching CPSGD p=8's count instead)
+  # (16 steps: ADPSGD's warm-up syncs every step, 10 syncs; periods 4 then 2 reach 8 at most)
+  dec, adp = runs["DECREASING 4->2"][0], runs["ADPSGD"][0]
+  assert adp["param_syncs"] == 10 and dec["param_syncs"] == 8 and dec["boundary"] == 1
+  assert dec["param_syncs"] == adpsgd_table.decreasing_syncs((4, 2), dec["boundary"], 16)
+  assert ("at equal syncs (per seed: ADPSGD 10, decreasing 8: the nearest its periods allow)"
+          in report)
+  # Table I is the best test accuracy over the evaluations (one per logging step: 2 here)
+  for rs in runs.values():
+    assert rs[0]["best_test_accuracy"] >= rs[0]["test_accuracy"]
+  assert "best test accuracy achieved" in report
   ratios = [float(r["ratio"]) for r in summary["crossover"]]
   assert ratios[0] < 1 < ratios[-1] and ratios == sorted(ratios)
   assert "projected" in report and "Table I" in report
+
+
+def test_decreasing_boundary_hits_a_sync_budget():
+  # periods (20, 5) over 1000 steps: syncs = b // 20 + (1000 - b) // 5 when b is a multiple of 20
+  for b in (20, 500, 980):
+    assert adpsgd_table.decreasing_syncs((20, 5), b, 1000) == b // 20 + (1000 - b) // 5
+  for target in (60, 125, 176):
+    b = adpsgd_table.dec_boundary((20, 5), 1000, target)
+    assert abs(adpsgd_table.decreasing_syncs((20, 5), b, 1000) - target) <= 1
+  counts = [adpsgd_table.decreasing_syncs((20, 5), b, 1000) for b in range(1, 1000)]
+  for target, reachable in ((10_000, max(counts)), (0, min(counts))):  # out of reach: nearest
+    b = adpsgd_table.dec_boundary((20, 5), 1000, target)
+    assert adpsgd_table.decreasing_syncs((20, 5), b, 1000) == reachable
 
 
 def test_block_momentum_table_quick(tmp_path):
