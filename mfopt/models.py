@@ -307,13 +307,14 @@ def _group_stats(x: jax.Array, groups: int) -> tuple[jax.Array, jax.Array]:
   return mean, jnp.maximum(s2 / count - jnp.square(mean), 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def group_batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float,
-                     groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     groups: int, out_dtype: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   r"""Training-mode BatchNorm with statistics per group of ``N / groups`` consecutive examples.
 
   ``y[n] = (x[n] - mean_g) * rsqrt(var_g + epsilon) * scale + bias`` for the group ``g`` of
-  example ``n``, computed in float32 and returned in ``x.dtype``; also returns the per-group
+  example ``n``, computed in float32 and returned in ``out_dtype`` (default ``x.dtype``);
+  also returns the per-group
   ``mean`` and ``var`` ``(groups, C)`` (for running averages: not differentiated, their
   cotangents are ignored). ``x`` is ``(N, *spatial, C)``, ``scale``/``bias`` ``(C,)``.
 
@@ -337,19 +338,19 @@ def group_batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: f
   a traffic model of the compiled program, not a timing). ``tests/test_models.py`` checks
   values and gradients against flax's BatchNorm applied group by group.
   """
-  return _gbn_fwd(x, scale, bias, epsilon, groups)[0]
+  return _gbn_fwd(x, scale, bias, epsilon, groups, out_dtype)[0]
 
 
-def _gbn_fwd(x, scale, bias, epsilon, groups):
+def _gbn_fwd(x, scale, bias, epsilon, groups, out_dtype=None):
   mean, var = _group_stats(x, groups)
   rstd = lax.rsqrt(var + epsilon)
   y = ((x.astype(jnp.float32) - _per_example(mean, x)) * _per_example(rstd * scale, x)
-       + bias).astype(x.dtype)
+       + bias).astype(out_dtype or x.dtype)
   return (y, mean, var), (x, mean, rstd, scale)
 
 
-def _gbn_bwd(epsilon, groups, res, cotangents):
-  del epsilon
+def _gbn_bwd(epsilon, groups, out_dtype, res, cotangents):
+  del epsilon, out_dtype
   x, mean, rstd, scale = res
   dy = cotangents[0].astype(jnp.float32)
   centered = x.astype(jnp.float32) - _per_example(mean, x)
@@ -377,7 +378,10 @@ class GroupBatchNorm(nn.Module):
   runs :func:`group_batch_norm`. Models build it through ``bn_groups`` (CNN, ResNets).
 
   With ``groups=1`` the statistics are ``(C,)``, flax's layout, so it is a drop-in for
-  ``nn.BatchNorm`` with a hand-written backward pass (models: ``bn_impl="mfopt"``).
+  ``nn.BatchNorm`` with a hand-written backward pass (models: ``bn_impl="mfopt"``). Dtypes as
+  flax's: the statistics come from the input as given (in float32), and the output is in
+  ``dtype``, or without one in the promotion of the input and ``param_dtype`` (a bf16 input
+  with float32 parameters gives float32).
   """
 
   groups: int
@@ -400,13 +404,13 @@ class GroupBatchNorm(nn.Module):
     shape = (self.groups, c) if self.groups > 1 else (c,)  # one group: flax's layout
     ra_mean = self.variable("batch_stats", "mean", jnp.zeros, shape, jnp.float32)
     ra_var = self.variable("batch_stats", "var", jnp.ones, shape, jnp.float32)
-    x = x.astype(self.dtype or x.dtype)
+    out_dtype = jnp.dtype(self.dtype or jnp.promote_types(x.dtype, self.param_dtype))
     if self.use_running_average:
       mean, var = (v.reshape(self.groups, c) for v in (ra_mean.value, ra_var.value))
       y = ((x.astype(jnp.float32) - _per_example(mean, x))
            * _per_example(lax.rsqrt(var + self.epsilon) * scale, x) + bias)
-      return y.astype(x.dtype)
-    y, mean, var = group_batch_norm(x, scale, bias, self.epsilon, self.groups)
+      return y.astype(out_dtype)
+    y, mean, var = group_batch_norm(x, scale, bias, self.epsilon, self.groups, out_dtype)
     if not self.is_initializing():
       m = self.momentum
       ra_mean.value = m * ra_mean.value + (1 - m) * lax.stop_gradient(mean).reshape(shape)

@@ -515,6 +515,33 @@ def _flax_bn_reference(groups):
   return lambda x, scale, bias: _flax_bn_per_group(x, scale, bias, groups)
 
 
+@pytest.mark.parametrize("dtype,x_dtype", [(None, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
+                                           (None, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
+@pytest.mark.parametrize("use_running_average", [False, True])
+def test_group_batch_norm_has_flax_batchnorm_dtypes(dtype, x_dtype, use_running_average):
+  """groups=1 is a drop-in for nn.BatchNorm, dtypes included: a bf16 input without ``dtype``
+  gave bf16 (flax: float32, promoted with the parameters), and ``dtype=bf16`` on a float32
+  input took its statistics from the rounded input (flax: from the input as given)."""
+  import flax.linen as nn
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(8, 5, 5, 6)) * 3 + 5, x_dtype)
+  variables = {"params": {"scale": jnp.linspace(0.5, 1.5, 6), "bias": jnp.linspace(-1, 1, 6)},
+               "batch_stats": {"mean": jnp.linspace(0, 1, 6), "var": jnp.linspace(1, 2, 6)}}
+  kw = dict(use_running_average=use_running_average, momentum=0.9, epsilon=1e-5, dtype=dtype)
+  want, want_stats = nn.BatchNorm(**kw).apply(variables, x, mutable=["batch_stats"])
+  got, got_stats = models.GroupBatchNorm(groups=1, **kw).apply(variables, x,
+                                                               mutable=["batch_stats"])
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  for k in ("mean", "var"):
+    np.testing.assert_allclose(got_stats["batch_stats"][k], want_stats["batch_stats"][k],
+                               rtol=1e-6, atol=1e-6)
+  if not use_running_average:  # the input's cotangent comes back in the input's dtype
+    gx = jax.grad(lambda x: jnp.sum(models.GroupBatchNorm(groups=1, **kw).apply(
+        variables, x, mutable=["batch_stats"])[0].astype(jnp.float32) ** 2))(x)
+    assert gx.dtype == x_dtype
+
+
 def test_resnet_with_bn_groups_is_the_per_group_model():
   """A two-stage ResNet (stem BN, residual BNs, a projection shortcut's BN) with bn_groups=4
   on 16 examples = the bn_groups=1 model applied to 4 groups of 4 under vmap (the
