@@ -205,7 +205,8 @@ def test_map_lowering_has_no_grouped_convolution():
   b = _image_batch(np.random.default_rng(0), 4, 2)
   state = train.init_train_state(model, tx, b["x"][0], num_workers=4, mesh=mesh)
   texts, params = {}, {}
-  for lowering in ("vmap", "map", "map:2", "unroll", "gemm"):
+  # (map:3 does not divide the 4 workers, map:8 exceeds them: both must still be the step)
+  for lowering in ("vmap", "map", "map:2", "map:3", "map:8", "unroll", "gemm"):
     step = train.make_train_step(model, tx, mesh=mesh, num_workers=4, lowering=lowering,
                                  donate=False)
     batch = parallel.shard_workers(b, mesh)
@@ -221,7 +222,7 @@ def test_map_lowering_has_no_grouped_convolution():
       "stablehlo.convolution")
   # gemm: the convolution's weights meet the patches in a batched dot, no grouped convolution
   assert max(groups(texts["gemm"]), default=1) == 1 and "batching_dims = [0]" in texts["gemm"]
-  for name in ("map", "map:2", "unroll", "gemm"):
+  for name in ("map", "map:2", "map:3", "map:8", "unroll", "gemm"):
     for x, y in zip(jax.tree.leaves(params["vmap"]), jax.tree.leaves(params[name])):
       np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6, err_msg=name)
 
