@@ -536,7 +536,7 @@ def _plain_target(meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
   return {k: np.zeros(shape, np.dtype(dtype)) for k, (shape, dtype) in meta["arrays"].items()}
 
 
-ENGINE_LIMITS = ("max_samples", "max_server_steps", "max_time", "max_events")
+ENGINE_LIMITS = ("max_samples", "max_server_steps", "max_time")  # (max_events: the chunking)
 
 
 def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: int,
@@ -566,6 +566,10 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
     ``engine``, in its final state (``engine.result()`` for the simulator).
   """
   _checks.positive_int("chunk_events", chunk_events)
+  if "max_events" in run_kwargs:  # (it reached engine.run twice: a TypeError)
+    raise ValueError(f"run_resumable runs chunks of chunk_events events; max_events="
+                     f"{run_kwargs['max_events']!r} is not a limit it supports: stop the engine "
+                     f"with max_samples, max_server_steps or max_time")
   limits = {k: v for k, v in run_kwargs.items() if k in ENGINE_LIMITS}
   ckpt = RunCheckpointer(directory, keep=keep, allow_mismatch=allow_mismatch,
                          fingerprint={"run_kwargs": limits, "chunk_events": chunk_events,

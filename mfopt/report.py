@@ -49,14 +49,16 @@ def environment_markdown(env: Mapping[str, Any] | None = None) -> str:
 
 
 def _jsonable(x: Any) -> Any:
+  """Plain JSON types; a non-finite float becomes the string ``"nan"``/``"inf"``/``"-inf"``
+  (strict JSON has no NaN), whether it is a Python float, a NumPy scalar or in an array."""
   if isinstance(x, Mapping):
     return {str(k): _jsonable(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
     return [_jsonable(v) for v in x]
   if isinstance(x, np.generic):
-    return x.item()
+    return _jsonable(x.item())  # (np.float64 is a float: it used to pass through as NaN)
   if isinstance(x, np.ndarray):
-    return x.tolist()
+    return _jsonable(x.tolist())
   if isinstance(x, float) and not math.isfinite(x):
     return str(x)
   return x
@@ -66,7 +68,7 @@ def write_json(path: pathlib.Path, obj: Any) -> None:
   """Writes ``obj`` as indented JSON atomically (temporary file, then rename)."""
   path = pathlib.Path(path)
   tmp = path.with_suffix(path.suffix + ".tmp")
-  tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
+  tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
   os.replace(tmp, path)
 
 
@@ -102,7 +104,7 @@ class JsonlWriter:
       return
     self._seen.add(key)
     with self.path.open("a") as f:
-      f.write(json.dumps(row) + "\n")
+      f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
 def _torn_tail(raw: bytes) -> int | None:

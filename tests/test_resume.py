@@ -546,3 +546,21 @@ def test_torn_line_after_crlf_rows_is_cut_at_the_right_byte(tmp_path):
   path.write_bytes(b'{"a": 1}\r\n{"b": 2}\r\n{"c": 3}\r\n{"d')
   report.JsonlWriter(path)({"e": 5})
   assert report.read_jsonl(path) == [{"a": 1}, {"b": 2}, {"c": 3}, {"e": 5}]
+
+
+def test_json_files_are_strict_json_with_nonfinite_numpy_values(tmp_path):
+  """NumPy's nan/inf (np.float64 is a float subclass) came out as bare NaN / Infinity, which a
+  strict JSON parser rejects; every non-finite value is now the string Python's own gives."""
+  def strict(text):
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+  row = {"a": float("nan"), "b": np.float32("nan"), "c": np.float64("inf"),
+         "d": np.array([1.0, -np.inf]), "e": [np.float16(2.0)]}
+  want = {"a": "nan", "b": "nan", "c": "inf", "d": [1.0, "-inf"], "e": [2.0]}
+  report.write_json(tmp_path / "s.json", row)
+  assert strict((tmp_path / "s.json").read_text()) == want
+  log = report.JsonlWriter(tmp_path / "m.jsonl")
+  log(row)
+  log(dict(row))  # the same row again: not written twice
+  lines = (tmp_path / "m.jsonl").read_text().splitlines()
+  assert len(lines) == 1 and strict(lines[0]) == want

@@ -1,6 +1,7 @@
 """mfopt.sim: clock, link contention, timing, determinism, checkpointing, memory, progressive momentum."""
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -443,6 +444,9 @@ def test_run_resumable_saves_at_the_interval_and_always_at_the_end(ds, linear, t
   checkpoint.run_resumable(s, tmp_path / "c", chunk_events=50, min_interval_s=1e9,
                            on_checkpoint=saves.append, max_samples=8 * 100)
   assert s.samples == 8 * 100 and len(saves) == 1 and saves[0] > 1  # chunks ran, one save
+  # max_events is the chunking, not a limit: named, instead of a TypeError from engine.run
+  with pytest.raises(ValueError, match=r"max_events=100 is not a limit it supports"):
+    checkpoint.run_resumable(s, tmp_path / "d", chunk_events=50, max_events=100)
 
 
 def test_easgd_arithmetic_matches_a_numpy_replay_of_its_events(ds, linear):
@@ -481,3 +485,30 @@ def test_easgd_arithmetic_matches_a_numpy_replay_of_its_events(ds, linear):
   np.testing.assert_allclose(s.strategy.local, local, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(s.theta, center, rtol=1e-6, atol=1e-7)
   assert np.abs(center - theta0).max() > 1e-3  # the centre moved
+
+
+def test_a_simulated_run_resumes_only_its_own_checkpoints(tmp_path):
+  """The checkpoint fingerprint named the strategy only ('ASP'): a run with another learning
+  rate, compute model or duplex setting came back with the first run's results. Each
+  setting is in it now, and the same settings still resume."""
+  from mfopt import checkpoint
+  ds = data.load("digits")
+  model = models.get_model("mlp", hidden=(8,), num_classes=10)
+
+  def go(lr=0.05, compute=None, duplex=True, strategy=None):
+    with checkpoint.auto_checkpoint(tmp_path):
+      return sim.simulate(strategy or sim.ASP(sim.BaseSGD(lr)), model=model, dataset=ds,
+                          num_workers=2, per_worker_batch=8, max_samples=160, seed=0,
+                          compute=compute, duplex=duplex).summary
+
+  first = go()
+  again = go()  # the finished run comes back
+  assert again["sim_time_s"] == first["sim_time_s"] and again["samples"] == first["samples"]
+  for kw, field in ((dict(lr=5.0), "settings.base.learning_rate: 0.05 -> 5.0"),
+                    (dict(compute=sim.ComputeModel(1.0)), "compute.base_s: "),
+                    (dict(duplex=False), "duplex: True -> False")):
+    with pytest.raises(checkpoint.ConfigMismatchError, match=re.escape(field)):
+      go(**kw)
+  ksync = [sim.ksync_preset("working", alpha0=a) for a in (0.05, 0.1)]
+  assert ksync[0].settings() != ksync[1].settings()  # nested dataclass fields (config.bb.alpha0)
+  assert ksync[0].settings()["config"]["bb"]["alpha0"] == 0.05

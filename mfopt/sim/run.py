@@ -671,6 +671,10 @@ def simulate(strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset,
   sim = Simulator(strategy, model=model, dataset=dataset, num_workers=num_workers,
                   per_worker_batch=per_worker_batch, seed=seed, compute=compute, network=network,
                   duplex=duplex, payload_bytes=payload_bytes, eval_every_samples=eval_every_samples)
+  # Every setting that changes the result is in the checkpoint fingerprint (the strategy's name
+  # alone let a run with another learning rate or compute model resume an earlier one's
+  # checkpoints); Strategy.SETTINGS names constructor settings, which reset leaves alone.
+  settings = strategy.settings()
   limits = dict(max_samples=max_samples, max_server_steps=max_server_steps, max_time=max_time)
   policy = checkpoint_lib.active_policy()
   if policy is None:
@@ -680,10 +684,15 @@ def simulate(strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset,
         sim, policy.next_run_dir(desc or strategy.describe()),
         chunk_events=CHECKPOINT_CHUNK_EVENTS, keep=policy.keep,
         allow_mismatch=policy.allow_mismatch, min_interval_s=policy.min_interval_s,
-        fingerprint={"strategy": strategy.describe(), "num_workers": num_workers,
-                     "per_worker_batch": per_worker_batch, "seed": seed,
-                     "dataset": getattr(dataset, "name", None),
+        fingerprint={"strategy": strategy.describe(), "settings": settings,
+                     "num_workers": num_workers, "per_worker_batch": per_worker_batch,
+                     "seed": seed, "dataset": getattr(dataset, "name", None),
+                     "train_examples": len(dataset.train),
+                     "model": {"class": type(model).__name__,
+                               **server_lib.plain_settings(model)},
                      "network": None if sim.network is None else sim.network.name,
+                     "compute": server_lib.plain_settings(sim.compute), "duplex": duplex,
+                     "payload_bytes": server_lib.plain_settings(sim.payload_bytes),
                      "eval_every_samples": eval_every_samples},
         **limits, progress=progress, desc=desc, on_log=on_log)
   return sim.result()

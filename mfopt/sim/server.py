@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -164,9 +165,41 @@ class Strategy:
   def describe(self) -> str:
     return self.name
 
+  SETTINGS: tuple[str, ...] = ()  # constructor settings, for :meth:`settings`
+
+  def settings(self) -> dict[str, Any]:
+    """Every constructor setting as JSON data (the checkpoint fingerprint of a simulated run:
+    :meth:`describe` names the strategy only, e.g. ``"ASP"`` whatever its learning rate)."""
+    return {"class": type(self).__name__,
+            **{k: plain_settings(getattr(self, k)) for k in self.SETTINGS}}
+
+
+def plain_settings(v: Any) -> Any:
+  """``v`` as JSON data for a fingerprint: dataclasses field by field, numbers (a non-finite
+  one as a string: NaN never equals itself), strings, sequences; classes and functions by
+  name (never a ``repr`` with a memory address, which would differ between runs)."""
+  if dataclasses.is_dataclass(v) and not isinstance(v, type):
+    return {f.name: plain_settings(getattr(v, f.name)) for f in dataclasses.fields(v)
+            if f.name not in ("parent", "name")}  # (flax modules: their place in a tree)
+  if isinstance(v, np.generic):
+    v = v.item()
+  if isinstance(v, float) and not math.isfinite(v):
+    return str(v)
+  if v is None or isinstance(v, (bool, int, float, str)):
+    return v
+  if isinstance(v, (tuple, list)):
+    return [plain_settings(x) for x in v]
+  if isinstance(v, Mapping):
+    return {str(k): plain_settings(x) for k, x in v.items()}
+  if isinstance(v, type) or callable(v):
+    return getattr(v, "__qualname__", type(v).__name__)
+  return type(v).__name__
+
 
 class _OptStrategy(Strategy):
   """A strategy whose server applies :class:`BaseSGD`."""
+
+  SETTINGS = ("base",)
 
   def __init__(self, base: BaseSGD | None = None):
     self.base = _base_sgd(base, type(self).__name__)
@@ -213,6 +246,8 @@ class SSP(_OptStrategy):
   """
 
   name = "SSP"
+
+  SETTINGS = ("staleness", "base")
 
   def __init__(self, staleness: int = 3, base: BaseSGD | None = None):
     super().__init__(base)
@@ -357,6 +392,8 @@ class DropWorker(BSP):
 
   name = "DropWorker"
 
+  SETTINGS = ("drop_rate", "base")
+
   def __init__(self, drop_rate: float = 0.5, base: BaseSGD | None = None):
     super().__init__(base)
     _checks.number_where("drop_rate", drop_rate, lambda v: 0 <= v < 1, "in [0, 1)")
@@ -439,6 +476,8 @@ class KSync(_Collect):
   """
 
   name = "KSync"
+
+  SETTINGS = ("config", "label")
 
   def __init__(self, config: KSyncConfig | None = None, label: str | None = None):
     self.config = config or KSyncConfig()
@@ -614,6 +653,8 @@ class EASGD(Strategy):
 
   name = "EASGD"
   logs_staleness = False  # workers push their local parameters, not gradients of a version
+
+  SETTINGS = ("interval", "base", "moving_rate")
 
   def __init__(self, interval: int = 20, base: BaseSGD | None = None, moving_rate: float | None = None):
     _checks.positive_int("interval", interval)
