@@ -85,10 +85,32 @@ def load_experiment(name: str) -> ModuleType:
   return module
 
 
+def _is_number(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _real_field(key: str) -> bool:
+  """A field :data:`CONVENTIONS` holds to a real-number rule (``warmup_epochs``, ``momentum``):
+  it takes a float even where its default is an int (``warmup_epochs = 1``, ``T = 0.5``)."""
+  rule = CONVENTIONS.get(key.split(".")[-1])
+  return rule is not None and rule not in (_NONNEG_INT, _POS_INT)
+
+
 def _parse_value(key: str, text: str, current: Any) -> Any:
-  """Parses ``text`` into the type of the field's current value, or raises ConfigError."""
+  """Parses ``text`` into the type of the field's current value, or raises ConfigError.
+
+  Items of a tuple of numbers must be numbers (a bool or a quoted string is refused); a field
+  with a real-number convention takes ints and floats alike."""
   expected = type(current)
   try:
+    if _real_field(key) and _is_number(current):
+      try:
+        value = ast.literal_eval(text)
+      except (ValueError, SyntaxError):
+        value = float(text)  # nan, inf: refused by check_conventions, by name
+      if not _is_number(value):
+        raise ValueError
+      return float(value) if isinstance(current, float) else value
     if isinstance(current, bool):
       low = text.lower()
       if low not in ("true", "false", "1", "0", "yes", "no"):
@@ -121,8 +143,11 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
         raise ValueError
       if current and value:
         item_type = type(current[0])
-        if item_type is float:
-          value = [float(v) for v in value]
+        if item_type is float or (item_type is int and _real_field(key)):
+          if not all(_is_number(v) for v in value):  # (True and '0.1' became 1.0 and 0.1)
+            raise ValueError
+          if item_type is float:
+            value = [float(v) for v in value]
         elif not all(isinstance(v, item_type) and not (item_type is int and isinstance(v, bool))
                      for v in value):
           raise ValueError
@@ -131,8 +156,16 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
     pass
   else:
     raise ConfigError(f"config field {key!r} has unsupported type {expected.__name__}")
+  what = expected.__name__
+  if isinstance(current, (tuple, list)) and current:
+    item = type(current[0])
+    what = ("a tuple of numbers" if item is float or (item is int and _real_field(key)) else
+            "a tuple of integers" if item is int else "a tuple of strings" if item is str
+            else f"a tuple of {item.__name__}")
+  elif _real_field(key) and _is_number(current):
+    what = "a number"
   raise ConfigError(
-      f"config field {key!r} expects {expected.__name__} (current value {current!r}), got {text!r}")
+      f"config field {key!r} expects {what} (current value {current!r}), got {text!r}")
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str]) -> ml_collections.ConfigDict:
@@ -151,6 +184,8 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str])
       raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(flat_keys(config))}")
     value = _parse_value(key, text, node[parts[-1]])
     with node.unlocked():
+      if type(value) is not type(node[parts[-1]]):  # an int default taking a float (_real_field):
+        del node[parts[-1]]                          # ConfigDict keeps a field's first type
       node[parts[-1]] = value
   return config
 
@@ -391,7 +426,9 @@ def begin_attempt(workdir: pathlib.Path, files_dir: pathlib.Path, *,
                   resumed: bool) -> list[dict[str, Any]]:
   """Records the start of this attempt in ``files_dir/attempts.json`` and returns the list.
 
-  A resumed run keeps the earlier attempts (a fresh one starts the list again). An attempt
+  The earlier attempts at this workdir are kept, including one killed before its first
+  checkpoint (the next run starts over, but that time was spent: ``--restart`` discards
+  the list with the rest of the run's data). An attempt
   that raised is recorded with its time by :func:`fail_attempt`; one that was killed is
   closed here, its time counted up to its last sign of life: the newest write to the
   workdir's checkpoints or to this process's ``metrics.jsonl``. So ``wall_time_at_least_s``
@@ -400,7 +437,7 @@ def begin_attempt(workdir: pathlib.Path, files_dir: pathlib.Path, *,
   """
   path = files_dir / ATTEMPTS
   attempts: list[dict[str, Any]] = []
-  if resumed and path.exists():
+  if path.exists():
     try:
       attempts = list(json.loads(path.read_text()))
     except ValueError:  # (written atomically; a hand-edited file is not fatal)

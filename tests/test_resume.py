@@ -564,3 +564,18 @@ def test_json_files_are_strict_json_with_nonfinite_numpy_values(tmp_path):
   log(dict(row))  # the same row again: not written twice
   lines = (tmp_path / "m.jsonl").read_text().splitlines()
   assert len(lines) == 1 and strict(lines[0]) == want
+
+
+def test_an_attempt_killed_before_its_first_checkpoint_is_counted(tmp_path):
+  """Its run starts over (resumed=False) but its time was spent: it stays in attempts.json,
+  closed at its last write (here its metrics rows, 25 s after it started)."""
+  started = time.time() - 100
+  (tmp_path / runner.ATTEMPTS).write_text(json.dumps([{"started": started, "wall_time_s": None}]))
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+  os.utime(tmp_path / "metrics.jsonl", (started + 25, started + 25))
+  attempts = runner.begin_attempt(tmp_path, tmp_path, resumed=False)
+  assert len(attempts) == 2 and attempts[0]["interrupted"]
+  assert attempts[0]["wall_time_at_least_s"] == pytest.approx(25, abs=1e-3)
+  totals = runner.end_attempt(tmp_path, attempts, 3.0)
+  assert totals == {"attempts": 2, "wall_time_all_attempts_s": pytest.approx(28, abs=1e-3),
+                    "wall_time_all_attempts_is_lower_bound": True}

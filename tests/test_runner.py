@@ -31,10 +31,29 @@ def test_unknown_config_key():
     ("num_steps=1.5", r"'num_steps' expects int.*'1.5'"),
     ("seed=[1]", r"'seed' expects int"),
     ("progress=maybe", r"'progress' expects bool.*'maybe'"),
-    ("datasets=[3]", r"'datasets' expects tuple"),
+    ("datasets=[3]", r"'datasets' expects a tuple of strings"),
 ])
 def test_wrong_type(override, match):
   _raises(match, "quickstart", override)
+
+
+def test_tuple_items_and_real_fields_are_typed():
+  """A review's findings: a float tuple took True and '0.2' (as 1.0 and 0.2), and a field of
+  real numbers with an int default (warmup_epochs = 1, warmup_values = (1, 2)) refused 0.5."""
+  _raises(r"'small_batch_lrs' expects a tuple of numbers .*'\(0.1, True\)'", "adpsgd_table",
+          "small_batch_lrs=(0.1, True)")
+  _raises(r"'small_batch_lrs' expects a tuple of numbers", "adpsgd_table",
+          "small_batch_lrs=(0.1, '0.2')")
+  _raises(r"'warmup_epochs' expects a number \(current value 1\), got 'True'",
+          "hybrid_vs_baselines", "warmup_epochs=True")
+  _raises(r"'workers' expects a tuple of integers", "mf_sweep", "workers=(8, 2.5)")
+  _raises(r"'num_steps' expects int", "quickstart", "num_steps=1.5")  # an integer field
+  _, c = runner.prepare("hybrid_warmup_T", quick=True, overrides=["warmup_values=(0.5, 1)"])
+  assert c.warmup_values == (0.5, 1)
+  _, c = runner.prepare("hybrid_vs_baselines", quick=True, overrides=["warmup_epochs=0.5"])
+  assert c.warmup_epochs == 0.5
+  _, c = runner.prepare("adpsgd_table", quick=True, overrides=["learning_rate=2"])
+  assert c.learning_rate == 2.0 and isinstance(c.learning_rate, float)  # keeps its float type
 
 
 @pytest.mark.parametrize("override,match", [
