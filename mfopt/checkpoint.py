@@ -54,6 +54,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -145,9 +146,14 @@ def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[st
       out.append(f"{key}: (absent) -> {b[key]!r}")
     elif key not in b:
       out.append(f"{key}: {a[key]!r} -> (absent)")
-    elif a[key] != b[key]:
+    elif a[key] != b[key] and not _both_nan(a[key], b[key]):
       out.append(f"{key}: {a[key]!r} -> {b[key]!r}")
   return out
+
+
+def _both_nan(a: Any, b: Any) -> bool:
+  """NaN never equals itself: a fingerprint holding one (``run_info``) refused every resume."""
+  return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
 
 
 def structure_hash(tree: Any) -> str:
@@ -210,14 +216,19 @@ def tree_checksum(tree: Any) -> list[list[int]]:
   multi-process global arrays; the result is replicated to every process);
   NumPy arrays on the host.
   """
-  if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(tree)):
-    return [_host_checksum(x) for x in jax.tree.leaves(tree)]
   leaves = jax.tree.leaves(tree)
-  mesh = next((x.sharding.mesh for x in leaves
+  host = [isinstance(x, np.ndarray) for x in leaves]
+  if all(host):
+    return [_host_checksum(x) for x in leaves]
+  # NumPy leaves on the host, bit for bit (on the device a float64 one would be summed as
+  # float32 without x64, and a change in its low bits went unseen); the others on device
+  device = [x for x, h in zip(leaves, host) if not h]
+  mesh = next((x.sharding.mesh for x in device
                if isinstance(getattr(x, "sharding", None), NamedSharding)), None)
   out_shardings = NamedSharding(mesh, P()) if mesh is not None else None
-  sums = jax.jit(_checksum_fn, out_shardings=out_shardings)(tree)
-  return np.asarray(jax.device_get(sums)).astype(np.int64).tolist()
+  sums = iter(np.asarray(jax.device_get(jax.jit(_checksum_fn, out_shardings=out_shardings)(
+      device))).astype(np.int64).tolist())
+  return [_host_checksum(x) if h else next(sums) for x, h in zip(leaves, host)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,6 +87,19 @@ def test_checksum_matches_numpy_and_sees_one_changed_element():
           != checkpoint.tree_checksum(host)[1][0])
 
 
+def test_checksum_of_a_mixed_tree_sees_the_low_bits_of_a_float64_numpy_leaf():
+  """A NumPy float64 leaf beside JAX arrays was summed on the device as float32 (no x64):
+  a change in its low bits went unseen. NumPy leaves are summed on the host, bit for bit."""
+  x = np.linspace(0.0, 1.0, 7)
+  tree = {"device": jnp.arange(5.0), "host": x}
+  y = x.copy()
+  y[3] = np.nextafter(y[3], 2.0)  # one float64 ulp: the same value in float32
+  assert np.float32(y[3]) == np.float32(x[3])
+  a, b = checkpoint.tree_checksum(tree), checkpoint.tree_checksum({**tree, "host": y})
+  assert a[0] == b[0] and a[1] != b[1]  # (leaves in key order: device, host)
+  assert a[1] == checkpoint.tree_checksum({"host": x})[0]  # the same sum as an all-host tree
+
+
 def test_round_trip_is_exact_and_keeps_the_newest_n(tmp_path):
   ckpt = checkpoint.RunCheckpointer(tmp_path, keep=2, fingerprint={"seed": 1})
   for step in (5, 10, 15):
@@ -243,6 +256,9 @@ def test_other_run_is_refused_naming_fields_unless_allowed(tmp_path, capsys):
 def test_config_diff_and_bad_keep():
   assert checkpoint.config_diff({"a": 1, "b": {"c": (1, 2)}}, {"a": 1, "b": {"c": [1, 2]}}) == []
   assert checkpoint.config_diff({"a": 1}, {"b": 2}) == ["a: 1 -> (absent)", "b: (absent) -> 2"]
+  nan = float("nan")  # (NaN != NaN refused every resume of a run_info holding one)
+  assert checkpoint.config_diff({"t": nan, "u": 1.0}, {"t": nan, "u": 1.0}) == []
+  assert checkpoint.config_diff({"t": nan}, {"t": 0.5}) == ["t: nan -> 0.5"]
   for keep in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match=f"keep must be a positive integer, got {keep!r}"):
       checkpoint.RunCheckpointer("/tmp/x", keep=keep)
