@@ -20,7 +20,7 @@ diverges is recorded (``runs.json``: ``diverged`` and the error), shown as
 "not reproduced at this scale".
 
 Hardware/runtime: full preset (3 seeds, 600 steps, 8 workers) measured 168 s wall
-on 2 CPU cores shared with other jobs (load average ~20); quick < 1 min.
+on 2 CPU cores shared with other jobs (load average ~20; 2026-11-22); quick < 1 min.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ timing emulates ResNet101/Cifar100 (seed Tables 2 and 4) while the optimisation
 runs on the small model, a mixed-scale simulation stated in the report.
 
 Hardware/runtime: CPU; full preset (16 workers, 30 epochs, 3 seeds, 2 networks,
-9 algorithms = 54 runs) 194 s on a quiet 2-core CPU (2026-11-24; earlier 20-40 min at load
+9 algorithms = 54 runs) 194 s on a quiet 2-core CPU (2026-11-24; 111 s on 2026-11-25; earlier 20-40 min at load
 ~20); ``--quick`` < 25 s.
 Expected (paper): the seed's model needs fewer steps and less time than every
 baseline, with a larger gain at 100 Gbit/s than at 10 Gbit/s.
@@ -44,7 +44,8 @@ SEED_MODELS = (SEED_MODEL, "KSync[working,reaverage]")
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config. Command: ``python -m experiments async_convergence`` (``--quick`` for CI).
 
-  Hardware: CPU. Runtime: full preset (54 simulated runs) measured 194 s on a quiet 2-core CPU; quick < 25 s.
+  Hardware: CPU. Runtime: full preset (54 simulated runs) measured 194 s (2026-11-24) and 111 s
+  (2026-11-25) on a quiet 2-core CPU; quick < 25 s.
   Expected metric: simulated time to the target test accuracy per algorithm and network.
   """
   c = suite.base_config(quick)

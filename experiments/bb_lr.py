@@ -11,7 +11,7 @@ accuracy / server steps / simulated time to the target. **Times are simulated**
 (mfopt.sim; ResNet101/Cifar100 timing, 100 Gbit/s).
 
 Hardware/runtime: CPU; full preset (2 presets x 2 step rules x 3 seeds) 46 s on a quiet
-2-core CPU (2026-11-24); ``--quick`` < 25 s.
+2-core CPU (2026-11-24; 34 s on 2026-11-25); ``--quick`` < 25 s.
 Expected (paper): α differs across workers and adapts over time; BB improves
 steps by up to 25 % and time by up to 27 % over the decay method.
 Measured (2026-11-25, full preset, simulated, ``python -m experiments bb_lr progress=false``,
@@ -35,7 +35,8 @@ from mfopt.sim import suite
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config. Command: ``python -m experiments bb_lr`` (``--quick`` for CI).
 
-  Hardware: CPU. Runtime: full preset measured 46 s on a quiet 2-core CPU; quick < 25 s.
+  Hardware: CPU. Runtime: full preset measured 46 s (2026-11-24) and 34 s (2026-11-25) on a
+  quiet 2-core CPU; quick < 25 s.
   Expected metric: per-worker α traces; time to the target accuracy, BB vs decay.
   """
   c = suite.base_config(quick)

@@ -17,7 +17,7 @@ as ``diverged (k/n)`` and never chosen as a best mu; a claim involving it is "no
 reproduced at this scale".
 
 Hardware/runtime: full preset (4 P x 5 mu x 3 seeds) measured 680 s wall on 2 CPU
-cores shared with other jobs (load average ~20); quick < 1.5 min there.
+cores shared with other jobs (load average ~20; 2026-11-22); quick < 1.5 min there.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ shown as ``diverged (k/n)``, left out of means, and makes its pair's verdict "no
 reproduced at this scale".
 
 Hardware/runtime: full preset (3 models, 3 seeds, 600 steps, 8 workers) measured
-270 s wall on 2 CPU cores shared with other jobs (load average ~20); quick < 1 min.
+270 s wall on 2 CPU cores shared with other jobs (load average ~20; 2026-11-22); quick < 1 min.
 """
 
 from __future__ import annotations

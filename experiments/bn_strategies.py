@@ -51,7 +51,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """bn_strategies config.
 
   Command: ``python -m experiments bn_strategies`` (``--quick``: CI smoke preset).
-  Hardware: CPU. Runtime measured on 2 shared CPU cores: full preset 301 s (4 rows x 3 seeds x
+  Hardware: CPU. Runtime measured (2026-11-22) on 2 shared CPU cores: full preset 301 s (4 rows x 3 seeds x
   30 epochs), --quick 59 s under load; CI smoke test 3-10 s. The seed reports 70.3 -> 75.6 %
   down the rows on ImageNet; see report.md for this scale.
   """

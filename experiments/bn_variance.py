@@ -47,7 +47,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   Command: ``python -m experiments bn_variance`` (``--quick``: CI preset).
   Hardware: any (CPU is fine). Full: 3 seeds x (300 training steps of a (32, 64) CNN on
   4,000 MNIST-1D examples + 2,000 sampled global batches of 128 per P).
-  Runtime: measured, full preset: 1,527 s (25 min) on this project's 2-core CPU shared with
+  Runtime: measured (2026-11-22), full preset: 1,527 s (25 min) on this project's 2-core CPU shared with
   other jobs (load average ~20), 1 JAX device; most of it is the NumPy sampling.
   Expected: measured E[S_t] / s^2 = M-1 for every P (the correct formula), far from eq. 8
   for P > 1; per-worker statistics noise grows ~linearly in P (as 1/K).

@@ -10,7 +10,7 @@ and server steps / simulated time to the target. **Times are simulated**
 (mfopt.sim; ResNet101/Cifar100 timing, 100 Gbit/s).
 
 Hardware/runtime: CPU; full preset (6 variants x 3 seeds) 56 s on a quiet 2-core CPU
-(2026-11-24); ``--quick`` < 25 s.
+(2026-11-24; 61 s on 2026-11-25); ``--quick`` < 25 s.
 Expected (paper): k is non-monotone and small ("usually less than 5"); fixed
 large k loses accuracy; fixed small k needs more steps and time than adaptive k.
 Measured (2026-11-25, full preset, simulated, ``python -m experiments ksync_trace
@@ -35,7 +35,8 @@ from mfopt.sim import suite
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config. Command: ``python -m experiments ksync_trace`` (``--quick`` for CI).
 
-  Hardware: CPU. Runtime: full preset measured 56 s on a quiet 2-core CPU; quick < 25 s.
+  Hardware: CPU. Runtime: full preset measured 56 s (2026-11-24) and 61 s (2026-11-25) on a
+  quiet 2-core CPU; quick < 25 s.
   Expected metric: k trace range and time to the target accuracy for adaptive vs fixed k.
   """
   c = suite.base_config(quick)

@@ -37,12 +37,13 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 
   Command: ``python -m experiments mf_lstm`` (``--quick``: CI preset).
   Hardware: one GPU recommended. Full: 4 MF x 3 seeds x 20 epochs of the 312,239-character
-  textcorpus training split at sequence length 64 (76 steps per epoch at batch 64):
-  12 runs of 1,520 steps of a 1-layer LSTM with 256 units.
+  textcorpus training split at sequence length 64 (4,878 sequences, 76.2 steps per epoch at
+  batch 64): 12 runs of 1,524 steps (20 epochs = 97,560 sequences, to whole steps) of a
+  1-layer LSTM with 256 units.
   Runtime: projected, not measured in full. Reduced run on this project's 2-core CPU (1 JAX
   device, load average ~22 from other jobs): ``python -m experiments mf_lstm epochs=0.5
   "mfs=(0.9,)" "seeds=(0,)"`` measured 7.7 s per step (38 steps, 32 s compile), so the full
-  preset (18,240 steps) projects to ~39 h there: run it on a GPU (not measured; no GPU was
+  preset (18,288 steps) projects to ~39 h there: run it on a GPU (not measured; no GPU was
   available) or shrink ``hidden``/``epochs``.
   Expected (paper, PTB words): train perplexity lowest near MF 0.975, validation
   perplexity lowest near 0.95, both worse at 0.99.

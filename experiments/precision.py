@@ -38,7 +38,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 
   Command: ``python -m experiments precision`` (``--quick``: CI smoke preset).
   Hardware: any; on a GPU the images/s column is the point (the report names the device).
-  Runtime measured on 2 shared CPU cores (load ~20): full preset 1138 s (3 policies x 2 batch
+  Runtime measured (2026-11-22, before the throughput benchmark timed both hybrid phases) on
+  2 shared CPU cores (load ~20): full preset 1138 s (3 policies x 2 batch
   sizes x 3 seeds x 20 epochs + benchmark), --quick 95 s; CI smoke test 4-14 s. Expected: equal
   accuracy across policies within noise (the report's verdict says whether it holds; a figure
   recorded here on 2026-11-22 predates the hybrid's raw-moment change and was withdrawn).
