@@ -55,7 +55,7 @@ def base_config(quick: bool) -> ml_collections.ConfigDict:
   c.num_workers = 8
   c.per_worker_batch = 16
   c.epochs = 2 if quick else 30
-  c.warmup_epochs = 1 if quick else 3
+  c.warmup_epochs = 1.0 if quick else 3.0  # (a float: T may be fractional)
   c.base_lr = 0.1
   c.alpha = 1e-3
   c.decay = 0.9
@@ -394,7 +394,7 @@ def setup_lines(c, dataset, *, extra: str = "") -> list[str]:
       f"device(s)), per-worker batch {b}, global batch {c.num_workers * b}; {c.epochs} epochs = "
       f"{c.epochs * spe} steps ({spe} steps/epoch) for every algorithm (equal samples)",
       f"- Seeds: {tuple(c.seeds)}; base lr {c.base_lr} per worker (x{c.num_workers} linear "
-      f"scaling), alpha {c.alpha}, T = {c.warmup_epochs} epochs, decay {c.decay}, momentum "
+      f"scaling), alpha {c.alpha}, T = {c.warmup_epochs:g} epochs, decay {c.decay}, momentum "
       f"{c.momentum}, weight decay {c.weight_decay}, LARS trust coefficient {c.trust_coefficient}",
       "- Times: train time measured on this machine (compile excluded); speeds are samples/s "
       "of one worker on one device of this machine; scaling efficiency and the actual "

@@ -98,6 +98,7 @@ def _phase_means(trace, num_steps):
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = data_lib.load(c.dataset)
   w, b, n = c.num_workers, c.per_worker_batch, c.num_steps
   steps_per_epoch = max(1, len(dataset.train) // (w * b))

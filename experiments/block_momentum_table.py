@@ -75,6 +75,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   rows, verdicts, raw, curves = [], [], {}, {}
   runs: list[tuple[str, dict[str, Any]]] = []  # (label, diverged/error) of every run

@@ -36,7 +36,7 @@ import numpy as np
 
 from experiments import _seed004_common as common
 from mfopt import batchnorm, checkpoint as ckpt_lib, comm, data as data_lib, models as models_lib
-from mfopt import parallel, report, train
+from mfopt import parallel, report, runner, train
 
 ROWS = ("varying_sync_ma", "sync_ma", "independent_ma", "independent_last")
 ROW_INFO = {  # fixed batch, independent statistics, without moving average, BN strategy
@@ -185,6 +185,7 @@ def _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = common.load_dataset(c)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   runs: dict[str, list[dict[str, Any]]] = {r: [] for r in c.rows}

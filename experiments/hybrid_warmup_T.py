@@ -34,7 +34,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   coefficient 1e-3 makes the SGD phase slow at this scale).
   """
   c = common.base_config(quick)
-  c.warmup_values = (1, 2) if quick else (1, 3, 6, 10)
+  c.warmup_values = (1.0, 2.0) if quick else (1.0, 3.0, 6.0, 10.0)  # (floats: T may be fractional)
   return c
 
 
@@ -47,6 +47,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = common.load_dataset(c)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   runs: dict[float, list[dict[str, Any]]] = {t: [] for t in c.warmup_values}
@@ -55,7 +56,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       def on_log(row, t=t, seed=seed):
         log({"warmup_epochs": t, "seed": seed, **row})
       runs[t].append(common.run_one(c, dataset, "hybrid", seed, warmup_epochs=t,
-                                    desc=f"T={t}/seed{seed}", on_log=on_log))
+                                    desc=f"T={t:g}/seed{seed}", on_log=on_log))
   finals = {t: [r["summary"]["test_accuracy"] for r in rs] for t, rs in runs.items()}
   target = common.auto_target(c, finals)
   for rs in runs.values():
@@ -75,21 +76,21 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
     trains = {t: [r["summary"]["final_train_accuracy"] for r in rs] for t, rs in runs.items()}
     verdicts.append(common.verdict(trains[lo], trains[hi], expect_greater=True,
                                    what=f"larger T slightly lowers final training accuracy "
-                                        f"(§3.2.1; T={lo} vs T={hi})"))
+                                        f"(§3.2.1; T={lo:g} vs T={hi:g})"))
     verdicts.append(common.verdict(finals[lo], finals[hi], expect_greater=True,
-                                   what=f"larger T lowers final test accuracy (T={lo} vs T={hi})"))
+                                   what=f"larger T lowers final test accuracy (T={lo:g} vs T={hi:g})"))
     verdicts.append(common.verdict(
         common.censored_epochs(runs[hi], c.epochs), common.censored_epochs(runs[lo], c.epochs),
-        expect_greater=False, what=f"larger T converges in fewer epochs (T={hi} vs T={lo})"))
+        expect_greater=False, what=f"larger T converges in fewer epochs (T={hi:g} vs T={lo:g})"))
   curves = {"test accuracy": {}, "train accuracy": {}}
   for t, rs in runs.items():
-    label = common.curve_label(f"T={t}", rs[0])
+    label = common.curve_label(f"T={t:g}", rs[0])
     curves["test accuracy"][label] = common.curve(rs[0], "test_accuracy")
     curves["train accuracy"][label] = common.curve(rs[0], "train_accuracy")
   report.plot_curves(workdir / "accuracy.png", curves, xlabel="epoch", ylabel="top-1 accuracy",
                      title=f"Fig. 3.2 at small scale (seed {c.seeds[0]})")
   report.write_json(workdir / "runs.json",
-                    {str(t): [common.run_record(r) for r in rs] for t, rs in runs.items()})
+                    {f"{t:g}": [common.run_record(r) for r in rs] for t, rs in runs.items()})
   lines = ["# hybrid_warmup_T: seed 004 Fig. 3.2 at small scale\n",
            *common.setup_lines(c, dataset),
            f"- T values (epochs of AdaBound warmup): {tuple(ts)}; target test accuracy "
@@ -97,7 +98,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
            report.markdown_table(rows, ["T", "final_test", "final_train", "epochs", "single"],
                                  ["T (epochs)", "final test acc", "final train acc",
                                   "epochs to target", "actual avg single-GPU time s (projected)"]),
-           *common.diverged_lines(runs, lambda t: f"T={t}"),
+           *common.diverged_lines(runs, lambda t: f"T={t:g}"),
            "\n## Paper claims\n", *common.verdict_lines(verdicts),
            "\n![accuracy](accuracy.png)\n"]
   (workdir / "report.md").write_text("\n".join(lines) + "\n")

@@ -20,6 +20,7 @@ left out of the means, and the policy comparison involving it is not reproduced
 
 from __future__ import annotations
 
+import math
 import pathlib
 import time
 from typing import Any
@@ -80,7 +81,11 @@ def throughput(c, dataset) -> dict[tuple[str, int], float]:
 
   from mfopt import data as data_lib, parallel, precision, train
   steps: dict[tuple[str, int, str], Any] = {}
-  phase_spe = {"warmup": 10 ** 6, "sgd": 1}  # (S = warmup_epochs x 10^6: never reached)
+  # steps per epoch of the two benchmark builds: the warm-up never switches (S = T x 10^6);
+  # the SGD build switches at S = floor(T x spe) >= 1 (a fractional T needs spe > 1)
+  sgd_spe = max(1, math.ceil(1 / c.warmup_epochs))
+  phase_spe = {"warmup": 10 ** 6, "sgd": sgd_spe}
+  switch = math.floor(c.warmup_epochs * sgd_spe + 1e-9)
   for b in c.batch_sizes:
     batcher = data_lib.WorkerBatcher(dataset.train, num_workers=c.num_workers,
                                      per_worker_batch=b, seed=0)
@@ -97,8 +102,8 @@ def throughput(c, dataset) -> dict[tuple[str, int], float]:
         state = train.init_train_state(model, tx, batcher.batch(0)["x"][0],
                                        num_workers=c.num_workers, mesh=mesh)
         fn = train.make_train_step(model, tx, mesh=mesh, num_workers=c.num_workers)
-        # compile + warm up; the SGD phase is stepped past the switch (S = warmup_epochs steps)
-        for _ in range(1 if phase == "warmup" else int(c.warmup_epochs) + 2):
+        # compile + warm up; the SGD build is stepped past its switch at step S
+        for _ in range(1 if phase == "warmup" else switch + 2):
           state, _ = fn(state, batch)
         jax.block_until_ready(state)
         steps[(pol, b, phase)] = [fn, state, batch, mesh.shape[parallel.DATA_AXIS], float("inf")]
@@ -124,6 +129,7 @@ def throughput(c, dataset) -> dict[tuple[str, int], float]:
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+  runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = common.load_dataset(c)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   runs: dict[tuple[str, int], list[dict[str, Any]]] = {}

@@ -152,8 +152,15 @@ def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[st
 
 
 def _both_nan(a: Any, b: Any) -> bool:
-  """NaN never equals itself: a fingerprint holding one (``run_info``) refused every resume."""
-  return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+  """Equal but for NaN, which never equals itself: a fingerprint holding one (``run_info``,
+  also inside a list) refused every resume."""
+  if isinstance(a, float) and isinstance(b, float):
+    return a == b or (math.isnan(a) and math.isnan(b))
+  if isinstance(a, list) and isinstance(b, list):
+    return len(a) == len(b) and all(_both_nan(x, y) for x, y in zip(a, b))
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_both_nan(a[k], b[k]) for k in a)
+  return a == b
 
 
 def structure_hash(tree: Any) -> str:

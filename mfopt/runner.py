@@ -89,28 +89,14 @@ def _is_number(v: Any) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _real_field(key: str) -> bool:
-  """A field :data:`CONVENTIONS` holds to a real-number rule (``warmup_epochs``, ``momentum``):
-  it takes a float even where its default is an int (``warmup_epochs = 1``, ``T = 0.5``)."""
-  rule = CONVENTIONS.get(key.split(".")[-1])
-  return rule is not None and rule not in (_NONNEG_INT, _POS_INT)
-
-
 def _parse_value(key: str, text: str, current: Any) -> Any:
   """Parses ``text`` into the type of the field's current value, or raises ConfigError.
 
-  Items of a tuple of numbers must be numbers (a bool or a quoted string is refused); a field
-  with a real-number convention takes ints and floats alike."""
+  An int field takes integers only and a float field any number; the items of a tuple of
+  floats must be numbers (a bool or a quoted string is refused). A field that takes fractions
+  (``warmup_epochs``, ``warmup_values``) has a float default for that reason."""
   expected = type(current)
   try:
-    if _real_field(key) and _is_number(current):
-      try:
-        value = ast.literal_eval(text)
-      except (ValueError, SyntaxError):
-        value = float(text)  # nan, inf: refused by check_conventions, by name
-      if not _is_number(value):
-        raise ValueError
-      return float(value) if isinstance(current, float) else value
     if isinstance(current, bool):
       low = text.lower()
       if low not in ("true", "false", "1", "0", "yes", "no"):
@@ -143,11 +129,10 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
         raise ValueError
       if current and value:
         item_type = type(current[0])
-        if item_type is float or (item_type is int and _real_field(key)):
+        if item_type is float:
           if not all(_is_number(v) for v in value):  # (True and '0.1' became 1.0 and 0.1)
             raise ValueError
-          if item_type is float:
-            value = [float(v) for v in value]
+          value = [float(v) for v in value]
         elif not all(isinstance(v, item_type) and not (item_type is int and isinstance(v, bool))
                      for v in value):
           raise ValueError
@@ -159,10 +144,9 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
   what = expected.__name__
   if isinstance(current, (tuple, list)) and current:
     item = type(current[0])
-    what = ("a tuple of numbers" if item is float or (item is int and _real_field(key)) else
-            "a tuple of integers" if item is int else "a tuple of strings" if item is str
-            else f"a tuple of {item.__name__}")
-  elif _real_field(key) and _is_number(current):
+    what = ("a tuple of numbers" if item is float else "a tuple of integers" if item is int
+            else "a tuple of strings" if item is str else f"a tuple of {item.__name__}")
+  elif isinstance(current, float):
     what = "a number"
   raise ConfigError(
       f"config field {key!r} expects {what} (current value {current!r}), got {text!r}")
@@ -184,8 +168,6 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str])
       raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(flat_keys(config))}")
     value = _parse_value(key, text, node[parts[-1]])
     with node.unlocked():
-      if type(value) is not type(node[parts[-1]]):  # an int default taking a float (_real_field):
-        del node[parts[-1]]                          # ConfigDict keeps a field's first type
       node[parts[-1]] = value
   return config
 
@@ -415,10 +397,13 @@ def _last_write(paths: Iterable[pathlib.Path]) -> float | None:
   """The newest modification time (epoch s) of the files at or under ``paths``; None if none."""
   times = []
   for path in paths:
-    if path.is_file():
-      times.append(path.stat().st_mtime)
-    elif path.is_dir():
-      times.extend(f.stat().st_mtime for f in path.rglob("*") if f.is_file())
+    files = [path] if path.is_file() else path.rglob("*") if path.is_dir() else []
+    for f in files:
+      try:
+        if f.is_file():
+          times.append(f.stat().st_mtime)
+      except OSError:  # removed meanwhile (another process's old or temporary checkpoint)
+        pass
   return max(times, default=None)
 
 
@@ -587,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "change is recorded in config.json's allowed_changes)")
   parser.add_argument("--restart", action="store_true",
                       help="delete the workdir's checkpoints and data log (config.json, "
-                      "summary.json, metrics.jsonl) and start from scratch")
+                      "summary.json, metrics.jsonl, attempts.json) and start from scratch")
   dist = parser.add_argument_group("multi-process (see mfopt.distributed; default: environment)")
   dist.add_argument("--coordinator", default=None, help="host:port of process 0")
   dist.add_argument("--num-processes", type=int, default=None)

@@ -259,6 +259,7 @@ def test_config_diff_and_bad_keep():
   nan = float("nan")  # (NaN != NaN refused every resume of a run_info holding one)
   assert checkpoint.config_diff({"t": nan, "u": 1.0}, {"t": nan, "u": 1.0}) == []
   assert checkpoint.config_diff({"t": nan}, {"t": 0.5}) == ["t: nan -> 0.5"]
+  assert checkpoint.config_diff({"t": [1.0, nan]}, {"t": (1.0, nan)}) == []  # inside a list too
   for keep in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match=f"keep must be a positive integer, got {keep!r}"):
       checkpoint.RunCheckpointer("/tmp/x", keep=keep)

@@ -291,3 +291,14 @@ def test_bn_strategies_varying_row_trains_on_from_a_finished_shorter_run(tmp_pat
   assert len(dispatched) - first_steps == two["summary"]["steps"] - one["summary"]["steps"] > 0
   assert two["history"][0] == one["history"][0] and len(two["history"]) == 2
   assert two["history"][-1]["samples"] == two["summary"]["samples"] > one["summary"]["samples"]
+
+
+def test_precision_benchmark_takes_a_fractional_warmup():
+  """Its SGD-phase build used steps_per_epoch = 1, and a fractional T (now a legal override)
+  made the hybrid refuse S = floor(T) = 0, after the whole training grid had run."""
+  from experiments import _seed004_common as common
+  from experiments import precision
+  _, c = runner.prepare("precision", quick=True, overrides=TINY + [
+      "warmup_epochs=0.5", "policies=('fp32',)", "bench_repeats=1", "bench_steps=1"])
+  out = precision.throughput(c, common.load_dataset(c))
+  assert list(out) == [("fp32", 16)] and out[("fp32", 16)] > 0

@@ -441,6 +441,24 @@ def test_single_process_experiments_are_refused_in_a_multi_process_job(monkeypat
   assert not (tmp_path / "config.json").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("name,field", [
+    ("mf_mlp", "num_workers"), ("mf_lstm", "num_workers"), ("mf_sweep", "workers"),
+    ("mf_batch_workers", "workers"), ("bn_variance", "train_workers"),
+    ("block_momentum_mu_vs_p", "workers"), ("block_momentum_table", "num_workers"),
+    ("adpsgd_variance", "num_workers"), ("hybrid_vs_baselines", "num_workers"),
+    ("hybrid_warmup_T", "num_workers"), ("precision", "num_workers"),
+    ("bn_strategies", "num_workers"), ("quickstart", "num_workers")])
+def test_worker_counts_that_cannot_split_over_the_processes_stop_before_training(
+    monkeypatch, tmp_path, name, field):
+  """Every multi-process experiment names its worker field and the fix before anything
+  trains (the README says so); without the check some failed in worker_mesh, unnamed."""
+  monkeypatch.setattr(jax, "process_count", lambda: 5)  # no default worker count divides
+  monkeypatch.setattr(train, "fit", lambda *a, **k: pytest.fail("trained"))
+  with pytest.raises(runner.ConfigError, match=rf"config field '{field}': worker counts .* not "
+                                              r"multiples of the 5 processes"):
+    runner.run_experiment(name, quick=True, workdir=tmp_path)
+
+
 def test_a_coordinator_port_in_use_is_named():
   import socket
   with socket.socket() as s:

@@ -38,18 +38,22 @@ def test_wrong_type(override, match):
 
 
 def test_tuple_items_and_real_fields_are_typed():
-  """A review's findings: a float tuple took True and '0.2' (as 1.0 and 0.2), and a field of
-  real numbers with an int default (warmup_epochs = 1, warmup_values = (1, 2)) refused 0.5."""
+  """A review's findings: a float tuple took True and '0.2' (as 1.0 and 0.2), and fields that
+  take fractions had int defaults (warmup_epochs = 1, warmup_values = (1, 2)) and refused 0.5;
+  their defaults are floats now."""
   _raises(r"'small_batch_lrs' expects a tuple of numbers .*'\(0.1, True\)'", "adpsgd_table",
           "small_batch_lrs=(0.1, True)")
   _raises(r"'small_batch_lrs' expects a tuple of numbers", "adpsgd_table",
           "small_batch_lrs=(0.1, '0.2')")
-  _raises(r"'warmup_epochs' expects a number \(current value 1\), got 'True'",
+  _raises(r"'warmup_epochs' expects a number \(current value 1.0\), got 'True'",
           "hybrid_vs_baselines", "warmup_epochs=True")
+  # an integer field stays one (the seed-004 runs take epochs x steps per epoch steps)
+  _raises(r"'epochs' expects int \(current value 2\), got '2.0'", "hybrid_vs_baselines",
+          "epochs=2.0")
   _raises(r"'workers' expects a tuple of integers", "mf_sweep", "workers=(8, 2.5)")
   _raises(r"'num_steps' expects int", "quickstart", "num_steps=1.5")  # an integer field
   _, c = runner.prepare("hybrid_warmup_T", quick=True, overrides=["warmup_values=(0.5, 1)"])
-  assert c.warmup_values == (0.5, 1)
+  assert c.warmup_values == (0.5, 1.0)
   _, c = runner.prepare("hybrid_vs_baselines", quick=True, overrides=["warmup_epochs=0.5"])
   assert c.warmup_epochs == 0.5
   _, c = runner.prepare("adpsgd_table", quick=True, overrides=["learning_rate=2"])

@@ -181,6 +181,8 @@ def plain_settings(v: Any) -> Any:
   if dataclasses.is_dataclass(v) and not isinstance(v, type):
     return {f.name: plain_settings(getattr(v, f.name)) for f in dataclasses.fields(v)
             if f.name not in ("parent", "name")}  # (flax modules: their place in a tree)
+  if isinstance(v, np.ndarray):  # (e.g. ComputeModel.speeds: its values, not its type)
+    return plain_settings(v.tolist())
   if isinstance(v, np.generic):
     v = v.item()
   if isinstance(v, float) and not math.isfinite(v):
