@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import mfopt
+from _steps import run_linear_field  # tests/ is on sys.path
 # ``mfopt.adabound`` is the optimizer function; the module is reached through sys.modules.
 ab = importlib.import_module("mfopt.adabound")
 
@@ -546,16 +547,8 @@ def test_an_lr_schedule_through_inject_hyperparams_moves_the_bounds_as_a_direct_
   lr = optax.exponential_decay(0.1, 10, 0.1)
   kw = dict(final_lr=0.1, gamma=0.5, amsbound=amsbound)
 
-  def run(tx, steps=60):
-    p = {"w": jnp.linspace(-1.0, 1.0, 6)}
-    s, update = tx.init(p), jax.jit(tx.update)
-    for _ in range(steps):
-      u, s = update(jax.tree.map(lambda a: 2.0 * a + 0.1, p), s, p)
-      p = optax.apply_updates(p, u)
-    return np.asarray(p["w"]), s
-
-  direct, _ = run(mfopt.adabound(lr, **kw))
-  injected, state = run(optax.inject_hyperparams(mfopt.adabound)(learning_rate=lr, **kw))
+  direct, _ = run_linear_field(mfopt.adabound(lr, **kw))
+  injected, _ = run_linear_field(optax.inject_hyperparams(mfopt.adabound)(learning_rate=lr, **kw))
   np.testing.assert_allclose(injected, direct, rtol=0, atol=1e-5)  # (float32 rounding)
   # A rate set by hand moves the bounds too, as in the reference: at t = 1 a tiny gradient's
   # rate clips to the upper bound final * (1 + 1/gamma), final = final_lr * lr / base_lr.

@@ -16,6 +16,7 @@ import pytest
 from jax import lax
 
 import mfopt
+from _steps import run_linear_field  # tests/ is on sys.path
 from mfopt import mf as mf_lib
 
 T = 50
@@ -253,21 +254,13 @@ def test_mf_adam_with_increasing_mf1_schedule_matches_numpy():
     np.testing.assert_allclose(np.asarray(got["x"][0]), want, rtol=1e-4, atol=1e-5, err_msg=phi)
 
 
-def _run_steps(tx, steps=60):
-  p = {"w": jnp.linspace(-1.0, 1.0, 6)}
-  s, update = tx.init(p), jax.jit(tx.update)
-  for _ in range(steps):
-    u, s = update(jax.tree.map(lambda a: 2.0 * a + 0.1, p), s, p)
-    p = optax.apply_updates(p, u)
-  return np.asarray(p["w"])
-
-
 def test_mf_adam_with_an_mf1_schedule_through_inject_hyperparams_equals_the_direct_schedule():
   """Injected, MF1 arrives as this step's value only; the bias correction must still be the
   product of the values so far (it was 1 - MF1_t**t: off by 2e-2 after 60 steps)."""
   sched = optax.linear_schedule(0.5, 0.99, 50)
-  direct = _run_steps(mfopt.mf_adam(0.05, sched))
-  injected = _run_steps(optax.inject_hyperparams(mfopt.mf_adam)(learning_rate=0.05, mf1=sched))
+  direct, _ = run_linear_field(mfopt.mf_adam(0.05, sched))
+  injected, _ = run_linear_field(
+      optax.inject_hyperparams(mfopt.mf_adam)(learning_rate=0.05, mf1=sched))
   np.testing.assert_allclose(injected, direct, rtol=0, atol=1e-5)  # (float32 rounding)
   # constant gradient, MF2 = 0: every bias-corrected Adam step is exactly -lr
   tx = optax.inject_hyperparams(mfopt.mf_adam)(learning_rate=1.0, mf1=sched, mf2=0.0)
