@@ -97,7 +97,9 @@ class JsonlWriter:
   def __call__(self, row: Mapping[str, Any]) -> None:
     if self._seen is None:
       _drop_torn_tail(self.path)  # a write cut short by a kill: resume after the last whole row
-      self._seen = {self._identity(r) for r in read_jsonl(self.path)}
+      # (rows written before non-finite numbers became strings hold bare NaN: read back as
+      # floats, _jsonable makes them the strings a recomputed row has)
+      self._seen = {self._identity(_jsonable(r)) for r in read_jsonl(self.path)}
     row = _jsonable(row)
     key = self._identity(row)
     if key in self._seen:

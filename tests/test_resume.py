@@ -564,6 +564,10 @@ def test_json_files_are_strict_json_with_nonfinite_numpy_values(tmp_path):
   log(dict(row))  # the same row again: not written twice
   lines = (tmp_path / "m.jsonl").read_text().splitlines()
   assert len(lines) == 1 and strict(lines[0]) == want
+  # a log written before the fix holds bare NaN: a resumed run's equal row is not added again
+  (tmp_path / "old.jsonl").write_text('{"step": 1, "loss": NaN}\n')
+  report.JsonlWriter(tmp_path / "old.jsonl")({"step": 1, "loss": np.float32("nan")})
+  assert len((tmp_path / "old.jsonl").read_text().splitlines()) == 1
 
 
 def test_an_attempt_killed_before_its_first_checkpoint_is_counted(tmp_path):
