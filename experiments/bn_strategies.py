@@ -178,7 +178,8 @@ def _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_
   summary = {"test_accuracy": history[-1]["test_accuracy"],
              "final_train_accuracy": history[-1]["train_accuracy"], "samples": samples,
              "steps": step, "num_workers": w, "train_s": train_s,
-             **comm.comm_totals(train.to_host(state.opt_state, mesh)), "diverged": False}
+             **comm.comm_totals(train.to_host(state.opt_state, mesh, first_worker_only=True)),
+             "diverged": False}
   return {"history": history, "summary": summary, "steps_per_epoch": spe,
           "num_devices": mesh.shape[parallel.DATA_AXIS], "per_worker_batch": b, "seed": seed,
           "diverged": False, "error": None, "diverged_at_step": None}

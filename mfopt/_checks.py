@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["is_int", "is_real", "is_traced", "real_scalar", "number_where", "positive_int", "nonnegative_int",
+__all__ = ["is_int", "is_real", "is_traced", "is_array", "real_scalar", "number_where", "positive_int", "nonnegative_int",
            "positive_number", "nonnegative_number", "finite_positive_number", "unit_interval",
            "transformation", "flag"]
 
@@ -34,6 +34,12 @@ def is_real(value: Any) -> bool:
 def is_traced(value: Any) -> bool:
   """True for a JAX tracer (a hyperparameter under ``jit``, e.g. from ``optax.inject_hyperparams``)."""
   return isinstance(value, jax.core.Tracer)
+
+
+def is_array(value: Any) -> bool:
+  """True for a JAX array or tracer: a hyperparameter from ``optax.inject_hyperparams``
+  (concrete at ``init``, traced under ``jit``), where a plain transform sees a Python number."""
+  return isinstance(value, jax.Array)  # (a Tracer is a jax.Array too)
 
 
 def real_scalar(value: Any) -> tuple[bool, Any]:

@@ -95,7 +95,7 @@ class AdaBoundState(NamedTuple):
 
 def _bias_correction(decay: float, t: jax.Array) -> jax.Array:
   """``1 - decay**t`` as ``-expm1(t log decay)``: accurate in float32 even for decay = 0.999."""
-  if _checks.is_traced(decay) or isinstance(decay, jax.Array):  # optax.inject_hyperparams
+  if _checks.is_array(decay):  # optax.inject_hyperparams
     return jnp.where(decay == 0.0, 1.0, -jnp.expm1(t * jnp.log(jnp.where(decay == 0.0, 1.0, decay))))
   if decay == 0.0:
     return jnp.ones_like(t)
@@ -179,7 +179,7 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
     if callable(learning_rate):
       lr = learning_rate(state.count)
       final = final_lr * lr / learning_rate(0)
-    elif _checks.is_traced(learning_rate) or isinstance(learning_rate, jax.Array):
+    elif _checks.is_array(learning_rate):
       # optax.inject_hyperparams: the current rate only; the rate at step 0 is in the state
       lr = learning_rate
       final = final_lr * lr / state.base_lr.astype(jnp.result_type(lr, jnp.float32))

@@ -567,8 +567,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       else:
         mean = _pmean_floats(local, axis_name)
       if average_inner_state:
-        inner_state = jax.tree.map(
-            lambda x: pmean_tree(x, axis_name) if _is_float(x) else x, inner_state)
+        inner_state = _pmean_floats(inner_state, axis_name)
       if compute_s:
         s_k = pmean_tree(_sq_norm(jax.tree.map(jnp.subtract, mean, local)), axis_name)
         scalar_comm = scalar_comm._replace(

@@ -146,20 +146,20 @@ def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[st
       out.append(f"{key}: (absent) -> {b[key]!r}")
     elif key not in b:
       out.append(f"{key}: {a[key]!r} -> (absent)")
-    elif a[key] != b[key] and not _both_nan(a[key], b[key]):
+    elif not _same(a[key], b[key]):
       out.append(f"{key}: {a[key]!r} -> {b[key]!r}")
   return out
 
 
-def _both_nan(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any) -> bool:
   """Equal but for NaN, which never equals itself: a fingerprint holding one (``run_info``,
   also inside a list) refused every resume."""
   if isinstance(a, float) and isinstance(b, float):
     return a == b or (math.isnan(a) and math.isnan(b))
   if isinstance(a, list) and isinstance(b, list):
-    return len(a) == len(b) and all(_both_nan(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
   if isinstance(a, dict) and isinstance(b, dict):
-    return a.keys() == b.keys() and all(_both_nan(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
   return a == b
 
 

@@ -381,8 +381,7 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
       # A schedule, or a value injected by optax.inject_hyperparams (which may be a schedule's
       # current value): 1 - prod(MF1_s), the exact sum of the EMA's weights. A constant:
       # 1 - MF1**t, as optax.tree_bias_correction (bitwise optax.adam).
-      injected = _checks.is_traced(mf1) or isinstance(mf1, jax.Array)
-      c1 = 1 - product if callable(mf1) or injected else 1 - b1**count
+      c1 = 1 - product if callable(mf1) or _checks.is_array(mf1) else 1 - b1**count
       c2 = 1 - mf2**count
       direction = jax.tree.map(
           lambda m, v, g: ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype), mu, nu, updates)

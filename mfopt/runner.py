@@ -33,7 +33,7 @@ from typing import Any
 
 import ml_collections
 
-from mfopt import checkpoint, distributed, report
+from mfopt import _checks, checkpoint, distributed, report
 
 EXPERIMENTS_PACKAGE = "experiments"
 
@@ -85,10 +85,6 @@ def load_experiment(name: str) -> ModuleType:
   return module
 
 
-def _is_number(v: Any) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _parse_value(key: str, text: str, current: Any) -> Any:
   """Parses ``text`` into the type of the field's current value, or raises ConfigError.
 
@@ -130,7 +126,7 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
       if current and value:
         item_type = type(current[0])
         if item_type is float:
-          if not all(_is_number(v) for v in value):  # (True and '0.1' became 1.0 and 0.1)
+          if not all(_checks.is_real(v) for v in value):  # (True and '0.1' became 1.0 and 0.1)
             raise ValueError
           value = [float(v) for v in value]
         elif not all(isinstance(v, item_type) and not (item_type is int and isinstance(v, bool))

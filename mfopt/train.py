@@ -673,15 +673,16 @@ def _replicate_fn(mesh, first_worker_only: bool):
   return jax.jit(lambda t: t, out_shardings=replicated)
 
 
-def to_host(tree: Any, mesh) -> Any:
+def to_host(tree: Any, mesh, first_worker_only: bool = False) -> Any:
   """``jax.device_get`` that also works for worker-sharded arrays of a multi-process run.
 
   In a multi-process run the tree is first replicated over ``mesh`` (one program: every
-  process must call this), so every process gets every worker's rows. Loops of one's own
+  process must call this), so every process gets every worker's rows (only worker 0's with
+  ``first_worker_only``, e.g. for counters every worker holds alike). Loops of one's own
   (``experiments/bn_strategies.py``) read their step metrics with it, as ``fit`` does.
   """
   if jax.process_count() > 1:
-    tree = _replicate_fn(mesh, False)(tree)
+    tree = _replicate_fn(mesh, first_worker_only)(tree)
   return jax.device_get(tree)
 
 

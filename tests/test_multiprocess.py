@@ -92,10 +92,15 @@ def _launch_job(call: str, *, heartbeat=5, grace=40) -> subprocess.Popen:
   ``scripts/launch_local.py`` with 4 CPU devices per process."""
   code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_multiprocess; "
           f"test_multiprocess.{call}")
-  return subprocess.Popen(
-      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout",
-       str(heartbeat), "--grace", str(grace), "--", "-c", code],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(_launch_args("-c", code, heartbeat=heartbeat, grace=grace),
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _launch_args(*python_args: str, heartbeat=5, grace=40) -> list[str]:
+  """``scripts/launch_local.py``'s command line: 2 processes x 4 CPU devices running
+  ``python *python_args``."""
+  return [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout",
+          str(heartbeat), "--grace", str(grace), "--", *python_args]
 
 
 def _launch(out, num_steps, heartbeat=5, algo="sync"):
@@ -385,9 +390,9 @@ def test_an_experiment_on_two_processes_matches_one_process(tmp_path, name, over
   """The experiment on 2 processes x 4 devices and on one process with 8 devices."""
   overrides = [*overrides, "progress=false"]
   job = subprocess.run(
-      [sys.executable, str(LAUNCH), "-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10",
-       "--", "-m", "experiments", name, "--quick", "--workdir", str(tmp_path / "two"),
-       *overrides], cwd=ROOT, capture_output=True, text=True, timeout=150)
+      _launch_args("-m", "experiments", name, "--quick", "--workdir", str(tmp_path / "two"),
+                   *overrides, heartbeat=10), cwd=ROOT, capture_output=True, text=True,
+      timeout=150)
   assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
   runner.run_experiment(name, quick=True, workdir=tmp_path / "one", overrides=overrides)
   agree(tmp_path / "two", tmp_path / "one")
