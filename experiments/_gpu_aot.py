@@ -23,6 +23,8 @@ to the GPU mesh (:func:`abstract_on`).
 
 from __future__ import annotations
 
+import collections
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,50 @@ def memory(compiled) -> dict[str, int] | None:
           "output_bytes": int(m.output_size_in_bytes),
           "alias_bytes": int(m.alias_size_in_bytes),
           "temp_bytes": int(m.temp_size_in_bytes)}
+
+
+_THUNK = re.compile(r"^(?P<indent>\s*)\d+:\s+(?P<kind>k\w+)")
+
+
+def thunk_census(text: str) -> dict[str, Any]:
+  """What XLA:GPU's runtime launches, from its thunk sequence dump (``--xla_dump_to``'s
+  ``*.thunk_sequence_after_thunk_passes.txt``; the HLO text does not show command buffers).
+
+  Top-level thunks run one by one; a ``kCommandBuffer`` thunk is one CUDA graph whose commands
+  are the indented lines under it. Returns ``command_buffers``, ``commands_in_buffers``,
+  ``thunks_outside`` (top-level thunks other than command buffers: each its own launch),
+  ``outside_by_kind`` and ``all_by_kind`` (counts per thunk kind, e.g. ``kConvolution``).
+  """
+  outside: collections.Counter = collections.Counter()
+  everywhere: collections.Counter = collections.Counter()
+  buffers = inside = 0
+  for line in text.splitlines():
+    m = _THUNK.match(line)
+    if not m:
+      continue
+    kind = m.group("kind")
+    if kind != "kCommandBuffer":
+      everywhere[kind] += 1
+    if m.group("indent"):
+      inside += 1
+    elif kind == "kCommandBuffer":
+      buffers += 1
+    else:
+      outside[kind] += 1
+  return {"command_buffers": buffers, "commands_in_buffers": inside,
+          "thunks_outside": sum(outside.values()), "outside_by_kind": dict(outside),
+          "all_by_kind": dict(everywhere)}
+
+
+def compile_with_thunks(lowered, compiler_options: dict[str, Any] | None = None
+                        ) -> tuple[Any, dict[str, Any] | None]:
+  """``lowered.compile(compiler_options=...)`` with XLA's dump on, and the :func:`thunk_census`
+  of the compiled program (``None`` if this XLA wrote no thunk sequence)."""
+  import tempfile
+  with tempfile.TemporaryDirectory(prefix="mfopt_xla_dump_") as dump:
+    compiled = lowered.compile(compiler_options={**(compiler_options or {}), "xla_dump_to": dump})
+    files = sorted(Path(dump).glob("*thunk_sequence_after_thunk_passes.txt"))
+    # One compile, one module; should XLA dump a helper module too, the step is the largest.
+    census = (thunk_census(max(files, key=lambda f: f.stat().st_size).read_text())
+              if files else None)
+  return compiled, census

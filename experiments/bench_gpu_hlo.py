@@ -5,6 +5,9 @@ Command::
   JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo   # bash scripts/gpu_aot.sh
   JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo --quick
   JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo --resnet50   # target 2, model 2
+  JAX_PLATFORMS=cpu .venv-gpu-aot/bin/python -m experiments.bench_gpu_hlo --workers 4 --batch 256 \
+      --compiler-option xla_gpu_experimental_enable_conv_fusion=true \
+      --compiler-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT   # unroll under options
 
 SIMULATED TARGET: every program is compiled by XLA:GPU for one compile-only H100
 (``experiments/_gpu_aot.py``: deviceless compilation, no autotuning) and never run. The figures
@@ -44,7 +47,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from experiments import _bench, _gpu_aot
+from experiments import _bench, _gpu_aot, bench_virtual_workers
 
 # Instructions that launch nothing (views, tuples, parameters) or are control flow whose
 # bodies are counted where they are.
@@ -179,6 +182,13 @@ def _extra_args(parser) -> None:
   parser.add_argument("--resnet50", action="store_true",
                       help="only target 2's second model: ResNet-50 224x224, batch 128, bf16 "
                            "and fp32, the library's step vs the plain one")
+  parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                      type=bench_virtual_workers.parse_option,
+                      help="only the unroll local step (W x B), compiled with XLA's default "
+                           "options and then with the first, the first two, ... of these options "
+                           "(repeatable): what each adds to cuDNN convolutions, CUDA graphs "
+                           "(command buffers, from XLA's thunk dump) and launches. E.g. "
+                           "xla_gpu_experimental_enable_conv_fusion=true")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -276,6 +286,36 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   def key(convs):
     return sorted((c["kind"], c["batch"], c["groups"]) for c in convs)
+
+  if args.compiler_option:  # the unroll local step under cumulative XLA options
+    model = make(jnp.bfloat16)
+    state = train_lib.init_train_state(model, sgd, x1, num_workers=num_workers, mesh=host_mesh)
+    lowered = train_lib.make_train_step(model, sgd, mesh=gpu_mesh, num_workers=num_workers,
+                                        lowering="unroll").lower(
+        *_gpu_aot.abstract_on((state, worker_batch(num_workers, batch)), gpu_mesh))
+    base = None
+    for n in range(len(args.compiler_option) + 1):
+      options = dict(args.compiler_option[:n])
+      compiled, thunks = _gpu_aot.compile_with_thunks(lowered, options)
+      label = ", ".join(f"{k}={v}" for k, v in options.items()) or "default options"
+      row = record(f"unroll local W={num_workers} B={batch} [{label}]", compiled)
+      row["options"], row["thunks"] = {k: str(v) for k, v in options.items()}, thunks
+      if thunks is not None:
+        report.figure(f"unroll local [{label}] | CUDA graphs (command buffers)",
+                      thunks["command_buffers"], "graphs",
+                      f"{thunks['commands_in_buffers']} commands inside them, "
+                      f"{thunks['thunks_outside']} thunks outside "
+                      f"({thunks['outside_by_kind']}); cuDNN convolutions "
+                      f"{len(row['convs'])}", **thunks)
+      if base is None:
+        base = row
+      else:
+        report.figure(f"unroll local [{label}] / default options, bytes written",
+                      row["bytes_written_run"] / base["bytes_written_run"], "x",
+                      f"{row['bytes_written_run'] / 1e6:,.1f} vs "
+                      f"{base['bytes_written_run'] / 1e6:,.1f} MB (traffic model); launches "
+                      f"{row['launches_run']} vs {base['launches_run']}")
+    return report.finish()
 
   if args.resnet50:  # target 2, second model: the library's step as bench_train_step runs it
     sync = optax.chain(mfopt.sync_gradients(parallel.WORKER_AXES), sgd)

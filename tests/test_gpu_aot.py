@@ -255,3 +255,45 @@ def test_host_gated_steps_compiled_for_an_h100_have_no_gate_loop():
   assert shut["launches_cheapest"] == none["launches_cheapest"] + 3, (
       shut["ops_every_step"], none["ops_every_step"])
   assert shut["copy_bytes"] == none["copy_bytes"]
+
+
+# XLA:GPU's thunk sequence dump, as --xla_dump_to writes it (trimmed; this layout from
+# jax 0.10.2's CUDA plugin): 2 command buffers holding 3 and 1 commands; outside them a
+# kernel, 2 convolutions and a copy.
+THUNKS = """\
+001: kCustomKernel   [source       | next=005 (4) ] loop_transpose_fusion_1 grid: [1, 1, 1] threads: [108, 1, 1]  shared_memory: 0 bytes
+005: kConvolution    [prev=004 (1) | next=006 (1) ] kConvolution
+000: kCommandBuffer  [prev=007 (1) | next=017 (1) ] 
+    008: kCustomKernel [source       | next=009 (1)] input_reduce_fusion_6 grid: [1, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+    010: kCopy         [prev=009 (1) | next=011 (1)] kCopy
+    011: kCustomKernel [prev=010 (1) | next=012 (1)] input_concatenate_fusion_5 grid: [1, 1, 1] threads: [4, 1, 1]  shared_memory: 0 bytes
+017: kConvolution    [prev=000 (1) | next=018 (1) ] kConvolution
+000: kCommandBuffer  [prev=019 (1) | next=052 (1) ] 
+    020: kCublasLtMatmul [source       | next=021 (1)] 
+018: kCopy           [prev=017 (1) | next=000 (2) ] kCopy
+"""
+
+
+def test_thunk_census_counts_graphs_and_what_runs_outside_them():
+  c = _gpu_aot.thunk_census(THUNKS)
+  assert c["command_buffers"] == 2
+  assert c["commands_in_buffers"] == 4
+  assert c["thunks_outside"] == 4
+  assert c["outside_by_kind"] == {"kCustomKernel": 1, "kConvolution": 2, "kCopy": 1}
+  assert c["all_by_kind"] == {"kCustomKernel": 3, "kConvolution": 2, "kCopy": 2,
+                              "kCublasLtMatmul": 1}
+  assert _gpu_aot.thunk_census("")["command_buffers"] == 0
+
+
+@needs_plugin
+def test_bench_gpu_hlo_compiler_options_reach_the_compile():
+  """--compiler-option compiles the unroll step under cumulative options: XLA's experimental
+  convolution fusion leaves no cuDNN convolution and fewer thunks outside CUDA graphs."""
+  result = bench_gpu_hlo.main(["--quick", "--compiler-option",
+                               "xla_gpu_experimental_enable_conv_fusion=true"])
+  rows = [f for f in result["figures"] if "command_buffers" in f]
+  assert len(rows) == 2, [f["name"] for f in result["figures"]]
+  default, fused = rows
+  assert default["all_by_kind"].get("kConvolution", 0) > 0
+  assert fused["all_by_kind"].get("kConvolution", 0) == 0
+  assert fused["thunks_outside"] < default["thunks_outside"]
