@@ -285,6 +285,17 @@ def test_fp16_all_reduce_sends_loss_scaled_gradients():
   np.testing.assert_array_equal(np.asarray(scales), np.full((2, 2), 2.0 ** 15))
 
 
+def test_fp16_all_reduce_without_loss_scaling_overflows_only_where_the_mean_would():
+  # 4 workers' gradients of 3e4: their fp16 sum (1.2e5) is past fp16's 65504, their mean is
+  # not. lax.pmean sums first (inf on every worker); pre-divided, the mean arrives.
+  g = np.full((4, 8), 3e4, np.float32)
+  g[:, 0] = [6e4, 6e4, -6e4, 3e4]  # mean 15000
+  out, _ = _sync_fp16(jnp.asarray(g), None, wrap=False)
+  out = np.asarray(out).reshape(4, -1)
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, np.broadcast_to(g.mean(0), (4, 8)), rtol=1e-3)
+
+
 def test_fp16_all_reduce_overflow_is_an_overflowing_step_on_every_worker():
   # One worker's gradient 20 x scale 2**15 / 4 workers = 163840 > 65504: the fp16 sum is inf
   # everywhere, so every worker reverts the step and halves its scale (the scales stay equal).
