@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import optax
 
 from mfopt import _checks
-from mfopt.comm import AxisName, HostSchedule, gated, host_scalar, states_of, unbatched
+from mfopt.comm import (AxisName, HostSchedule, check_axis_name, gated, host_scalar, states_of,
+                        unbatched)
 
 __all__ = [
     "AdaBoundState",
@@ -163,6 +164,7 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
   _checks.unit_interval("b1", b1)
   _checks.unit_interval("b2", b2)
   _checks.nonnegative_number("eps", eps)
+  amsbound = _checks.flag("amsbound", amsbound)
 
   def init_fn(params):
     zeros = optax.tree.zeros_like(params)
@@ -229,6 +231,7 @@ def adabound(learning_rate: optax.ScalarOrSchedule = 1e-3, final_lr: float = 0.1
   Seed: 004 §2.1.1 (SPEC.md: reference-implementation semantics).
   """
   _checks.nonnegative_number("weight_decay", weight_decay)
+  amsbound = _checks.flag("amsbound", amsbound)
   parts = []
   # a JAX scalar (optax.inject_hyperparams, concrete at init, traced at update): always decay,
   # so that init and update build the same chain
@@ -287,8 +290,7 @@ def _linear_scaling_hyper(*, base_lr, num_workers, steps_per_epoch, alpha, warmu
   _checks.unit_interval("b1", b1)
   _checks.unit_interval("b2", b2)
   _checks.nonnegative_number("eps", eps)
-  if not isinstance(bias_correction, bool):
-    raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
+  bias_correction = _checks.flag("bias_correction", bias_correction)
   return dict(base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch,
               alpha=alpha, warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps,
               bias_correction=bool(bias_correction))
@@ -487,7 +489,8 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
   equal) and selects its small norms table per worker, at the same cost (XLA:CPU, worker map:
   44.0 + [12.0] B/param with or without ``axis_name``). ``axis_name`` (the worker axes) makes
   the trip count unbatched (:func:`mfopt.comm.unbatched`: a local reduction, no
-  communication) and drops that select. Measured on CPU
+  communication) and drops that select. That loop is why ``jax.grad`` through ``update``
+  needs :func:`mfopt.differentiable_gates` (JAX cannot reverse a ``while_loop``). Measured on CPU
   (``python -m experiments.bench_update``, BENCHMARKS.md): AdaBound phase 0.96-1.08x
   ``optax.adam``'s time, LARS phase 0.27x ``optax.lars``'s.
 
@@ -520,6 +523,7 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
 
   Seed: 004 §2.2.1 (both loops), §3.1 (defaults T=10, lr=0.1, kappa=0.9, wd=1e-4).
   """
+  axis_name = check_axis_name(axis_name)
   _checks.unit_interval("momentum", momentum)
   _checks.nonnegative_number("weight_decay", weight_decay)
   _checks.positive_number("trust_coefficient", trust_coefficient)

@@ -398,6 +398,10 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   :func:`mfopt.precision.skip_nonfinite`, never this transform in ``optax.apply_if_finite``
   (a worker that skips falls out of step and, across devices, the averaging all-reduce hangs).
 
+  The sync is a 0-or-1-trip loop (:func:`mfopt.comm.gated`), which JAX cannot differentiate
+  in reverse mode: to take ``jax.grad`` through ``update`` (meta-learning a learning rate),
+  trace it under :func:`mfopt.differentiable_gates`.
+
   Args:
     inner: the local optimizer (e.g. ``optax.sgd(lr, momentum=0.9)``); its
       state stays local unless ``average_inner_state``.
@@ -462,7 +466,10 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   comm_dtype = comm_dtype_of(comm_dtype)
   _checks.nonnegative_int("trace_length", trace_length)
   controller = period
-  compute_s = controller.uses_variance if sync_variance is None else bool(sync_variance)
+  average_inner_state = _checks.flag("average_inner_state", average_inner_state)
+  track_variance = _checks.flag("track_variance", track_variance)
+  sync_variance = _checks.flag("sync_variance", sync_variance, allow_none=True)
+  compute_s = controller.uses_variance if sync_variance is None else sync_variance
   if controller.uses_variance and not compute_s:
     raise ValueError(f"sync_variance=False but the controller {controller.name} needs S_k")
   # a bool or None, not 0/1 (``0 in (None, True, False)`` is true, and ``0 is False`` is not)
@@ -673,7 +680,9 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
   outer=optax.sgd(1.0, momentum=momentum, nesterov=nesterov))`` (the pseudo-gradient
   is ``w~ - a``, DiLoCo's sign). ``momentum=0`` is K-AVG (equal to plain
   periodic averaging up to the rounding of ``w~ + (a - w~)``). Learner-level
-  momentum (the paper's conclusion) is ``inner=optax.sgd(lr, momentum=...)``.
+  momentum (the paper's conclusion) is ``inner=optax.sgd(lr, momentum=...)``. ``jax.grad``
+  through ``update``: under :func:`mfopt.differentiable_gates` (as for
+  :func:`periodic_averaging`).
 
   Args:
     inner: the learners' optimizer (paper: plain SGD with step ``gamma``).
@@ -700,6 +709,7 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
     >>> tx = mfopt.block_momentum(optax.sgd(0.05), mfopt.WORKER_AXES, 8, momentum=0.7)
   """
   _checks.unit_interval("momentum", momentum)
+  nesterov = _checks.flag("nesterov", nesterov)
   outer = optax.sgd(1.0, momentum=momentum if _checks.is_traced(momentum) else float(momentum),
                     nesterov=nesterov)
   return periodic_averaging(inner, axis_name, period, outer=outer,
