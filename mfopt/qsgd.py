@@ -142,6 +142,8 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
     raise ValueError(f"bits must be an integer in [2, 8], got {bits!r}{_checks._array_hint(bits)}")
   _checks.positive_int("bucket_size", bucket_size)
   _checks.nonnegative_int("seed", seed)
+  if seed >= 2**32:  # PRNGKey keeps 32 bits without x64: 2**32 would be seed 0's noise
+    raise ValueError(f"seed must be below 2**32, got {seed!r}")
   axis_name = check_axis_name(axis_name)
 
   def init_fn(params):

@@ -449,10 +449,21 @@ def test_bad_arguments_are_named(make, arg, value):
     make(value)
 
 
-def test_bias_correction_must_be_a_bool():
+def test_switches_must_be_bools():
+  """A truthy string must not switch a variant on: adabound(amsbound='no') ran AMSBound."""
   for make in (mfopt.linear_scaling_adabound, mfopt.hybrid_adabound_lars):
-    with pytest.raises(TypeError, match="bias_correction must be a bool, got 'yes'"):
+    with pytest.raises(ValueError, match="bias_correction must be True or False, got 'yes'"):
       make(base_lr=0.1, num_workers=2, steps_per_epoch=3, bias_correction="yes")
+  for make in (mfopt.adabound, mfopt.scale_by_adabound):
+    with pytest.raises(ValueError, match="amsbound must be True or False, got 'no'"):
+      make(0.1, amsbound="no")
+    with pytest.raises(ValueError, match="amsbound must be True or False, got 1"):
+      make(0.1, amsbound=1)
+
+
+def test_hybrid_names_a_bad_axis_name_when_built():
+  with pytest.raises(ValueError, match="axis_name .*got 3"):
+    mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=3, axis_name=3)
 
 
 def test_hybrid_axis_name_is_harmless_outside_the_worker_vmap():

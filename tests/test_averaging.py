@@ -250,6 +250,14 @@ def test_flat_anchor_default_and_errors():
     mfopt.periodic_averaging(optax.sgd(0.1), None, 4, flat_anchor="yes")
   with pytest.raises(ValueError, match=r"flat_anchor must be True, False or None, got 0"):
     mfopt.block_momentum(optax.sgd(0.1), None, 4, flat_anchor=0)  # 0 == False, but not a flag
+  # The other switches too: 'no' used to run both variance diagnostics, and Nesterov.
+  for arg in ("average_inner_state", "track_variance"):
+    with pytest.raises(ValueError, match=rf"{arg} must be True or False, got 'no'"):
+      mfopt.periodic_averaging(optax.sgd(0.1), None, 4, **{arg: "no"})
+  with pytest.raises(ValueError, match=r"sync_variance must be True, False or None, got 'no'"):
+    mfopt.periodic_averaging(optax.sgd(0.1), None, 4, sync_variance="no")
+  with pytest.raises(ValueError, match=r"nesterov must be True or False, got 'no'"):
+    mfopt.block_momentum(optax.sgd(0.1), None, 4, nesterov="no")
   # no anchor (no outer, no comm_dtype): nothing to flatten
   assert mfopt.periodic_averaging(optax.sgd(0.1), None, 4, flat_anchor=True).init(mixed).anchor == ()
 

@@ -114,7 +114,9 @@ def test_distributed_qsgd_equals_mean_of_per_worker_quantizations_w16():
 
 @pytest.mark.parametrize("kw,match", [({"bits": 1}, r"bits must be an integer in \[2, 8\], got 1"),
                                       ({"bits": 9}, r"got 9"),
-                                      ({"bucket_size": 0}, r"bucket_size must be a positive")])
+                                      ({"bucket_size": 0}, r"bucket_size must be a positive"),
+                                      # PRNGKey keeps 32 bits: 2**32 drew seed 0's noise
+                                      ({"seed": 2**32}, r"seed must be below 2\*\*32, got 4294967296")])
 def test_bad_arguments(kw, match):
   with pytest.raises(ValueError, match=match):
     mfopt.qsgd(None, **kw)
