@@ -128,7 +128,9 @@ def gemm_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
   cost is memory: the patches are ``prod(kernel)`` times the input (kept for the backward
   pass). 1x1 kernels skip the patches (a strided slice is enough). Measured on CPU
   (BENCHMARKS.md, target 4): slower than ``vmap``'s grouped convolutions at 4-8 workers per
-  device, the fastest lowering at 32.
+  device, the fastest lowering at 32. Measured on an H100 (session 6, ResNet-18 CIFAR, bf16):
+  never the best, 0.21-0.29x one replica against ``vmap``'s 0.35-0.41x at every shape tried,
+  so on GPUs it does not pay; ``lowering="auto"`` times it and picks something else there.
 
   Accepts flax ``nn.Conv``'s call (channels-last input, kernel ``(*spatial, in, out)``) and
   falls back to ``lax.conv_general_dilated`` for anything else (feature groups, input
