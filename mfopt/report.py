@@ -73,38 +73,65 @@ def write_json(path: pathlib.Path, obj: Any) -> None:
 
 
 MEASURED_FIELDS = ("train_time_s",)  # wall-clock fields of a metrics row; all others are data
+#: Where a row says how far its run got: ``mfopt.train.fit``'s ``step``, ``mfopt.sim``'s
+#: ``server_step``. The experiments log ``{labels..., **row}``, so a row's fields up to and
+#: including the first of these name the data point (labels + position); the rest is data.
+POSITION_FIELDS = ("step", "server_step")
 
 
 class JsonlWriter:
   """Appends one JSON object per line to ``path`` (``metrics.jsonl``), each data point once.
 
   A resumed run recomputes what it did after its last checkpoint (and any un-checkpointed
-  part, e.g. simulator runs) and logs those rows again, bit-identical except for wall-clock
-  fields (:data:`MEASURED_FIELDS`). A row equal to one already in the file in every other
-  field is therefore not written again, so the file of a resumed run holds the rows of an
-  uninterrupted one (their first measured times).
+  part, e.g. simulator runs) and logs those rows again. A row names its data point by its
+  fields up to and including its first :data:`POSITION_FIELDS` field (the labels the
+  experiment put first, then the step); a row whose data point is already in the file is not
+  written again, so the file of a resumed run holds the rows of an uninterrupted one (their
+  first values and measured times). Keying on the position, not the whole content, matters
+  when the recomputation is not bit-identical: resumed on another device count (the
+  reductions split differently), a row differed in its last bit and was written twice, and
+  readers averaging rows per step counted it as an extra seed. Such differences are reported
+  once on stderr. A row without a position field is identified by its content less the
+  wall-clock :data:`MEASURED_FIELDS`.
   """
 
   def __init__(self, path: pathlib.Path, measured_fields: Sequence[str] = MEASURED_FIELDS):
     self.path = pathlib.Path(path)
     self.measured_fields = frozenset(measured_fields)
-    self._seen: set[str] | None = None
+    self._seen: dict[str, str] | None = None
+    self._warned = False
 
-  def _identity(self, row: Mapping[str, Any]) -> str:
+  def _content(self, row: Mapping[str, Any]) -> str:
     return json.dumps({k: v for k, v in row.items() if k not in self.measured_fields},
                       sort_keys=True)
+
+  def _identity(self, row: Mapping[str, Any]) -> str:
+    key = []
+    for k, v in row.items():
+      key.append((k, v))
+      if k in POSITION_FIELDS:
+        return json.dumps(key)
+    return self._content(row)
 
   def __call__(self, row: Mapping[str, Any]) -> None:
     if self._seen is None:
       _drop_torn_tail(self.path)  # a write cut short by a kill: resume after the last whole row
       # (rows written before non-finite numbers became strings hold bare NaN: read back as
       # floats, _jsonable makes them the strings a recomputed row has)
-      self._seen = {self._identity(_jsonable(r)) for r in read_jsonl(self.path)}
+      self._seen = {}
+      for r in read_jsonl(self.path):
+        r = _jsonable(r)
+        self._seen.setdefault(self._identity(r), self._content(r))
     row = _jsonable(row)
     key = self._identity(row)
     if key in self._seen:
+      if self._seen[key] != self._content(row) and not self._warned:
+        self._warned = True
+        print(f"{self.path}: a recomputed row differs from the one logged before the resume "
+              f"(e.g. another device count or a non-deterministic op); keeping the first: "
+              f"{key}", file=sys.stderr)
       return
-    self._seen.add(key)
+    self._seen[key] = self._content(row)
     with self.path.open("a") as f:
       f.write(json.dumps(row, allow_nan=False) + "\n")
 

@@ -380,6 +380,15 @@ def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, c
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["config"]["seed"] == 3
   assert [c["changes"] for c in saved[runner.ALLOWED_CHANGES]] == [["config.seed: 0 -> 3"]]
+  # The summary and the report say so (the report showed seed 3 over seed-0 results, unlabelled).
+  assert [c["changes"] for c in allowed[runner.ALLOWED_CHANGES]] == [["config.seed: 0 -> 3"]]
+  text = (workdir / "report.md").read_text()
+  assert "Config changed while this workdir's runs were under way" in text
+  assert text.count("config.seed: 0 -> 3") == 1
+  # No flag lets another experiment or preset write here.
+  for other, quick in (("mf_mlp", True), ("quickstart", False)):
+    with pytest.raises(runner.ConfigError, match=r"a workdir holds one experiment and preset"):
+      runner.run_experiment(other, quick=quick, workdir=workdir, allow_config_change=True)
   # A later run that rewrites config.json (here: no checkpoints left, same config, no flag)
   # keeps that record.
   import shutil
@@ -537,6 +546,33 @@ def test_resume_in_process_equals_uninterrupted(name, tmp_path):
   for a, b in zip(jax.tree.leaves(jax.device_get(full.state)),
                   jax.tree.leaves(jax.device_get(resumed.state))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_recomputed_row_that_differs_in_its_last_bit_is_not_written_twice(tmp_path, capsys):
+  """Resumed on another device count, a recomputed row differed from the logged one in its last
+  bit and was appended again (precision --quick: 5 rows for 4 data points). A row is now
+  identified by its labels and its step; the first one logged stays, and the difference is
+  reported once."""
+  path = tmp_path / "metrics.jsonl"
+  log = report.JsonlWriter(path)
+  log({"policy": "fp16", "seed": 0, "step": 8, "train_loss": 0.061498526, "train_time_s": 1.0})
+  resumed = report.JsonlWriter(path)
+  resumed({"policy": "fp16", "seed": 0, "step": 8, "train_loss": 0.061498530, "train_time_s": 2.0})
+  resumed({"policy": "fp16", "seed": 0, "step": 16, "train_loss": 0.05, "train_time_s": 3.0})
+  resumed({"policy": "fp16", "seed": 1, "step": 8, "train_loss": 0.07, "train_time_s": 4.0})
+  resumed({"policy": "fp32", "seed": 0, "step": 8, "train_loss": 0.06, "train_time_s": 5.0})
+  rows = report.read_jsonl(path)
+  assert [(r["policy"], r["seed"], r["step"]) for r in rows] == [
+      ("fp16", 0, 8), ("fp16", 0, 16), ("fp16", 1, 8), ("fp32", 0, 8)]
+  assert rows[0]["train_loss"] == 0.061498526
+  assert capsys.readouterr().err.count("a recomputed row differs") == 1
+  # a simulator row is positioned by server_step; a row without a position by its content
+  resumed({"strategy": "ASP", "server_step": 5, "sim_time": 1.0})
+  resumed({"strategy": "ASP", "server_step": 5, "sim_time": 1.0 + 1e-12})
+  resumed({"note": 1, "train_time_s": 1.0})
+  resumed({"note": 1, "train_time_s": 2.0})
+  resumed({"note": 2})
+  assert len(report.read_jsonl(path)) == 7
 
 
 def test_torn_line_after_crlf_rows_is_cut_at_the_right_byte(tmp_path):
