@@ -436,6 +436,23 @@ def test_simulate_checkpoints_inside_auto_checkpoint_and_returns_a_finished_run(
   assert repr(sorted(again.summary.items())) == repr(sorted(first.summary.items()))  # nan-safe
 
 
+def test_simulate_checkpoints_every_n_events_when_the_policy_says(ds, linear, tmp_path):
+  """--checkpoint-every N (the policy's ``every``) spaces a simulated run's saves by N events;
+  it was ignored (always 2000-event chunks: one save for a short run)."""
+  from mfopt import checkpoint
+
+  def saves(every):
+    root = tmp_path / f"every{every}"
+    with checkpoint.auto_checkpoint(root, every=every, keep=1000):
+      sim.simulate(sim.ASP(sim.BaseSGD(0.05)), model=linear, dataset=ds, num_workers=4,
+                   per_worker_batch=8, max_samples=8 * 120, compute=sim.ComputeModel(0.01))
+    (run,) = root.iterdir()
+    return sorted(int(p.name) for p in run.iterdir() if p.name.isdigit())
+
+  assert len(saves(None)) == 1
+  assert len(saves(50)) > 3
+
+
 def test_run_resumable_saves_at_the_interval_and_always_at_the_end(ds, linear, tmp_path):
   from mfopt import checkpoint
   s = sim.Simulator(sim.ASP(sim.BaseSGD(0.05)), model=linear, dataset=ds, num_workers=4,

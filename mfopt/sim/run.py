@@ -657,7 +657,8 @@ def simulate(strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset,
 
   Inside :func:`mfopt.checkpoint.auto_checkpoint` (every experiment the runner starts), the run
   checkpoints like a ``train.fit`` call: into the policy's next run directory, every
-  :data:`CHECKPOINT_CHUNK_EVENTS` events once the policy's interval passed, and at the end
+  :data:`CHECKPOINT_CHUNK_EVENTS` events (the policy's ``every``, when set: the runner's
+  ``--checkpoint-every N`` counts simulator events here) once the policy's interval passed, and at the end
   (:func:`mfopt.checkpoint.run_resumable`). A rerun resumes it bit for bit; a finished one
   returns its saved result.
 
@@ -682,7 +683,8 @@ def simulate(strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset,
   else:
     checkpoint_lib.run_resumable(
         sim, policy.next_run_dir(desc or strategy.describe()),
-        chunk_events=CHECKPOINT_CHUNK_EVENTS, keep=policy.keep,
+        # --checkpoint-every N: every N simulator events (it was ignored here)
+        chunk_events=policy.every or CHECKPOINT_CHUNK_EVENTS, keep=policy.keep,
         allow_mismatch=policy.allow_mismatch, min_interval_s=policy.min_interval_s,
         fingerprint={"strategy": strategy.describe(), "settings": settings,
                      "num_workers": num_workers, "per_worker_batch": per_worker_batch,
