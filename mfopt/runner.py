@@ -329,6 +329,9 @@ CHECKPOINT_INTERVAL_S = 60.0  # default: periodic saves at most this often (the 
 
 # Config fields that change what is shown, not what is computed: they may differ on resume.
 DISPLAY_FIELDS = ("config.progress",)
+# Fields no --allow-config-change may change: bb_lr written into ksync_trace's workdir mixed
+# the two experiments' metrics rows and left ksync_trace's plots beside bb_lr's report.
+FIXED_FIELDS = ("experiment", "quick")
 ALLOWED_CHANGES = "allowed_changes"  # config.json's record of --allow-config-change runs
 
 
@@ -361,6 +364,12 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
   saved = json.loads(saved_path.read_text())
   diff = _config_changes(saved, record)
   what = "checkpoints" if has_ckpts else "results"
+  fixed = [d for d in diff if d.split(":", 1)[0] in FIXED_FIELDS]
+  if fixed:  # another experiment's files (or the other preset's) would mix with this one's
+    raise ConfigError(
+        f"{workdir} holds {what} of {'; '.join(fixed)} (saved -> now); a workdir holds one "
+        "experiment and preset, even with --allow-config-change. Use another --workdir, or "
+        "--restart to discard them")
   if diff and not allow_config_change:
     raise ConfigError(
         f"{workdir} holds {what} of a different experiment or config; differing fields "
@@ -375,18 +384,51 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
 
 ATTEMPTS = "attempts.json"  # every attempt at a workdir's run: start, wall time, interrupted?
 # What --restart discards, with the checkpoints: the data log of every process (process-<i>/
-# too); reports and plots are rewritten.
+# too), and the outputs the discarded run wrote (OUTPUT_SUFFIXES).
 RUN_DATA = ("config.json", "summary.json", "metrics.jsonl", ATTEMPTS)
 
 
+# Outputs of a run other than RUN_DATA (reports, plots, per-seed traces): --restart removes
+# those the discarded run wrote (see discard_run_data).
+OUTPUT_SUFFIXES = (".json", ".jsonl", ".md", ".png", ".pdf", ".svg", ".csv")
+
+
+def _run_began(d: pathlib.Path) -> float | None:
+  """When the run in ``d`` began (its first attempt in attempts.json, else the time
+  config.json, written at the start, was last changed); ``None`` if neither says."""
+  try:
+    starts = [float(a["started"]) for a in json.loads((d / ATTEMPTS).read_text())]
+    if starts:
+      return min(starts)
+  except (OSError, ValueError, TypeError, KeyError):
+    pass
+  try:
+    return (d / "config.json").stat().st_mtime
+  except OSError:
+    return None
+
+
 def discard_run_data(workdir: pathlib.Path) -> None:
-  """``--restart``: removes ``workdir``'s checkpoints and data log (:data:`RUN_DATA`), so the
-  new run's ``metrics.jsonl`` holds its own rows only. Other files are left to be rewritten."""
+  """``--restart``: removes ``workdir``'s checkpoints, data log (:data:`RUN_DATA`) and the
+  outputs the discarded run wrote (files with an :data:`OUTPUT_SUFFIXES` suffix, directly in
+  the workdir or a ``process-*`` folder, last written since that run began), so the new run's
+  folder holds its own results only. A per-seed trace of a seed the new run does not have
+  used to stay beside its report. Files older than the run (a user's own) are kept."""
   if (workdir / CHECKPOINTS).exists():
     shutil.rmtree(workdir / CHECKPOINTS)
   for d in [workdir, *sorted(workdir.glob("process-*"))]:
+    began = _run_began(d)
     for name in RUN_DATA:
       (d / name).unlink(missing_ok=True)
+    if began is None:
+      continue
+    for f in d.iterdir():
+      try:
+        if (f.is_file() and f.suffix in OUTPUT_SUFFIXES
+            and f.stat().st_mtime >= began - 1.0):  # (file systems' coarse mtimes)
+          f.unlink()
+      except OSError:
+        pass
 
 
 def _last_write(paths: Iterable[pathlib.Path]) -> float | None:
@@ -542,8 +584,33 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
   summary.update(end_attempt(files_dir, attempts, summary["wall_time_s"]))
   summary["environment"] = report.environment()
   summary["files_dir"] = str(files_dir)
+  history = _allowed_changes(workdir)
+  if history:
+    summary[ALLOWED_CHANGES] = history
+    _note_allowed_changes(files_dir / "report.md", history)
   report.write_json(files_dir / "summary.json", summary)
   return summary
+
+
+def _allowed_changes(workdir: pathlib.Path) -> list[dict[str, Any]]:
+  try:
+    return list(json.loads((workdir / "config.json").read_text()).get(ALLOWED_CHANGES, []))
+  except (OSError, ValueError, AttributeError):
+    return []
+
+
+def _note_allowed_changes(path: pathlib.Path, history: list[dict[str, Any]]) -> None:
+  """Appends to an experiment's report that its workdir's config changed during its runs:
+  the report shows the new config, but runs finished before a change kept results computed
+  with the old values (an lr 0.5 report over lr 0.05 accuracies, unlabelled, before)."""
+  if not path.exists():
+    return
+  lines = ["", "**Config changed while this workdir's runs were under way** "
+           "(`--allow-config-change`; runs finished before a change kept the results of the "
+           "values they ran with, so this report's config is not every run's):", ""]
+  lines += [f"- {h.get('utc', '?')} UTC: {'; '.join(h.get('changes', []))}" for h in history]
+  with path.open("a") as f:
+    f.write("\n".join(lines) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -558,8 +625,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
   parser.add_argument("--checkpoint-every", type=int, default=None,
                       help="steps between checkpoints, rounded up to a multiple of each run's "
-                      "logging interval (default: at a logging step once 60 s passed since the "
-                      "last save; always at the end)")
+                      "logging interval; simulator events for mfopt.sim runs (default: at a "
+                      "logging step, or every 2000 events, once 60 s passed since the last save; "
+                      "always at the end)")
   parser.add_argument("--keep-checkpoints", type=int, default=2,
                       help="checkpoints kept per run (>= 2 allows falling back past a corrupt one)")
   parser.add_argument("--allow-config-change", action="store_true",
@@ -567,8 +635,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "written with another config (finished sub-runs keep their results; the "
                       "change is recorded in config.json's allowed_changes)")
   parser.add_argument("--restart", action="store_true",
-                      help="delete the workdir's checkpoints and data log (config.json, "
-                      "summary.json, metrics.jsonl, attempts.json) and start from scratch")
+                      help="delete the workdir's checkpoints, data log (config.json, "
+                      "summary.json, metrics.jsonl, attempts.json) and the reports, plots and "
+                      "data files the discarded run wrote, and start from scratch")
   dist = parser.add_argument_group("multi-process (see mfopt.distributed; default: environment)")
   dist.add_argument("--coordinator", default=None, help="host:port of process 0")
   dist.add_argument("--num-processes", type=int, default=None)

@@ -178,17 +178,23 @@ def test_quickstart_quick_writes_report_table_and_plot(tmp_path):
   assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == len(lines)
 
 
-def test_restart_discards_checkpoints_and_the_data_log(tmp_path):
+def test_restart_discards_checkpoints_the_data_log_and_the_runs_outputs(tmp_path):
+  """--restart leaves the folder to the new run: a discarded run's per-seed trace of a seed the
+  new run does not have used to stay beside its report. A user's older files stay."""
+  import os
+  import time
+  began = time.time() - 100
   for d in (tmp_path, tmp_path / "process-1"):
     (d / "checkpoints" / "000-run").mkdir(parents=True)
-    for name in ("config.json", "summary.json", "metrics.jsonl", "attempts.json", "report.md"):
+    for name in ("config.json", "summary.json", "metrics.jsonl", "report.md",
+                 "trace_CPSGD_seed1.json", "loss.png", "notes.txt", "mine.json"):
       (d / name).write_text("{}")
+    (d / "attempts.json").write_text(json.dumps([{"started": began}, {"started": began + 50}]))
+    os.utime(d / "mine.json", (began - 60, began - 60))  # there before the run
   runner.discard_run_data(tmp_path)
   assert not (tmp_path / "checkpoints").exists()
   for d in (tmp_path, tmp_path / "process-1"):
-    assert not any((d / n).exists()
-                   for n in ("config.json", "summary.json", "metrics.jsonl", "attempts.json"))
-    assert (d / "report.md").exists()  # rewritten by the new run, not deleted
+    assert sorted(f.name for f in d.iterdir() if f.is_file()) == ["mine.json", "notes.txt"]
   assert runner.check_resumable(tmp_path, {"experiment": "x"}) is False
 
 
