@@ -89,6 +89,13 @@ def load_dataset(c) -> data_lib.Dataset:
   return data_lib.load(c.dataset)
 
 
+def _warmup_text(c) -> str:
+  """The warmup T of a config: ``warmup_epochs``, or the values hybrid_warmup_T sweeps."""
+  if "warmup_values" in c:
+    return ", ".join(f"{t:g}" for t in c.warmup_values)
+  return f"{c.warmup_epochs:g}"
+
+
 def warmup_sgd_schedule(*, base_lr, num_workers, steps_per_epoch, warmup_epochs, decay):
   warm = max(int(round(warmup_epochs * steps_per_epoch)), 1)
   peak = base_lr * num_workers
@@ -394,7 +401,7 @@ def setup_lines(c, dataset, *, extra: str = "") -> list[str]:
       f"device(s)), per-worker batch {b}, global batch {c.num_workers * b}; {c.epochs} epochs = "
       f"{c.epochs * spe} steps ({spe} steps/epoch) for every algorithm (equal samples)",
       f"- Seeds: {tuple(c.seeds)}; base lr {c.base_lr} per worker (x{c.num_workers} linear "
-      f"scaling), alpha {c.alpha}, T = {c.warmup_epochs:g} epochs, decay {c.decay}, momentum "
+      f"scaling), alpha {c.alpha}, T = {_warmup_text(c)} epochs, decay {c.decay}, momentum "
       f"{c.momentum}, weight decay {c.weight_decay}, LARS trust coefficient {c.trust_coefficient}",
       "- Times: train time measured on this machine (compile excluded); speeds are samples/s "
       "of one worker on one device of this machine; scaling efficiency and the actual "

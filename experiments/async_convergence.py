@@ -95,11 +95,11 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   table = suite.aggregate(rows, ("network", "strategy"), FIELDS)
   claims = _claims(c, table, rows)
   report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims,
-                                              "staleness_seed0": staleness})
+                                              f"staleness_seed{c.seeds[0]}": staleness})
   report.plot_curves(workdir / "accuracy_vs_time.png", curves_time, xlabel="simulated time (s)",
-                     ylabel="test accuracy", title="test accuracy vs simulated time (seed 0)")
+                     ylabel="test accuracy", title=f"test accuracy vs simulated time (seed {c.seeds[0]})")
   report.plot_curves(workdir / "accuracy_vs_step.png", curves_step, xlabel="server step",
-                     ylabel="test accuracy", title="test accuracy vs server step (seed 0)")
+                     ylabel="test accuracy", title=f"test accuracy vs server step (seed {c.seeds[0]})")
   _write_report(c, workdir, ds, table, claims)
   return {"table": table, "claims": claims}
 

@@ -105,7 +105,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                        {seed: cv > 0.05 for seed, cv in suite.per_seed(
                            rows, "alpha_median_cv", variant=f"BB [{preset}]").items()})})
   report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims,
-                                              "lr_traces_seed0": lr_data})
+                                              f"lr_traces_seed{c.seeds[0]}": lr_data})
   report.plot_curves(workdir / "lr_traces.png", panels, xlabel="simulated time (s)",
                      ylabel="α_i (Armijo-accepted step)", logy=True,
                      title="Fig. 16 analogue: per-worker BB step sizes (first 8 workers)")

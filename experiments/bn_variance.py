@@ -203,7 +203,7 @@ def _write_report(c, workdir, dataset, act_rows, gauss_rows, noise_rows, verdict
       "(channel x position) per layer for eqs. 4-8; all channels for the BN noise",
       f"- Seeds: {tuple(c.seeds)} (training and sampling); values are means over seeds, "
       "SE = standard error over trials pooled over seeds",
-      f"- Wall time: {wall:.1f} s measured ({env['backend']})\n",
+      f"- Wall time of this attempt: {wall:.1f} s measured ({env['backend']}; earlier attempts at a resumed workdir: summary.json's wall_time_all_attempts_s)\n",
       f"**Verdict: {verdict['text']}**\n",
       "## E[S_t] in units of s^2 (eq. 7), measured beside the printed eq. 8 and the correct "
       "value\n",

@@ -35,6 +35,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """
   c = common.base_config(quick)
   c.warmup_values = (1.0, 2.0) if quick else (1.0, 3.0, 6.0, 10.0)  # (floats: T may be fractional)
+  del c.warmup_epochs  # every run takes its T from warmup_values (an override of it did nothing)
   return c
 
 

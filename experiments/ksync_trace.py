@@ -135,11 +135,11 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   report.plot_curves(workdir / "k_trace.png",
                      {n: {"k": ([t for _, t, _ in tr], [k for _, _, k in tr])} for n, tr in traces.items()},
                      xlabel="simulated time (s)", ylabel="k (fresh gradients per server step)",
-                     title="Fig. 13 analogue: adaptive k over simulated time (seed 0)")
+                     title=f"Fig. 13 analogue: adaptive k over simulated time (seed {c.seeds[0]})")
   report.plot_curves(workdir / "adaptive_vs_fixed.png",
                      {"vs server step": acc_step, "vs simulated time": acc_time},
                      xlabel="server step | simulated time (s)", ylabel="test accuracy",
-                     title="Fig. 14 analogue: adaptive vs fixed k (seed 0)")
+                     title=f"Fig. 14 analogue: adaptive vs fixed k (seed {c.seeds[0]})")
   cells = [{"variant": r["variant"], "acc": suite.pm(r, "test_accuracy"),
             "k": f"{r['k_p10_mean']:.3g} / {r['k_p50_mean']:.3g} / {r['k_p90_mean']:.3g}",
             "below5": f"{100 * r['frac_k_below_5_mean']:.0f}%",

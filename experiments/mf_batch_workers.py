@@ -228,7 +228,7 @@ def _write_report(c, workdir, dataset, rows, aggs, rule, skipped, meshes, claims
       f"- Seeds: {tuple(c.seeds)} (same init and data order per seed across cells); cells "
       "show mean ± std over seeds",
       "- Meshes: " + ", ".join(f"W={w}: {m}" for w, m in sorted(meshes.items())),
-      f"- Wall time of the grid: {wall:.1f} s measured on this machine (compile included)",
+      f"- Wall time of the grid, this attempt: {wall:.1f} s measured on this machine (compile included; earlier attempts at a resumed workdir: summary.json's wall_time_all_attempts_s)",
   ]
   if skipped:
     lines.append("- Skipped cells: " + "; ".join(

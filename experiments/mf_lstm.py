@@ -118,7 +118,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       f"- Steps: {steps} per run x global batch {c.global_batch} = {steps * c.global_batch:,} "
       f"sequences processed ({c.epochs} epochs = {samples:,}, to whole steps) for every MF",
       f"- Seeds: {tuple(c.seeds)}; mean ± std over seeds",
-      f"- Wall time: {wall:.1f} s measured on this machine (compile included)\n",
+      f"- Wall time of this attempt: {wall:.1f} s measured on this machine (compile included; earlier attempts at a resumed workdir: summary.json's wall_time_all_attempts_s)\n",
       report.markdown_table(table, ["mf", "train", "val"],
                             ["MF value", "train perplexity", "validation perplexity"]),
   ]

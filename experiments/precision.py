@@ -161,16 +161,16 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         "epochs": common.fmt_runs(rs, lambda r: r["efficiency"]["epochs_to_target"], 3),
         "speed": common.fmt_runs(
             rs, lambda r: r["summary"]["samples"] / r["summary"]["train_s"] / r["num_devices"], 4),
-        "speed_mean": bench[(pol, b)], "bench": f"{bench[(pol, b)]:.4g}",
+        "bench_samples_per_s": bench[(pol, b)], "bench": f"{bench[(pol, b)]:.4g}",
         "eff": common.fmt_runs(rs, lambda r: r["efficiency"]["scaling_efficiency"], 4),
         "bytes": ok["summary"]["payload_bytes"] if ok else "n/a (diverged)",
         # train_overflow: the fraction of (step, worker) pairs that overflowed in a log window
         "overflow_logs": common.fmt_runs(
             rs, lambda r: sum(h.get("train_overflow", 0.0) * r["steps_per_epoch"]
                               for h in r["history"]), 2)})
-  base = {r["batch"]: r["speed_mean"] for r in rows if r["policy"] == "fp32"}
+  base = {r["batch"]: r["bench_samples_per_s"] for r in rows if r["policy"] == "fp32"}
   for r in rows:
-    r["speedup"] = (f"{r['speed_mean'] / base[r['batch']]:.3g}x" if r["batch"] in base else "")
+    r["speedup"] = (f"{r['bench_samples_per_s'] / base[r['batch']]:.3g}x" if r["batch"] in base else "")
 
   verdicts = []
   b0 = c.batch_sizes[0]

@@ -95,6 +95,9 @@ def _shows(value, message):
 
 # --------------------------------------------------------------------------------- transforms
 
+# A switch: True or False; a truthy string ('no' switched AMSBound on) or 0/1 is refused.
+FLAG = choice([True, False], ["no", "yes", 1, 0, None])
+
 CONSTRUCTORS = {
     "sync_gradients": (lambda **k: mfopt.sync_gradients(mfopt.WORKER_AXES, **k), {
         "comm_dtype": choice([None, jnp.bfloat16, jnp.float16, jnp.float32],
@@ -102,7 +105,9 @@ CONSTRUCTORS = {
     "qsgd": (lambda **k: mfopt.qsgd(mfopt.WORKER_AXES, **k), {
         "bits": (st.integers(2, 8), st.one_of(st.integers(-3, 1), st.integers(9, 64),
                                               st.just(8.0), st.just(True))),
-        "bucket_size": pos_int(4096)}, None),
+        "bucket_size": pos_int(4096),
+        "seed": (st.integers(0, 2**32 - 1), st.one_of(st.integers(-5, -1), st.just(2**32),
+                                                      st.just(2**40)))}, None),
     "mf_sgd": (mfopt.mf_sgd, {"learning_rate": nonneg(), "mf": unit()}, None),
     "mf_nesterov": (mfopt.mf_nesterov, {"learning_rate": nonneg(), "mf": unit()}, None),
     "mf_adam": (mfopt.mf_adam, {"learning_rate": nonneg(), "mf1": unit(), "mf2": unit(),
@@ -125,21 +130,25 @@ CONSTRUCTORS = {
         # (a non-positive int period is checked below: its error names `p`, not `period`)
         "period": (st.integers(1, 32), st.sampled_from(["4", 2.0, None])),
         "trace_length": (st.integers(0, 100), st.one_of(st.integers(-5, -1), st.just(1.5))),
-        "comm_dtype": choice([None, jnp.bfloat16, jnp.float32], [jnp.int8, jnp.int32])}, None),
+        "comm_dtype": choice([None, jnp.bfloat16, jnp.float32], [jnp.int8, jnp.int32]),
+        "average_inner_state": FLAG, "track_variance": FLAG,
+        "sync_variance": choice([None, True, False], ["no", 1, 0])}, None),
     "block_momentum": (lambda **k: mfopt.block_momentum(optax.sgd(0.1), mfopt.WORKER_AXES, 4, **k),
-                       {"momentum": unit()}, None),
+                       {"momentum": unit(), "nesterov": FLAG}, None),
     "adabound": (mfopt.adabound, {"learning_rate": positive(), "final_lr": nonneg(),
                                   "gamma": unit(), "b1": unit(), "b2": unit(), "eps": nonneg(),
-                                  "weight_decay": nonneg()}, None),
+                                  "weight_decay": nonneg(), "amsbound": FLAG}, None),
     "linear_scaling_adabound": (mfopt.linear_scaling_adabound, {
         "base_lr": positive(), "num_workers": pos_int(), "steps_per_epoch": pos_int(1000),
         "alpha": positive(), "warmup_epochs": positive(), "b1": unit(), "b2": unit(),
-        "eps": nonneg()}, None),
+        "eps": nonneg(), "bias_correction": FLAG}, None),
     "hybrid_adabound_lars": (mfopt.hybrid_adabound_lars, {
         "num_workers": pos_int(), "steps_per_epoch": pos_int(1000), "base_lr": positive(),
         "alpha": positive(), "warmup_epochs": positive(),
         "decay": (st.floats(1e-3, 1.0), st.one_of(st.floats(-1.0, 0.0), st.floats(1.001, 2.0), nan)),
-        "momentum": unit(), "weight_decay": nonneg(), "trust_coefficient": positive()},
+        "momentum": unit(), "weight_decay": nonneg(), "trust_coefficient": positive(),
+        "bias_correction": FLAG,
+        "axis_name": choice([None, "data", ("data", "local")], [3, ("data", 3), ()])},
         # at least one warm-up step (docstring): warmup_epochs * steps_per_epoch >= 1
         lambda k, bad: ({"warmup_epochs": k["warmup_epochs"]}
                         if not {"warmup_epochs", "steps_per_epoch"} & set(bad)
@@ -159,6 +168,7 @@ def test_every_public_transform_constructor_is_covered():
   """A new public constructor on main must get a row above (or be listed as not a constructor)."""
   not_constructors = {"check_mf_conditions", "linear_scaling_rule", "noise_scale", "comm_totals",
                       "averaging_metrics", "sync_trace", "make_mesh", "scheduled_period",
+                      "differentiable_gates",  # a context manager
                       # seed-004 bound/schedule formulas (functions of the epoch), not transforms
                       "linear_scaling_bounds", "hybrid_lars_learning_rate"}
   public = {n for n in dir(mfopt) if not n.startswith("_") and callable(getattr(mfopt, n))

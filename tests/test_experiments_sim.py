@@ -65,13 +65,15 @@ def test_ksync_trace_quick(tmp_path):
 
 
 def test_bb_lr_quick(tmp_path):
-  _, res, _ = _run("bb_lr", tmp_path)
+  # seed 1, not the preset's 0: the traces are the first seed's and say which (they were
+  # labelled "seed 0" whatever seed ran)
+  _, res, _ = _run("bb_lr", tmp_path, ["seeds=(1,)"])
   rows = {r["variant"]: r for r in res["table"]}
   bb, dec = rows["BB [working]"], rows["decay [working]"]
   assert 0 < bb["alpha_final_min_mean"] <= bb["alpha_final_max_mean"]
   assert bb["bb_applied_frac_mean"] > 0.5 and dec["alpha_final_min_n"] == 0
   assert bb["test_accuracy_mean"] != dec["test_accuracy_mean"]
-  assert len(res["lr_traces_seed0"]["working"]) == 4
+  assert len(res["lr_traces_seed1"]["working"]) == 4 and "lr_traces_seed0" not in res
 
 
 def test_quickstart_simulated_rows(tmp_path):
