@@ -199,9 +199,10 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
     update_in_place: write the new parameters and optimizer state into the donated buffers
       (default). ``False`` restores the earlier layout, in which XLA:CPU copies each updated
       buffer into the output (fewer bytes in XLA's estimate, yet 0-5% slower on a 2-core CPU,
-      equal on one core). On XLA:GPU the in-place step is 407 kernel launches against 429
-      (deviceless H100 compilation, ResNet-18 16x64; BENCHMARKS.md, target 4). The two
-      compute the same numbers.
+      equal on one core). On XLA:GPU the in-place step launches fewer kernels: 364-380
+      against 366-401 over the five shapes of target 4 (deviceless H100 compilation,
+      ResNet-18, GroupBatchNorm; ``benchmarks/cpu_2026-11-25/bench_gpu_hlo_aot_*.json`` and
+      ``cpu_2026-11-24/bench_gpu_hlo_aot_16x256.json``). The two compute the same numbers.
     group_bn: run the model on the flat batch with :class:`mfopt.models.GroupBatchNorm`
       (``model.clone(bn_groups=W/D)``; see the module docstring). ``None`` (default): where
       the model has a ``bn_groups`` field; ``False``: the ``vmap``-over-groups path (any model;
