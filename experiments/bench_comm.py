@@ -57,11 +57,35 @@ _OP = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(HLO_COLLECTIVES) +
                  r")(?P<start>-start)?\(")
 
 
+def _top_level(shape: str) -> list[str]:
+  """The elements of an HLO tuple shape ``(a, (b, c), d)``; ``[shape]`` if it is no tuple."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, begin = [], 0, 1
+  for i, ch in enumerate(shape):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+      if depth == 0:
+        parts.append(shape[begin:i])
+        break
+    elif ch == "," and depth == 1:
+      parts.append(shape[begin:i])
+      begin = i + 1
+  return [p.strip() for p in parts if p.strip()]
+
+
 def _collective_bytes(shape: str, op: str, start: bool) -> int:
-  arrays = _bench.hlo_arrays(shape)
-  if start and op == "all-gather" and len(arrays) > 1:  # (operand, result): count the result
-    arrays = arrays[-1:]
-  return _bench.hlo_arrays_bytes(arrays)
+  """Bytes of a collective's result. An async ``*-start`` may print (operands, result): XLA:GPU
+  under JAX 0.11 writes ``((f32[N]), f32[N]) all-reduce-start``, where 0.10 wrote ``f32[N]``
+  (an operand tuple first: count the last element, the result; counting both doubled every
+  all-reduce), and an all-gather-start is ``(operand, result)`` in both."""
+  parts = _top_level(shape)
+  if start and len(parts) > 1 and (parts[0].startswith("(") or op == "all-gather"):
+    shape = parts[-1]
+  return _bench.hlo_arrays_bytes(_bench.hlo_arrays(shape))
 
 
 def hlo_collectives(text: str) -> list[dict[str, Any]]:

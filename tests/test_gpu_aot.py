@@ -297,3 +297,19 @@ def test_bench_gpu_hlo_compiler_options_reach_the_compile():
   assert default["all_by_kind"].get("kConvolution", 0) > 0
   assert fused["all_by_kind"].get("kConvolution", 0) == 0
   assert fused["thunks_outside"] < default["thunks_outside"]
+
+
+@pytest.mark.parametrize("shape,op,want", [
+    ("f32[50890]{0}", "all-reduce", 203_560),  # JAX 0.10's XLA:GPU: the result
+    ("((f32[50890]{0}), f32[50890]{0})", "all-reduce", 203_560),  # 0.11: (operands), result
+    ("((f32[10]{0}, bf16[20]{0}), (f32[10]{0}, bf16[20]{0}))", "all-reduce", 80),  # combined
+    ("(f32[10]{0}, bf16[20]{0})", "all-reduce", 80),  # 0.10 combined: a tuple result, both
+    ("(f32[8]{0}, f32[64]{0})", "all-gather", 256),  # (operand, result): the result
+])
+def test_async_collective_bytes_count_the_result_once(shape, op, want):
+  """Under JAX 0.11, XLA:GPU prints an all-reduce-start as ((operands), result); counting both
+  doubled every GPU all-reduce in bench_comm (a reviewer's compile with jax 0.11.2)."""
+  from experiments import bench_comm
+  line = f"%s = {shape} {op}-start(%p), replica_groups={{}}, to_apply=%sum"
+  text = f"HloModule m\n\nENTRY %main (p: f32[8]) -> f32[8] {{\n  {line}\n}}\n"
+  assert sum(c["bytes"] for c in bench_comm.hlo_collectives(text)) == want
