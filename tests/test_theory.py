@@ -81,6 +81,20 @@ def test_estimate_constants_on_a_quadratic_with_known_answers():
   assert est.M == pytest.approx(float(np.sum((h * (w - x.mean(0))) ** 2)), rel=1e-4)
 
 
+def test_estimate_constants_finds_max_abs_eigenvalue_at_a_saddle():
+  """Hessian eigenvalues {5, -4.9, 1}: L = 5. The Rayleigh quotient |v^T H v| it used gave
+  0.85-3.8 after 20 steps (v swings between the two top eigenvectors); ||H v|| rises towards 5
+  from below at every seed."""
+  a = jnp.diag(jnp.asarray([5.0, -4.9, 1.0]))
+
+  def loss(p, batch):
+    return 0.5 * p @ a @ p + 0.0 * jnp.sum(batch)
+
+  for seed in range(3):
+    est = theory.estimate_constants(loss, jnp.full(3, 0.1), jnp.ones((4, 1)), iters=60, seed=seed)
+    assert 4.9 <= est.L <= 5.0 + 1e-5, (seed, est.L)
+
+
 @pytest.mark.parametrize("kw,match", [({"L": 0.0}, r"L must be positive, got 0.0"),
                                       ({"delta": 1.0}, r"delta must be in \(0, 1\), got 1.0")])
 def test_bad_constants(kw, match):
