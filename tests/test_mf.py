@@ -398,6 +398,26 @@ def test_check_mf_conditions_takes_per_step_values_as_a_jax_array():
   got = mfopt.check_mf_conditions(jnp.asarray(mfs), 1e-3, 10, second_order=True)
   assert [c.holds for c in got.conditions] == [c.holds for c in want.conditions]
   assert bool(got) == bool(want) and len(got.conditions) > 1  # (it raised TypeError)
+  # a 0-d array is a constant, as mf_sgd takes it (it was read as a sequence of 1 value)
+  want = str(mfopt.check_mf_conditions(0.9, 0.05, 100))
+  for scalar in (jnp.float32(0.9), np.array(0.9)):
+    assert str(mfopt.check_mf_conditions(scalar, 0.05, 100)) == want
+  assert str(mfopt.check_mf_conditions(0.9, np.array(0.05), 100)) == want
+
+
+def test_check_mf_conditions_evaluates_a_schedule_as_step_by_step():
+  """One call on all steps where the schedule is elementwise (optax's), a step at a time where
+  it is not (Python control flow on the step): the same values (to float32 rounding: XLA
+  fuses the vectorized formula differently, 1e-7 apart at 3 of 300 steps)."""
+  sched = optax.linear_schedule(0.5, 0.95, 300)
+
+  def scalar_only(t):
+    return 0.5 if int(t) < 150 else 0.95  # int() of an array of steps raises
+
+  for s in (sched, scalar_only):
+    vals = mfopt.mf._schedule_values("mf", s, 300)
+    np.testing.assert_allclose(vals, [float(s(jnp.asarray(t, jnp.int32))) for t in range(300)],
+                               rtol=1e-6)
 
 
 def test_check_mf_conditions_report_is_readable():
