@@ -209,7 +209,8 @@ def _write_report(c, workdir, dataset, act_rows, gauss_rows, noise_rows, verdict
       "value\n",
       "The same sampled batches are split for every P, so the measured S_t is the same number "
       "for every P: S_t is the total sum of squares about the grand mean, whatever the split "
-      "(only its parts S_e and S_a move). z = (measured - formula) / SE.\n",
+      "(only its parts S_e and S_a move). z = (measured - formula) / SE, of the mean over "
+      "seeds and its pooled SE.\n",
   ]
   table = []
   for layer in sorted({r["layer"] for r in act_rows}) + ["gaussian"]:
@@ -222,8 +223,9 @@ def _write_report(c, workdir, dataset, act_rows, gauss_rows, noise_rows, verdict
           "correct": M - 1.0, "printed": bn.printed_e2(M, P),
           "se_": f"{_mean_se(rs, 'S_e')[0]:.2f} (exp. {M - P})",
           "sa": f"{_mean_se(rs, 'S_a')[0]:.2f} (exp. {P - 1})",
-          "zc": float(np.mean([r["z_correct"] for r in rs])),
-          "zp": float(np.mean([r["z_printed"] for r in rs]))})
+          # z of the pooled mean with its pooled SE, as the row prints them (the mean of the
+          # per-seed z understated |z| by about sqrt(seeds); the verdict uses per-seed z)
+          "zc": (st - (M - 1.0)) / se, "zp": (st - bn.printed_e2(M, P)) / se})
   lines.append(report.markdown_table(
       table, ["layer", "P", "K", "st", "correct", "printed", "zc", "zp", "se_", "sa"],
       ["data", "P", "K", "measured S_t/s^2", "correct (M-1)", "printed eq. 8",
