@@ -209,7 +209,7 @@ def _model_for(name: str, dataset: data_lib.Dataset, use_bn: bool):
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   runner.require_process_multiple(c, "num_workers")  # (before anything trains)
-  mesh = parallel.make_mesh()
+  mesh = parallel.worker_mesh(c.num_workers)  # (4 workers on 8 devices: the first 4)
   parallel.local_workers(c.num_workers, mesh)
   per_worker_batch = train.split_batch(c.global_batch, c.num_workers)
   metrics_log = report.JsonlWriter(workdir / "metrics.jsonl")

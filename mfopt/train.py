@@ -1022,7 +1022,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
                         comm=_comm_totals(state.opt_state, mesh), lowering=lowering)
 
   summary = None  # the final summary, formed once (for the last checkpoint and the result)
-  bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
+  # disable=None: off when stderr is not a terminal (a log file got every redraw)
+  bar = tqdm(total=num_steps, initial=start, desc=desc, disable=None if progress else True,
+             leave=False)
   last_save = time.perf_counter()
   tick = time.perf_counter()
   try:

@@ -5,8 +5,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 stamp="$VENV/.installed"
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "mfopt needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>/dev/null || echo 'not found')." \
+       "Set PYTHON, e.g. PYTHON=python3.11 bash $0" >&2
+  exit 1
+fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  "$PYTHON" -m venv "$VENV"
+  # --clear: a venv left by a failed first run (another Python) would keep its old interpreter
+  "$PYTHON" -m venv --clear "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
   touch "$stamp"

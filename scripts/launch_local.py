@@ -16,7 +16,8 @@ is prefixed with ``[p<i>]``.
 When a process exits non-zero or is killed, the launcher says which one and how
 (``process 1 (pid 4242) died: killed by SIGKILL``), waits up to ``--grace``
 seconds for the others (JAX's coordination service aborts them once heartbeats
-stop), reports how each ended, kills any still running, and exits non-zero.
+stop), reports how each ended, kills any still running, and exits non-zero. SIGTERM or
+SIGINT to the launcher is passed on to every process; any still running 10 s later is killed.
 This is for one machine; on a cluster use the scheduler (README: "Multi-host /
 GPU cluster launch").
 """
@@ -94,6 +95,26 @@ def main(argv: list[str] | None = None) -> int:
 
   def report(message: str) -> None:
     print(f"launch_local: {message}", file=sys.stderr, flush=True)
+
+  def stop(signum, _frame) -> None:
+    # SIGTERM/SIGINT to the launcher (a scheduler's cancel, Ctrl-C): pass it on, then kill
+    # whoever is left; the children used to be left running, re-parented to init.
+    name = signal.Signals(signum).name
+    report(f"got {name}; stopping the {len(procs)} processes")
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+    deadline = time.monotonic() + min(args.grace, 10.0)
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+      time.sleep(0.05)
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    sys.exit(128 + signum)
+
+  signal.signal(signal.SIGTERM, stop)
+  signal.signal(signal.SIGINT, stop)
 
   first_failure = None
   while True:

@@ -472,3 +472,24 @@ def test_a_coordinator_port_in_use_is_named():
     port = s.getsockname()[1]
     with pytest.raises(ValueError, match=rf"coordinator port {port} .* is in use"):
       distributed._check_port_free(f"127.0.0.1:{port}")
+
+
+@pytest.mark.slow  # child processes (no JAX in them: seconds)
+def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
+  """A scheduler's cancel (SIGTERM) to launch_local used to leave both children running,
+  re-parented to init; it now passes the signal on and exits 128 + 15."""
+  child = "import pathlib, os, time; pathlib.Path(os.environ['OUT'], os.environ['MFOPT_PROCESS_ID']).write_text(str(os.getpid())); time.sleep(120)"  # noqa: E501
+  proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", "2", "--", "-c", child],
+                          env=dict(os.environ, OUT=str(tmp_path)), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 30
+  while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+  pids = [int((tmp_path / str(i)).read_text()) for i in range(2)]
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=30)
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "got SIGTERM" in err
+  for pid in pids:
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)

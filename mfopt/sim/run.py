@@ -509,8 +509,9 @@ class Simulator:
     if max_time is not None:
       _checks.number_where("max_time", max_time, lambda v: v > 0,
                            "a positive number of simulated seconds")
-    bar = tqdm(total=max_samples, initial=self.samples, desc=desc, disable=not progress,
-               leave=False, unit="samples")
+    # disable=None: off when stderr is not a terminal (a log file got every redraw)
+    bar = tqdm(total=max_samples, initial=self.samples, desc=desc,
+               disable=None if progress else True, leave=False, unit="samples")
     done_samples = self.samples
     events = 0
     while self.diverged_at is None:
