@@ -34,6 +34,7 @@ from typing import Any
 import ml_collections
 
 from mfopt import _checks, checkpoint, distributed, report
+from mfopt import data as data_lib
 
 EXPERIMENTS_PACKAGE = "experiments"
 
@@ -344,6 +345,12 @@ def _config_changes(saved: Mapping[str, Any], record: Mapping[str, Any]) -> list
           if d.split(":", 1)[0] not in DISPLAY_FIELDS]
 
 
+def _has_results(workdir: pathlib.Path) -> bool:
+  """Whether a run in ``workdir`` (any process) logged a metrics row or finished."""
+  return any((d / name).exists() for d in [workdir, *workdir.glob("process-*")]
+             for name in ("metrics.jsonl", "summary.json"))
+
+
 def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
                     allow_config_change: bool = False) -> bool:
   """True if ``workdir`` holds checkpoints of this same experiment and config (resume).
@@ -364,6 +371,14 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
   saved = json.loads(saved_path.read_text())
   diff = _config_changes(saved, record)
   what = "checkpoints" if has_ckpts else "results"
+  if diff and not has_ckpts and not _has_results(workdir):
+    # An attempt that failed before it logged anything (a dataset not prepared, a bad value
+    # only its run could find) left config.json and attempts.json: nothing to protect, so the
+    # corrected command may use the workdir (it was refused as "holds results").
+    print(f"note: {workdir} holds no results of its earlier config ({'; '.join(diff)}); "
+          "starting afresh", file=sys.stderr)
+    discard_run_data(workdir)
+    return False
   fixed = [d for d in diff if d.split(":", 1)[0] in FIXED_FIELDS]
   if fixed:  # another experiment's files (or the other preset's) would mix with this one's
     raise ConfigError(
@@ -667,7 +682,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             checkpoint_every=args.checkpoint_every,
                             keep_checkpoints=args.keep_checkpoints,
                             allow_config_change=args.allow_config_change, restart=args.restart)
-  except (ConfigError, checkpoint.ConfigMismatchError) as e:
+  except (ConfigError, checkpoint.ConfigMismatchError, data_lib.DatasetNotPreparedError) as e:
+    # (a TFDS dataset not prepared in the data dir: the user's setup, not a bug; its message
+    # names the dataset, the directory searched and the command that prepares it)
     print(f"error: {e}", file=sys.stderr)
     return 2
   earlier = ""

@@ -215,3 +215,20 @@ def test_worker_counts_that_do_not_split_over_the_processes_are_named(monkeypatc
   c.workers = (1, 3)
   with pytest.raises(runner.ConfigError, match=r"'workers'.*\[1, 3\] .*use multiples of 4$"):
     runner.require_process_multiple(c, "workers")
+
+
+def test_a_dataset_not_prepared_is_an_error_line_and_leaves_the_workdir_usable(
+    tmp_path, monkeypatch, capsys):
+  """A TFDS dataset missing from the data dir printed a traceback; the failed attempt's
+  config.json then refused the corrected command ("holds results of a different config"),
+  though nothing had been logged."""
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "no_tfds"))
+  work = tmp_path / "w"
+  args = ["mf_mlp", "--quick", "--workdir", str(work)]
+  assert runner.main(args + ["dataset=mnist"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and "mnist" in err and "Traceback" not in err
+  assert (work / "config.json").exists() and not (work / "metrics.jsonl").exists()
+  assert runner.main(args + ["epochs=0.1"]) == 0, capsys.readouterr().err
+  assert "holds no results of its earlier config" in capsys.readouterr().err
+  assert len(json.loads((work / runner.ATTEMPTS).read_text())) == 1  # the failed one discarded
