@@ -773,6 +773,31 @@ def _check_fit_objects(model, tx, dataset, mesh, learning_rate, loss_fn, extra_m
   _checks.flag("host_gates", host_gates, allow_none=True)
 
 
+def _check_outputs_fit_labels(model, example_x, example_y, dataset) -> None:
+  """The model's logits against the dataset's labels, from shapes only (``jax.eval_shape``),
+  before anything compiles: 3 outputs on digits' 10 classes gathered out of range and stopped
+  the run with "non-finite loss at step 1", which reads as divergence, and an MLP on a token
+  corpus failed inside optax with "indices and arr must have the same number of dimensions"."""
+  try:
+    logits = jax.eval_shape(lambda x: model.init_with_output(
+        jax.random.PRNGKey(0), x, train=False)[0], example_x)
+  except Exception as e:  # noqa: BLE001  (the input does not fit the model at all)
+    raise ValueError(f"model {type(model).__name__} cannot take dataset {dataset.name!r}'s "
+                     f"inputs of shape {tuple(np.shape(example_x))[1:]}: "
+                     f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+  shape, labels = tuple(getattr(logits, "shape", ())), tuple(np.shape(example_y))
+  classes = getattr(dataset, "num_classes", None)
+  if shape[:-1] != labels:
+    raise ValueError(
+        f"model {type(model).__name__}'s outputs of shape {shape[1:]} per example do not match "
+        f"dataset {dataset.name!r}'s labels of shape {labels[1:]} per example (logits need one "
+        "more axis than the labels: (C,) for a class label, (L, V) for a sequence of tokens)")
+  if classes is not None and shape[-1] < classes:
+    raise ValueError(f"model {type(model).__name__} outputs {shape[-1]} classes but dataset "
+                     f"{dataset.name!r} has num_classes={classes}; build it with "
+                     f"num_classes={classes}")
+
+
 MAX_STEPS_IN_FLIGHT = 8
 """How many train steps :func:`fit` lets the host dispatch ahead of the devices.
 
@@ -934,6 +959,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   # Worker 0's inputs initialise the model in every process (the same params everywhere even
   # if a model's init looked at the values).
   example_x = first["x"][0] if rows.start == 0 else batcher.batch(0, slice(0, 1))["x"][0]
+  if loss_fn is classification_loss:
+    _check_outputs_fit_labels(model, example_x, first["y"][0], dataset)
   state = init_train_state(model, tx, example_x, num_workers=num_workers, mesh=mesh, seed=seed)
 
   history: list[dict[str, Any]] = []

@@ -428,6 +428,14 @@ def test_fused_tree_norm_equals_optax_and_is_one_reduction():
     (dict(extra_metrics={"x": 5}), r"extra_metrics must be a mapping of names to callables"),
     (dict(host_gates="yes"), r"host_gates must be True, False or None, got 'yes'"),
     (dict(keep_checkpoints=0), r"keep_checkpoints must be a positive integer, got 0"),
+    # the model's logits against the labels (NaN "divergence" at step 1, or optax's shape error)
+    (dict(model=models.get_model("mlp", hidden=(8,), num_classes=3), num_workers=8),
+     r"model MLP outputs 3 classes but dataset 'digits' has num_classes=10"),
+    (dict(dataset=mfopt.data.load("textcorpus"), num_workers=8),
+     r"model MLP's outputs of shape \(10,\) per example do not match dataset 'textcorpus''s labels"),
+    (dict(model=models.get_model("cnn", features=(4,), num_classes=10),
+          dataset=mfopt.data.load("textcorpus"), num_workers=8),
+     r"model CNN cannot take dataset 'textcorpus''s inputs of shape \(64,\)"),
 ])
 def test_fit_names_a_wrong_object_before_building_anything(override, match):
   """These failed as attribute errors from inside initialisation (a constant learning_rate
