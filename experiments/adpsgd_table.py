@@ -60,6 +60,10 @@ from mfopt import report, runner
 from mfopt.comm import CollectiveKind
 from mfopt.qsgd import qsgd_payload_bytes
 
+# What this experiment can build (the MLP (hidden=) on class labels): the runner refuses other names
+# before anything runs (runner.check_conventions).
+CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets()}
+
 NETS = ("10gbit", "100gbit")
 
 

@@ -37,6 +37,10 @@ from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import report, runner, theory, train
 
+# What this experiment can build (the MLP (hidden=) on class labels): the runner refuses other names
+# before anything runs (runner.check_conventions).
+CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets()}
+
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:

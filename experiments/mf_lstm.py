@@ -30,6 +30,10 @@ from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import report, runner
 
+# What this experiment can build (a token corpus): the runner refuses other names
+# before anything runs (runner.check_conventions).
+CHOICES = {"dataset": data_lib.LANGUAGE_MODEL_DATASETS}
+
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:

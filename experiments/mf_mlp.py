@@ -25,6 +25,10 @@ from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import report, runner
 
+# What this experiment can build (class labels): the runner refuses other names
+# before anything runs (runner.check_conventions).
+CHOICES = {"dataset": data_lib.classification_datasets()}
+
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:

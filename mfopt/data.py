@@ -372,6 +372,15 @@ def registered() -> tuple[str, ...]:
   return tuple(sorted(_LOADERS))
 
 
+#: Registered token corpora (``task="language_model"``: ``y`` is the next token).
+LANGUAGE_MODEL_DATASETS = ("textcorpus", "tiny_shakespeare")
+
+
+def classification_datasets() -> tuple[str, ...]:
+  """The registered datasets with class labels (every one but :data:`LANGUAGE_MODEL_DATASETS`)."""
+  return tuple(n for n in registered() if n not in LANGUAGE_MODEL_DATASETS)
+
+
 def load(name: str, **kwargs: Any) -> Dataset:
   """Builds the dataset registered as ``name``, passing ``kwargs`` to its loader.
 

@@ -279,11 +279,14 @@ def _choices() -> dict[str, tuple[str, ...]]:
           "model": tuple(models.MODELS), "models": tuple(models.MODELS)}
 
 
-def check_conventions(config: ml_collections.ConfigDict) -> None:
+def check_conventions(config: ml_collections.ConfigDict,
+                      narrower: Mapping[str, Sequence[str]] | None = None) -> None:
   """Raises ConfigError for a field whose name has a library-wide meaning (:data:`CONVENTIONS`,
   link/dataset/model names) and whose value breaks it, for any non-finite float, and for an
-  empty tuple outside :data:`EMPTY_ALLOWED`."""
-  choices = _choices()
+  empty tuple outside :data:`EMPTY_ALLOWED`. ``narrower``: an experiment's ``CHOICES``, the
+  names it can build (an MLP-only script given ``model=cnn`` passed this check and crashed
+  inside its run with a traceback)."""
+  choices = {**_choices(), **{k: tuple(v) for k, v in (narrower or {}).items()}}
   for key in flat_keys(config):
     value = config
     for part in key.split("."):
@@ -312,7 +315,8 @@ def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) ->
   module = load_experiment(name)
   config = module.get_config(quick)
   config = apply_overrides(config, overrides)
-  check_conventions(config)
+  choices = getattr(module, "CHOICES", None)
+  check_conventions(config, choices() if callable(choices) else choices)
   validate = getattr(module, "validate", None)
   if validate is not None:
     try:
