@@ -110,7 +110,9 @@ class JsonlWriter:
     for k, v in row.items():
       key.append((k, v))
       if k in POSITION_FIELDS:
-        return json.dumps(key)
+        # samples too: several simulator evaluations can share a server version (BSP, k-sync
+        # evaluating more often than the server updates), and samples only grow
+        return json.dumps(key + [("samples", row.get("samples"))])
     return self._content(row)
 
   def __call__(self, row: Mapping[str, Any]) -> None:
@@ -127,9 +129,10 @@ class JsonlWriter:
     if key in self._seen:
       if self._seen[key] != self._content(row) and not self._warned:
         self._warned = True
-        print(f"{self.path}: a recomputed row differs from the one logged before the resume "
-              f"(e.g. another device count or a non-deterministic op); keeping the first: "
-              f"{key}", file=sys.stderr)
+        print(f"{self.path}: a row differs from one already logged with the same labels and "
+              f"position (a resumed run's recomputation on another device count, a "
+              f"non-deterministic op, or labels that do not tell two runs apart); keeping the "
+              f"first: {key}", file=sys.stderr)
       return
     self._seen[key] = self._content(row)
     with self.path.open("a") as f:
