@@ -379,9 +379,12 @@ def check_resumable(workdir: pathlib.Path, record: dict[str, Any], *,
     # An attempt that failed before it logged anything (a dataset not prepared, a bad value
     # only its run could find) left config.json and attempts.json: nothing to protect, so the
     # corrected command may use the workdir (it was refused as "holds results").
+    import jax  # noqa: PLC0415
     print(f"note: {workdir} holds no results of its earlier config ({'; '.join(diff)}); "
           "starting afresh", file=sys.stderr)
-    discard_run_data(workdir)
+    if jax.process_index() == 0:  # (its other files, if any, are the user's: kept)
+      for name in RUN_DATA:
+        (workdir / name).unlink(missing_ok=True)
     return False
   fixed = [d for d in diff if d.split(":", 1)[0] in FIXED_FIELDS]
   if fixed:  # another experiment's files (or the other preset's) would mix with this one's
