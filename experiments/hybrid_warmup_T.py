@@ -23,9 +23,9 @@ from experiments import _seed004_common as common
 from mfopt import report, runner
 from mfopt import data as data_lib
 
-# What this experiment can build (an MLP or CNN on class labels): the runner refuses other names
+# What this experiment can build (an MLP, CNN or ResNet on class labels): the runner refuses other names
 # before anything runs (runner.check_conventions).
-CHOICES = {"model": ("mlp", "cnn"), "dataset": data_lib.classification_datasets()}
+CHOICES = {"model": ("mlp", "cnn", "resnet18", "resnet50"), "dataset": data_lib.classification_datasets()}
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
