@@ -426,20 +426,24 @@ def comm_totals(state: Any) -> dict[str, int]:
   return out
 
 
-def pmean_tree(tree: Any, axis_name: AxisName, comm_dtype: Any = None) -> Any:
+def pmean_tree(tree: Any, axis_name: AxisName, comm_dtype: Any = None, *,
+               predivide: bool = False) -> Any:
   """All-reduce mean of every leaf over ``axis_name``, optionally in ``comm_dtype``.
 
   The exchange runs in ``comm_dtype`` (e.g. bf16 halves the bytes) and the result
   is cast back to each leaf's dtype. On XLA:CPU a bf16 all-reduce is computed in
   f32 after compilation; the lowered program still asks for bf16.
 
-  In float16 (largest finite 65504) the values are divided by the worker count before the
-  sum (:func:`pmean_tree_scaled` with scale 1), so the sum overflows only where the mean
-  would: ``lax.pmean`` sums first, and 8 workers' gradients of 1e4 came back ``inf``.
+  ``predivide`` (float16 only; :func:`sync_gradients` asks for it): divide by the worker count
+  before the sum (:func:`pmean_tree_scaled` with scale 1), so the sum overflows only where
+  the mean would (``lax.pmean`` sums first: 8 workers' gradients of 1e4 came back ``inf``).
+  The price is precision for small values, which the division pushes into fp16's subnormals
+  (a reviewer's W = 8: 1.4% relative error of the mean at 1e-5 against 0.5% summing first),
+  so parameter averaging's small deltas keep the sum-first order.
   """
   if axis_name is None:
     return tree
-  if comm_dtype is not None and jnp.dtype(comm_dtype) == jnp.float16:
+  if predivide and comm_dtype is not None and jnp.dtype(comm_dtype) == jnp.float16:
     return pmean_tree_scaled(tree, axis_name, comm_dtype, jnp.ones([], jnp.float32))
 
   def one(x):
@@ -534,7 +538,7 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
     if scaled_exchange and loss_scale is not None:
       updates = pmean_tree_scaled(updates, axis_name, comm_dtype, loss_scale)
     else:
-      updates = pmean_tree(updates, axis_name, comm_dtype)
+      updates = pmean_tree(updates, axis_name, comm_dtype, predivide=True)
     comm = state.comm._replace(count=state.comm.count + 1)
     return updates, SyncGradientsState(comm=comm)
 
