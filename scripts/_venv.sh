@@ -5,14 +5,17 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 stamp="$VENV/.installed"
-if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  echo "mfopt needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>/dev/null || echo 'not found')." \
-       "Set PYTHON, e.g. PYTHON=python3.11 bash $0" >&2
-  exit 1
-fi
+ok_python() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  # --clear: a venv left by a failed first run (another Python) would keep its old interpreter
-  "$PYTHON" -m venv --clear "$VENV"
+  if ! ok_python "$VENV/bin/python"; then  # no venv yet, or one of an older Python
+    if ! ok_python "$PYTHON"; then
+      echo "mfopt needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>/dev/null || echo 'not found')." \
+           "Set PYTHON, e.g. PYTHON=python3.11 bash $0" >&2
+      exit 1
+    fi
+    # --clear: a venv left by a failed first run (another Python) would keep its interpreter
+    "$PYTHON" -m venv --clear "$VENV"
+  fi
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
   touch "$stamp"

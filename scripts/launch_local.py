@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
       env["MFOPT_NUM_CPU_DEVICES"] = str(args.cpu_devices)
     if args.heartbeat_timeout is not None:
       env["MFOPT_HEARTBEAT_TIMEOUT"] = str(args.heartbeat_timeout)
+    # start_new_session: a terminal's Ctrl-C reaches the launcher only, which forwards it
+    # once (a second SIGINT hit the children inside their KeyboardInterrupt cleanup)
     p = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT)
+                         stderr=subprocess.STDOUT, start_new_session=True)
     procs.append(p)
     t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", sys.stdout), daemon=True)
     t.start()
