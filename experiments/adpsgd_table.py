@@ -60,8 +60,7 @@ from mfopt import report, runner
 from mfopt.comm import CollectiveKind
 from mfopt.qsgd import qsgd_payload_bytes
 
-# What this experiment can build (the MLP (hidden=) on class labels): the runner refuses other names
-# before anything runs (runner.check_conventions).
+# names it can build; the runner refuses others before anything runs
 CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets()}
 
 NETS = ("10gbit", "100gbit")

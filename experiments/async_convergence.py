@@ -35,11 +35,9 @@ import numpy as np
 
 from mfopt import report, runner
 from mfopt.sim import suite
-from mfopt import data as data_lib
 
-# What this experiment can build (the simulator's MLP on class labels): the runner refuses other names
-# before anything runs (runner.check_conventions).
-CHOICES = {"dataset": data_lib.classification_datasets()}
+# names it can build; the runner refuses others before anything runs
+CHOICES = suite.CHOICES
 
 SEED_MODEL = "KSync[working]"
 #: the seed's model as the issue defines it (``working``) and with the spec's re-averaging merge

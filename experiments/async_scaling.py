@@ -32,11 +32,9 @@ import ml_collections
 
 from mfopt import report, runner
 from mfopt.sim import suite
-from mfopt import data as data_lib
 
-# What this experiment can build (the simulator's MLP on class labels): the runner refuses other names
-# before anything runs (runner.check_conventions).
-CHOICES = {"dataset": data_lib.classification_datasets()}
+# names it can build; the runner refuses others before anything runs
+CHOICES = suite.CHOICES
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:

@@ -37,8 +37,7 @@ from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import report, runner, theory, train
 
-# What this experiment can build (the MLP (hidden=) on class labels): the runner refuses other names
-# before anything runs (runner.check_conventions).
+# names it can build; the runner refuses others before anything runs
 CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets()}
 
 

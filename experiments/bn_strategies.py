@@ -38,8 +38,7 @@ from experiments import _seed004_common as common
 from mfopt import batchnorm, checkpoint as ckpt_lib, comm, data as data_lib, models as models_lib
 from mfopt import parallel, report, runner, train
 
-# What this experiment can build (the CNN (features=) on class labels): the runner refuses other names
-# before anything runs (runner.check_conventions).
+# names it can build; the runner refuses others before anything runs
 CHOICES = {"model": ("cnn",), "dataset": data_lib.classification_datasets()}
 
 ROWS = ("varying_sync_ma", "sync_ma", "independent_ma", "independent_last")

@@ -21,11 +21,9 @@ import ml_collections
 
 from experiments import _seed004_common as common
 from mfopt import report, runner
-from mfopt import data as data_lib
 
-# What this experiment can build (an MLP, CNN or ResNet on class labels): the runner refuses other names
-# before anything runs (runner.check_conventions).
-CHOICES = {"model": ("mlp", "cnn", "resnet18", "resnet50"), "dataset": data_lib.classification_datasets()}
+# names it can build; the runner refuses others before anything runs
+CHOICES = common.CHOICES
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:

@@ -33,8 +33,7 @@ from mfopt import mf as mf_lib
 from mfopt import models as models_lib
 from mfopt import report, runner
 
-# What this experiment can build (class labels): the runner refuses other names
-# before anything runs (runner.check_conventions).
+# names it can build; the runner refuses others before anything runs
 CHOICES = {"dataset": data_lib.classification_datasets()}
 
 

@@ -30,8 +30,7 @@ from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import report, runner
 
-# What this experiment can build (a token corpus): the runner refuses other names
-# before anything runs (runner.check_conventions).
+# names it can build; the runner refuses others before anything runs
 CHOICES = {"dataset": data_lib.LANGUAGE_MODEL_DATASETS}
 
 

@@ -734,6 +734,8 @@ MODELS: Mapping[str, Callable[..., nn.Module]] = {
     "resnet50": ResNet50,
     "lstm_lm": LSTMLM,
 }
+#: The models that classify (logits per example); ``lstm_lm`` predicts tokens.
+CLASSIFIERS = tuple(n for n in MODELS if n != "lstm_lm")
 
 
 def get_model(name: str, **kwargs: Any) -> nn.Module:
