@@ -231,7 +231,6 @@ def adabound(learning_rate: optax.ScalarOrSchedule = 1e-3, final_lr: float = 0.1
   Seed: 004 §2.1.1 (SPEC.md: reference-implementation semantics).
   """
   _checks.nonnegative_number("weight_decay", weight_decay)
-  amsbound = _checks.flag("amsbound", amsbound)
   parts = []
   # a JAX scalar (optax.inject_hyperparams, concrete at init, traced at update): always decay,
   # so that init and update build the same chain
@@ -293,7 +292,7 @@ def _linear_scaling_hyper(*, base_lr, num_workers, steps_per_epoch, alpha, warmu
   bias_correction = _checks.flag("bias_correction", bias_correction)
   return dict(base_lr=base_lr, num_workers=num_workers, steps_per_epoch=steps_per_epoch,
               alpha=alpha, warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps,
-              bias_correction=bool(bias_correction))
+              bias_correction=bias_correction)
 
 
 def _linear_scaling_step(count, mu, nu, *, base_lr, num_workers, steps_per_epoch, alpha,

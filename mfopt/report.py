@@ -75,7 +75,7 @@ def write_json(path: pathlib.Path, obj: Any) -> None:
 MEASURED_FIELDS = ("train_time_s",)  # wall-clock fields of a metrics row; all others are data
 #: Where a row says how far its run got: ``mfopt.train.fit``'s ``step``, ``mfopt.sim``'s
 #: ``server_step``. The experiments log ``{labels..., **row}``, so a row's fields up to and
-#: including the first of these name the data point (labels + position); the rest is data.
+#: including the first of these, with its ``samples``, name the data point; the rest is data.
 POSITION_FIELDS = ("step", "server_step")
 
 
@@ -85,7 +85,8 @@ class JsonlWriter:
   A resumed run recomputes what it did after its last checkpoint (and any un-checkpointed
   part, e.g. simulator runs) and logs those rows again. A row names its data point by its
   fields up to and including its first :data:`POSITION_FIELDS` field (the labels the
-  experiment put first, then the step); a row whose data point is already in the file is not
+  experiment put first, then the step) and its ``samples`` (several simulator evaluations can
+  share a server version); a row whose data point is already in the file is not
   written again, so the file of a resumed run holds the rows of an uninterrupted one (their
   first values and measured times). Keying on the position, not the whole content, matters
   when the recomputation is not bit-identical: resumed on another device count (the
@@ -110,8 +111,6 @@ class JsonlWriter:
     for k, v in row.items():
       key.append((k, v))
       if k in POSITION_FIELDS:
-        # samples too: several simulator evaluations can share a server version (BSP, k-sync
-        # evaluating more often than the server updates), and samples only grow
         return json.dumps(key + [("samples", row.get("samples"))])
     return self._content(row)
 

@@ -414,6 +414,14 @@ def test_check_mf_conditions_evaluates_a_schedule_as_step_by_step():
   def scalar_only(t):
     return 0.5 if int(t) < 150 else 0.95  # int() of an array of steps raises
 
+  calls = []
+
+  def counted(t):
+    calls.append(t)
+    return sched(t)
+
+  mfopt.mf._schedule_values("mf", counted, 300)
+  assert len(calls) == 1  # one call on all steps, not 300
   for s in (sched, scalar_only):
     vals = mfopt.mf._schedule_values("mf", s, 300)
     np.testing.assert_allclose(vals, [float(s(jnp.asarray(t, jnp.int32))) for t in range(300)],
