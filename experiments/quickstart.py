@@ -143,14 +143,15 @@ def _simulated_rows(c, dataset_name, model_name, model, dataset, metrics_log) ->
         per_worker_batch=c.global_batch // c.num_workers, max_samples=samples, seed=c.seed,
         compute=mfopt.sim.ComputeModel(0.01, speed_spread=0.3, jitter_sigma=0.2), network="10gbit",
         eval_every_samples=max(1, samples // 4),
-        on_log=lambda r, name=name: metrics_log({"dataset": dataset_name, "algorithm": name, **r}))
+        on_log=lambda r, name=name: metrics_log(
+            {"dataset": dataset_name, "model": model_name, "algorithm": name, **r}))
     s = res.summary
     rows.append({"dataset": dataset_name, "model": model_name, "algorithm": name, "peak_lr": 0.1,
                  "test_accuracy": s["test_accuracy"], "final_train_loss": s["final_train_loss"],
                  "all_reduces": s["exchanges_per_worker"], "payload_bytes": s["bytes_per_worker"],
                  "train_s": time.perf_counter() - t0, "sim_time_s": s["sim_time_s"],
                  "samples": s["samples"]})
-    print(f"{dataset_name:8s} {name:32s} test acc {s['test_accuracy']:.4f}  "
+    print(f"{_label(c, dataset_name, model_name):8s} {name:32s} test acc {s['test_accuracy']:.4f}  "
           f"simulated time {s['sim_time_s']:.2f} s")
   return rows
 
@@ -203,6 +204,29 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if len(c.models) != len(c.datasets):
     raise runner.ConfigError(
         f"config field 'models' needs one model per dataset ({len(c.datasets)}), got {c.models!r}")
+  if c.sim_runs:
+    # Checked here, before anything trains: the ResNets always carry BatchNorm statistics, which
+    # the simulator refuses only after every train.fit row of the dataset has run.
+    with_bn = [m for m in c.models if m not in SIM_MODELS]
+    if with_bn:
+      raise runner.ConfigError(
+          f"config field 'models' may only name {list(SIM_MODELS)} when sim_runs are requested "
+          f"(the simulator trains models without BatchNorm), got {with_bn!r}; set sim_runs=() to "
+          "train them")
+  pairs = list(zip(c.datasets, c.models))
+  if len(set(pairs)) != len(pairs):
+    raise runner.ConfigError(
+        f"config fields 'datasets' and 'models' name the same (dataset, model) pair twice: "
+        f"{pairs!r}")
+
+
+# models the simulator can train (no BatchNorm statistics; the CNN with use_bn=False)
+SIM_MODELS = ("mlp", "cnn")
+
+
+def _label(c, dataset_name: str, model_name: str) -> str:
+  """A run's name in curves and logs: the dataset, plus the model when a dataset appears twice."""
+  return dataset_name if list(c.datasets).count(dataset_name) == 1 else f"{dataset_name}/{model_name}"
 
 
 def _model_for(name: str, dataset: data_lib.Dataset, use_bn: bool):
@@ -228,25 +252,26 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
 
     ctx = Context(axis_name=parallel.WORKER_AXES, num_workers=c.num_workers,
                   num_steps=c.num_steps, steps_per_epoch=steps_per_epoch, schedule=schedule)
-    curves[dataset_name] = {}
+    label = _label(c, dataset_name, model_name)
+    curves[label] = {}
     for algo_name in c.algorithms:
       algo = ALGORITHMS[algo_name]
       tx = algo.make(ctx, algo.learning_rate)
 
-      def on_log(row, algo_name=algo_name, dataset_name=dataset_name):
-        metrics_log({"dataset": dataset_name, "algorithm": algo_name, **row})
+      def on_log(row, algo_name=algo_name, dataset_name=dataset_name, model_name=model_name):
+        metrics_log({"dataset": dataset_name, "model": model_name, "algorithm": algo_name, **row})
 
       result = train.fit(
           model=model, tx=tx, dataset=dataset, num_workers=c.num_workers,
           per_worker_batch=per_worker_batch, num_steps=c.num_steps, mesh=mesh, seed=c.seed,
           log_every=c.log_every, learning_rate=schedule(algo.learning_rate),
-          progress=c.progress, desc=f"{dataset_name}/{algo_name}", on_log=on_log)
+          progress=c.progress, desc=f"{label}/{algo_name}", on_log=on_log)
       s = result.summary
       rows.append({"dataset": dataset_name, "model": model_name, "algorithm": algo_name,
                    "peak_lr": algo.learning_rate, **s})
-      curves[dataset_name][algo_name] = ([r["step"] for r in result.history],
+      curves[label][algo_name] = ([r["step"] for r in result.history],
                                          [r["train_loss"] for r in result.history])
-      print(f"{dataset_name:8s} {algo_name:32s} test acc {s['test_accuracy']:.4f}  "
+      print(f"{label:8s} {algo_name:32s} test acc {s['test_accuracy']:.4f}  "
             f"train loss {s['final_train_loss']:.4f}  all-reduces {s['all_reduces']}")
     rows += _simulated_rows(c, dataset_name, model_name, model, dataset, metrics_log)
 
@@ -275,9 +300,9 @@ def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
       "per worker, counted by the transforms (payload in the exchanged dtype).\n",
       report.markdown_table(
           rows,
-          ["dataset", "algorithm", "peak_lr", "test_accuracy", "final_train_loss", "all_reduces",
+          ["dataset", "model", "algorithm", "peak_lr", "test_accuracy", "final_train_loss", "all_reduces",
            "payload_bytes", "train_s", "sim_time_s"],
-          ["dataset", "algorithm", "peak lr", "test acc", "final train loss", "all-reduces/worker",
+          ["dataset", "model", "algorithm", "peak lr", "test acc", "final train loss", "all-reduces/worker",
            "bytes sent/worker", "train time (s)", "simulated time (s)"]),
       "\n## Notes\n",
   ]

@@ -104,6 +104,9 @@ def test_bad_values(override, match):
     ("mf_lstm", "dataset=digits", r"'dataset' must be one of \['textcorpus', 'tiny_shakespeare'\]"),
     ("ksync_trace", "dataset=tiny_shakespeare", r"'dataset' must be one of .*got 'tiny_shakespeare'"),
     ("adpsgd_table", "decreasing_periods=(4,)", r"'decreasing_periods' must hold two periods"),
+    # session 17: a ResNet with sim_runs crashed in the simulator after its train.fit rows ran
+    ("quickstart", "models=('mlp','resnet18')",
+     r"'models' may only name \['mlp', 'cnn'\] when sim_runs .*got \['resnet18'\]"),
 ])
 def test_field_conventions_are_checked_in_every_experiment(name, override, match):
   _raises(match, name, override)
@@ -127,6 +130,24 @@ def test_override_applies_with_type():
   _, c = runner.prepare("quickstart", quick=True, overrides=["num_steps=7", "datasets=digits",
                                                              "models=('mlp',)"])
   assert c.num_steps == 7 and c.datasets == ("digits",) and c.models == ("mlp",)
+
+
+def test_quickstart_pair_named_twice_is_refused():
+  _raises(r"name the same \(dataset, model\) pair twice: \[\('digits', 'mlp'\), \('digits', 'mlp'\)\]",
+          "quickstart", "datasets=('digits','digits')", "models=('mlp','mlp')")
+
+
+def test_quickstart_one_dataset_two_models_keeps_both(tmp_path):
+  """A dataset named twice (two models) used to share one curve panel and one log identity: the
+  second model's rows overwrote the first's curves, and metrics.jsonl could not tell them apart."""
+  runner.run_experiment("quickstart", quick=True, workdir=tmp_path, overrides=[
+      "datasets=('digits','digits')", "models=('mlp','cnn')", "num_steps=4", "log_every=2",
+      "progress=false", "algorithms=('sync Adam (optax)',)", "sim_runs=()"])
+  lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert sorted((l["model"], l["step"]) for l in lines) == [
+      ("cnn", 2), ("cnn", 4), ("mlp", 2), ("mlp", 4)]
+  report = (tmp_path / "report.md").read_text()
+  assert "| digits | mlp | sync Adam (optax)" in report and "| digits | cnn | sync Adam" in report
 
 
 def test_workers_that_do_not_split_the_batch_fail_before_compiling(tmp_path):
