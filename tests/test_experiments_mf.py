@@ -4,6 +4,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 import mfopt
@@ -116,7 +117,7 @@ def test_mf_lstm_quick(tmp_path):
 
 
 def test_bn_variance_quick(tmp_path):
-  summary, text = _run("bn_variance", tmp_path)
+  summary, text = _run("bn_variance", tmp_path, "seeds=(0, 1)")  # two: the pooled SE divides
   assert summary["verdict"]["supports"] == "correct"
   assert "support the correct expectation" in text
   M = 32
@@ -127,6 +128,15 @@ def test_bn_variance_quick(tmp_path):
       assert abs(r["S_t"] - r["printed_e2"]) > 10 * r["S_t_se"]
   # the report prints eq. 8 beside the measurement: 47 = 31 + 32*1/2 at P = 2
   assert re.search(r"\| conv0 \| 2 \| 16 \| 3[01]\.\d\d ± 0\.\d\d \| 31 \| 47 \|", text)
+  # z in the table is of the mean over seeds with its pooled SE, sqrt(sum SE_i^2) / n (a mean of
+  # the per-seed z would understate |z| by about sqrt(n)): re-derived from the per-seed rows
+  rs = [r for r in acts if r["layer"] == "conv0" and r["P"] == 2]
+  mean = np.mean([r["S_t"] for r in rs])
+  se = np.sqrt(np.sum([r["S_t_se"] ** 2 for r in rs])) / len(rs)
+  cells = re.search(r"\| conv0 \| 2 \| 16 \|[^|]*\| 31 \| 47 \| ([-0-9.e]+) \| ([-0-9.e]+) \|",
+                    text).groups()
+  np.testing.assert_allclose([float(c) for c in cells], [(mean - 31) / se, (mean - 47) / se],
+                             rtol=1e-3, atol=1e-3)
   noise = {r["P"]: r for r in summary["bn_noise"] if r["layer"] == "conv0"}
   ratio = noise[8]["mean_noise"] / noise[1]["mean_noise"]
   assert 4 < ratio < 16  # ~ P at fixed M (1/K)
