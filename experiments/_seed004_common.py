@@ -46,7 +46,7 @@ NOT_REPRODUCED = "not reproduced at this scale"
 
 #: The names the seed-004 experiments can build (an MLP, CNN or ResNet on class labels); their
 #: ``CHOICES``, which the runner checks before anything runs.
-CHOICES = {"model": models_lib.CLASSIFIERS, "dataset": data_lib.classification_datasets()}
+CHOICES = {"model": models_lib.CLASSIFIERS, "dataset": data_lib.classification_datasets}
 
 
 def base_config(quick: bool) -> ml_collections.ConfigDict:

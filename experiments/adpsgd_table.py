@@ -61,7 +61,7 @@ from mfopt.comm import CollectiveKind
 from mfopt.qsgd import qsgd_payload_bytes
 
 # names it can build; the runner refuses others before anything runs
-CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets()}
+CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets}
 
 NETS = ("10gbit", "100gbit")
 

@@ -38,7 +38,7 @@ from mfopt import data as data_lib
 from mfopt import report, runner
 
 # names it can build; the runner refuses others before anything runs
-CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets()}
+CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets}
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:

@@ -38,7 +38,7 @@ from mfopt import models as models_lib
 from mfopt import report, runner, theory, train
 
 # names it can build; the runner refuses others before anything runs
-CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets()}
+CHOICES = {"model": ("mlp",), "dataset": data_lib.classification_datasets}
 
 
 

@@ -39,7 +39,7 @@ from mfopt import batchnorm, checkpoint as ckpt_lib, comm, data as data_lib, mod
 from mfopt import parallel, report, runner, train
 
 # names it can build; the runner refuses others before anything runs
-CHOICES = {"model": ("cnn",), "dataset": data_lib.classification_datasets()}
+CHOICES = {"model": ("cnn",), "dataset": data_lib.classification_datasets}
 
 ROWS = ("varying_sync_ma", "sync_ma", "independent_ma", "independent_last")
 ROW_INFO = {  # fixed batch, independent statistics, without moving average, BN strategy

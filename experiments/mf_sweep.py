@@ -31,7 +31,7 @@ from mfopt import models as models_lib
 from mfopt import report, runner
 
 # names it can build; the runner refuses others before anything runs
-CHOICES = {"dataset": data_lib.classification_datasets()}
+CHOICES = {"dataset": data_lib.classification_datasets}
 
 
 

@@ -33,7 +33,7 @@ from mfopt import models as models_lib
 from mfopt import parallel, report, runner, train
 
 # names it can build; the runner refuses others before anything runs
-CHOICES = {"datasets": data_lib.classification_datasets(), "models": models_lib.CLASSIFIERS}
+CHOICES = {"datasets": data_lib.classification_datasets, "models": models_lib.CLASSIFIERS}
 
 
 @dataclasses.dataclass(frozen=True)

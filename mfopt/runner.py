@@ -280,13 +280,17 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
 
 def check_conventions(config: ml_collections.ConfigDict,
-                      narrower: Mapping[str, Sequence[str]] | None = None) -> None:
+                      narrower: Mapping[str, Sequence[str] | Callable[[], Sequence[str]]]
+                      | None = None) -> None:
   """Raises ConfigError for a field whose name has a library-wide meaning (:data:`CONVENTIONS`,
   link/dataset/model names) and whose value breaks it, for any non-finite float, and for an
   empty tuple outside :data:`EMPTY_ALLOWED`. ``narrower``: an experiment's ``CHOICES``, the
   names it can build (an MLP-only script given ``model=cnn`` passed this check and crashed
-  inside its run with a traceback)."""
-  choices = {**_choices(), **{k: tuple(v) for k, v in (narrower or {}).items()}}
+  inside its run with a traceback). A value may be a function returning the names, called
+  here: ``data.classification_datasets`` then includes datasets a user registers after the
+  experiment was imported."""
+  choices = {**_choices(),
+             **{k: tuple(v() if callable(v) else v) for k, v in (narrower or {}).items()}}
   for key in flat_keys(config):
     value = config
     for part in key.split("."):

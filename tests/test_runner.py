@@ -264,3 +264,15 @@ def test_a_dataset_not_prepared_is_an_error_line_and_leaves_the_workdir_usable(
   assert runner.main(args + ["epochs=0.1"]) == 0, capsys.readouterr().err
   assert "holds no results of its earlier config" in capsys.readouterr().err
   assert len(json.loads((work / runner.ATTEMPTS).read_text())) == 1  # the failed one discarded
+
+
+def test_dataset_registered_after_the_experiment_was_imported_is_accepted(monkeypatch):
+  """An experiment's CHOICES used to be computed at import: a dataset a user registered
+  afterwards (mfopt.data.register) was refused as an unknown name."""
+  from mfopt import data
+  runner.load_experiment("adpsgd_variance")  # imported (and its CHOICES built) first
+  monkeypatch.setitem(data._LOADERS, "my_digits", data._LOADERS["digits"])
+  _, c = runner.prepare("adpsgd_variance", quick=True, overrides=["dataset=my_digits"])
+  assert c.dataset == "my_digits"
+  _raises(r"'dataset' must be one of \[.*'my_digits'.*got 'textcorpus'", "adpsgd_variance",
+          "dataset=textcorpus")

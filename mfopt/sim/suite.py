@@ -65,7 +65,7 @@ STRATEGIES: Mapping[str, Callable[[Any], server.Strategy]] = {
 
 #: The names the simulator experiments can build (its MLP on class labels); an experiment's
 #: ``CHOICES``, which the runner checks before anything runs.
-CHOICES = {"dataset": data_lib.classification_datasets()}
+CHOICES = {"dataset": data_lib.classification_datasets}
 
 
 def base_config(quick: bool) -> ml_collections.ConfigDict:
