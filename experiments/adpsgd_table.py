@@ -228,6 +228,9 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
              # Table I's metric: the best of the test evaluations (one per logging step)
              "best_test_accuracy": max((h["test_accuracy"] for h in res.history
                                         if "test_accuracy" in h), default=float("nan")),
+             # §V.B's other metric: the smallest training loss reached (at a logging step)
+             "min_train_loss": min((h["train_loss"] for h in res.history
+                                    if "train_loss" in h), default=float("nan")),
              "collectives": s["collectives"], "payload_bytes": s["payload_bytes"],
              "train_s": s["train_s"]}
       if res.diverged:
@@ -362,14 +365,17 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
             key="best_test_accuracy", group="SMALL_BATCH")]
   dec = f"DECREASING {c.decreasing_periods[0]}->{c.decreasing_periods[1]}"
   syncs = {k: [r["param_syncs"] for r in per_seed[k]] for k in ("ADPSGD", dec)}
-  verdicts.append(claim("ADPSGD", dec, f"§V.B: ADPSGD beats the decreasing period "
-                                       f"({c.decreasing_periods[0]} then "
-                                       f"{c.decreasing_periods[1]}) at equal syncs (per seed: "
-                                       f"ADPSGD {_ints(syncs['ADPSGD'])}, decreasing "
-                                       f"{_ints(syncs[dec])}"
-                                       + ("" if syncs["ADPSGD"] == syncs[dec] else
-                                          ": the nearest its periods allow")
-                                       + ")"))
+  equal_syncs = (f"at equal syncs (per seed: ADPSGD {_ints(syncs['ADPSGD'])}, decreasing "
+                 f"{_ints(syncs[dec])}"
+                 + ("" if syncs["ADPSGD"] == syncs[dec] else ": the nearest its periods allow")
+                 + ")")
+  periods = f"({c.decreasing_periods[0]} then {c.decreasing_periods[1]})"
+  # §V.B compares the smallest training loss and the best test accuracy each run reaches.
+  verdicts += [
+      claim("ADPSGD", dec, f"§V.B: ADPSGD beats the decreasing period {periods} in best test "
+            f"accuracy {equal_syncs}", key="best_test_accuracy"),
+      claim("ADPSGD", dec, f"§V.B: ADPSGD reaches a smaller smallest training loss than the "
+            f"decreasing period {periods} {equal_syncs}", key="min_train_loss", sign=-1.0)]
   qname = f"QSGD-{c.qsgd_bits}bit"
   verdicts.append(claim("ADPSGD", qname,
                         f"§IV-B: ADPSGD reaches a smaller training loss than {qname}",

@@ -4,6 +4,7 @@ with a diverging cell: recorded and reported as diverged, never a mean, a best c
 import json
 
 import numpy as np
+import pytest
 
 from experiments import _averaging_common as common
 from experiments import adpsgd_table
@@ -53,6 +54,14 @@ def test_adpsgd_table_quick(tmp_path):
   for rs in runs.values():
     assert rs[0]["best_test_accuracy"] >= rs[0]["test_accuracy"]
   assert "best test accuracy achieved" in report
+  # §V.B compares the best test accuracy and the smallest training loss each run reached
+  # (the claim used the final test accuracy)
+  vb = [v for v in summary["verdicts"] if v["claim"].startswith("§V.B")]
+  assert len(vb) == 2
+  assert vb[0]["mean_diff"] == pytest.approx(adp["best_test_accuracy"] - dec["best_test_accuracy"])
+  assert vb[1]["mean_diff"] == pytest.approx(dec["min_train_loss"] - adp["min_train_loss"])
+  for rs in runs.values():
+    assert rs[0]["min_train_loss"] <= rs[0]["final_train_loss"]
   ratios = [float(r["ratio"]) for r in summary["crossover"]]
   assert ratios[0] < 1 < ratios[-1] and ratios == sorted(ratios)
   assert "projected" in report and "Table I" in report
