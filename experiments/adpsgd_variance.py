@@ -121,8 +121,10 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   nan = float("nan")
   for seed in c.seeds:
     for name, make_ctl in algos.items():
+      # S_k only where the controller needs it (ADPSGD): CPSGD's bytes are then its parameter
+      # exchanges alone (sync_variance=True added a 4-byte all-reduce per sync to them).
       tx = mfopt.periodic_averaging(inner(), mfopt.WORKER_AXES, make_ctl(), track_variance=True,
-                                    sync_variance=True, trace_length=n)
+                                    trace_length=n)
       res = common.run(dataset=dataset, model_name=c.model, tx=tx, num_workers=w,
                        per_worker_batch=b, num_steps=n, seed=seed, log_every=c.log_every,
                        progress=c.progress, desc=f"seed {seed} {name}", schedule=schedule,

@@ -23,6 +23,12 @@ def test_adpsgd_variance_quick(tmp_path):
   assert algos == ["CPSGD p=2", "CPSGD p=4", "CPSGD p=5", "CPSGD p=8", "ADPSGD"]
   syncs = {r["algorithm"]: float(r["syncs"].split(" ")[0]) for r in summary["rows"]}
   assert [syncs[f"CPSGD p={p}"] for p in (2, 4, 5, 8)] == [12, 6, 4, 3]  # floor(24 / p)
+  # CPSGD sends its parameters at each sync and nothing else: MLP 40 -> 32 -> 10 in f32 (the
+  # S_k diagnostic's 4 bytes per sync were counted in too)
+  param_bytes = 4 * ((40 * 32 + 32) + (32 * 10 + 10))
+  for p in (2, 4, 5, 8):
+    row = next(r for r in summary["rows"] if r["algorithm"] == f"CPSGD p={p}")
+    assert float(row["bytes/worker"].split(" ")[0]) == syncs[f"CPSGD p={p}"] * param_bytes
   trace = json.loads((tmp_path / "trace_CPSGD_p8_seed0.json").read_text())
   assert trace["step"] == [8, 16, 24] and trace["period"] == [8, 8, 8]
   assert all(v > 0 for v in trace["mean_variance"])
