@@ -74,7 +74,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   ts = list(c.warmup_values)
   verdicts = []
   if len(ts) > 1:
-    lo, hi = ts[0], ts[-1]
+    lo, hi = min(ts), max(ts)  # (in any order given: ts[0], ts[-1] flipped every claim)
     # Seed 004 §3.2.1: "the training accuracy will also be slightly reduced" (training, not
     # test, accuracy); the test accuracy is judged beside it, as the question a reader has.
     trains = {t: [r["summary"]["final_train_accuracy"] for r in rs] for t, rs in runs.items()}

@@ -131,13 +131,3 @@ def _claims(c, rows) -> dict[str, str]:
   test(0.99, 0.975, -1, "acc(MF 0.99) - acc(MF 0.975) < 0 (drops past the peak)")
   test(0.99, 0.95, -1, "acc(MF 0.99) - acc(MF 0.95) < 0 (drops below 0.95)")
   return out
-  peak = 0.975 if 0.975 in mfs else mfs[-2] if len(mfs) > 2 else mfs[-1]
-  if peak != mfs[0]:
-    d = common.paired_difference(rows, "test_accuracy", {"mf": peak}, {"mf": mfs[0]})
-    out[f"acc(MF {peak}) - acc(MF {mfs[0]}) > 0 (accuracy rises with MF)"] = \
-        common.claim_verdict(d, +1)
-  if peak != mfs[-1]:
-    d = common.paired_difference(rows, "test_accuracy", {"mf": mfs[-1]}, {"mf": peak})
-    out[f"acc(MF {mfs[-1]}) - acc(MF {peak}) < 0 (drops past the peak)"] = \
-        common.claim_verdict(d, -1)
-  return out

@@ -34,8 +34,14 @@ def test_hybrid_vs_baselines_quick(tmp_path):
 
 
 def test_hybrid_warmup_T_quick(tmp_path):
-  runner.run_experiment("hybrid_warmup_T", quick=True, workdir=tmp_path,
-                        overrides=TINY[:4] + ["epochs=2", "warmup_values=(1,2)"])
+  # T given in descending order: the claims still compare the smallest T with the largest
+  # (they compared warmup_values[0] with [-1], testing every claim the wrong way round)
+  out = runner.run_experiment("hybrid_warmup_T", quick=True, workdir=tmp_path,
+                              overrides=TINY[:4] + ["epochs=2", "warmup_values=(2,1)"])
+  test = out["final_test_accuracy"]
+  v = out["verdicts"]
+  assert "T=1 vs T=2" in v[1]["claim"] and "T=2 vs T=1" in v[2]["claim"]
+  assert v[1]["mean_diff"] == pytest.approx(test[1.0][0] - test[2.0][0])  # test acc, T=1 - T=2
   text = (tmp_path / "report.md").read_text()
   assert "| 1 |" in text and "| 2 |" in text
   runs = _runs(tmp_path)

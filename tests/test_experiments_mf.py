@@ -116,6 +116,20 @@ def test_mf_lstm_quick(tmp_path):
   assert f"{steps} per run x global batch 64 = {steps * 64:,} sequences processed" in text
 
 
+def test_mf_batch_workers_claim_where_the_paper_ties_is_not_testable():
+  """Table 2 ties at batch 32 (0.917 at 4 and 16 GPUs): that cell was tested as "more workers
+  help" (the sign of a tie fell to -1)."""
+  import ml_collections
+  from experiments import mf_batch_workers
+  c = ml_collections.ConfigDict({"workers": (4, 16), "batches": (32,), "optimizers": ("sgd",)})
+  claims = mf_batch_workers._claims(c, [])
+  assert claims == {"sgd: acc(W=4) vs acc(W=16) at batch 32 (paper 0.917 vs 0.917)":
+                    "not testable (the paper's table ties: no direction to test)"}
+  c.workers = (1, 16)  # 0.928 vs 0.917: more workers hurt
+  key, = mf_batch_workers._claims(c, [])
+  assert "acc(W=1) - acc(W=16) at batch 32 > 0 (more workers hurt; paper 0.928 vs 0.917)" in key
+
+
 def test_bn_variance_quick(tmp_path):
   summary, text = _run("bn_variance", tmp_path, "seeds=(0, 1)")  # two: the pooled SE divides
   assert summary["verdict"]["supports"] == "correct"
