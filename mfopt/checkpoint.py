@@ -257,6 +257,27 @@ def _say(message: str) -> None:
     print(f"[mfopt.checkpoint] {message}", file=sys.stderr, flush=True)
 
 
+_GLOB_CHARS = "[]*?"
+
+
+def check_directory(directory: str | os.PathLike) -> pathlib.Path:
+  """``directory`` as an absolute path, or ValueError if orbax could not read it back.
+
+  Orbax merges each process's OCDBT data with ``directory.glob("ocdbt.process_*")``, which
+  treats ``[``, ``]``, ``*`` and ``?`` in the path as a pattern: under ``runs/KSync[working]``
+  the merge matched nothing and was skipped with a log warning, the save returned normally, and
+  the next start found every checkpoint unreadable and set them all aside as corrupt.
+  """
+  path = pathlib.Path(directory).absolute()
+  bad = sorted({ch for ch in str(path) if ch in _GLOB_CHARS})
+  if bad:
+    raise ValueError(
+        f"checkpoint directory {str(path)!r} contains {' '.join(bad)}: orbax globs the path "
+        "when it merges a save, and such a checkpoint cannot be read back; choose a path "
+        f"without any of {' '.join(_GLOB_CHARS)}")
+  return path
+
+
 class RunCheckpointer:
   """Saves and restores one run's state in ``directory`` with orbax (atomic, verified, keep-N).
 
@@ -278,7 +299,7 @@ class RunCheckpointer:
   def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
                fingerprint: Mapping[str, Any] | None = None, allow_mismatch: bool = False):
     self.keep = _checks.positive_int("keep", keep)
-    self.directory = pathlib.Path(directory).absolute()
+    self.directory = check_directory(directory)
     self.fingerprint = _jsonable(dict(fingerprint or {}))
     self.allow_mismatch = allow_mismatch
     self.last_good: tuple[int, pathlib.Path] | None = None

@@ -560,6 +560,10 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
                   restart: bool) -> dict[str, Any]:
   """:func:`run_experiment` after :func:`prepare` (``main`` validates before joining a job)."""
   workdir = pathlib.Path(workdir or pathlib.Path("runs") / (name + ("-quick" if quick else "")))
+  try:  # before anything runs: the first checkpoint would be written and never read back
+    checkpoint.check_directory(workdir / CHECKPOINTS)
+  except ValueError as e:
+    raise ConfigError(f"workdir {str(workdir)!r}: {e}") from None
   import jax  # noqa: PLC0415  (after prepare: config errors never start a backend)
 
   primary = jax.process_index() == 0

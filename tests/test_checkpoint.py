@@ -115,6 +115,23 @@ def test_round_trip_is_exact_and_keeps_the_newest_n(tmp_path):
   assert restored.state.params["w"].sharding == make_state(0).params["w"].sharding
 
 
+@pytest.mark.parametrize("name", ["KSync[working]", "run*", "a?b"])
+def test_directory_orbax_cannot_read_back_is_refused_before_saving(tmp_path, name):
+  """orbax globs the path when it merges a save: under runs/KSync[working] the save returned
+  normally, wrote no manifest, and the next start set every checkpoint aside as corrupt."""
+  with pytest.raises(ValueError, match=r"checkpoint directory .* contains .*cannot be read back"):
+    checkpoint.RunCheckpointer(tmp_path / name / "ckpt")
+  assert not (tmp_path / name).exists()
+
+
+def test_runner_refuses_a_workdir_orbax_cannot_read_back(tmp_path):
+  from mfopt import runner
+  workdir = tmp_path / "wd[x]"
+  with pytest.raises(runner.ConfigError, match=r"workdir '.*wd\[x\]': checkpoint directory"):
+    runner.run_experiment("bb_lr", quick=True, workdir=workdir)
+  assert not workdir.exists()  # refused before anything was written
+
+
 def test_nothing_saved_restores_none(tmp_path):
   assert checkpoint.RunCheckpointer(tmp_path / "absent").restore_latest(make_state(0)) is None
 
