@@ -176,7 +176,9 @@ def _write_report(c, workdir, ds, table, claims) -> None:
   lines.append(report.markdown_table(cells, ["network", "strategy", "cp", "cu", "exch", "bytes"],
                                      ["network", "algorithm", "Cp per local step (s)",
                                       "Cu per local step (s)",
-                                      "exchanges per worker", "bytes per worker"]))
+                                      "exchanges per worker (push + pull; all-reduce: "
+                                      "collectives)", "bytes moved per worker (pushed + pulled; "
+                                      "all-reduce: its payload once)"]))
   lines.append("\n## Seed claims\n")
   lines.append(report.markdown_table(claims, ["network", "claim", "ours", "baseline", "verdict"]))
   lines.append("\n![accuracy vs simulated time](accuracy_vs_time.png)\n")

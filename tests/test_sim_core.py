@@ -95,6 +95,9 @@ def test_simulated_time_of_asp_bsp_and_all_reduce(ds, linear):
   r = s.result().summary
   assert r["link_utilisation_push"] == pytest.approx(3 * 4 * occ / s.now)
   assert r["pushes_per_worker"] == 3 and r["pulls_per_worker"] == 3
+  # bytes sent are the pushes' payload; bytes moved add the pulls
+  assert r["bytes_sent_per_worker"] == 3 * r["payload_bytes"]
+  assert r["bytes_per_worker"] == 6 * r["payload_bytes"]
   # all-reduce, speeds 1 and 3: step = slowest compute + ring all-reduce time (cost model)
   s = sim.Simulator(sim.AllReduce(base), model=linear, dataset=ds, num_workers=2, per_worker_batch=8,
                     network=net, compute=sim.ComputeModel(0.05, speeds=[1.0, 3.0]))
@@ -251,6 +254,17 @@ def test_bad_simulator_settings_name_the_argument(build, match):
   and a learning rate given where a BaseSGD belongs failed only when simulating."""
   with pytest.raises(ValueError, match=match):
     build()
+
+
+def test_max_time_runs_events_up_to_it_and_none_after(ds, linear):
+  """BSP, speeds 1 and 3, compute 1 s, no network: pushes at t = 1 and 3, the update at 3.
+  max_time=2 ran the t = 3 events too (the clock was checked before each event, not after)."""
+  s = sim.Simulator(sim.BSP(sim.BaseSGD(0.1)), model=linear, dataset=ds, num_workers=2,
+                    per_worker_batch=8, network=None, compute=sim.ComputeModel(1.0, speeds=[1, 3]))
+  s.run(max_time=2.0)
+  assert s.now == 1.0 and s.version == 0
+  s.run(max_time=3.0)  # (the events at exactly max_time run)
+  assert s.now == 3.0 and s.version == 1
 
 
 def test_bad_run_limits_and_strategies_are_refused(ds, linear):

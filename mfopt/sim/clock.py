@@ -52,6 +52,10 @@ class EventQueue:
   def pop(self) -> tuple[float, int, int, int]:
     return heapq.heappop(self._heap)
 
+  def next_time(self) -> float:
+    """Time of the next event (``inf`` if none)."""
+    return self._heap[0][0] if self._heap else float("inf")
+
   def __len__(self) -> int:
     return len(self._heap)
 

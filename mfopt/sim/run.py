@@ -492,7 +492,8 @@ class Simulator:
   def run(self, *, max_samples: int | None = None, max_server_steps: int | None = None,
           max_time: float | None = None, max_events: int | None = None, progress: bool = False,
           desc: str | None = None, on_log: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Runs events until a limit is reached (at least one limit is required).
+    """Runs events until a limit is reached (at least one limit is required); ``max_time``
+    runs the events at simulated times up to and including it.
 
     A run whose evaluated model has a non-finite test loss at an evaluation (every
     ``eval_every_samples``) has diverged: it stops there (nothing after it would be a
@@ -517,7 +518,8 @@ class Simulator:
     while self.diverged_at is None:
       if ((max_samples is not None and self.samples >= max_samples)
           or (max_server_steps is not None and self.version >= max_server_steps)
-          or (max_time is not None and self.now >= max_time)
+          # events up to max_time, none after (checking now alone ran one event past it)
+          or (max_time is not None and self.queue.next_time() > max_time)
           or (max_events is not None and events >= max_events)):
         break
       if not self.step():
@@ -558,7 +560,12 @@ class Simulator:
         "test_loss": self.history[-1]["test_loss"],
         "final_train_loss": self.history[-1]["train_loss"],
         "pushes_per_worker": float(self.pushes.mean()), "pulls_per_worker": float(self.pulls.mean()),
+        # bytes a worker moves over its link (pushed + pulled; an all-reduce counts its payload
+        # once, the library's convention) and the payload it sends (its pushes), which is what
+        # train.fit's counters report for the all-reduce rows beside these
         "bytes_per_worker": float((self.pushes + self.pulls).mean() * self.payload_bytes)
+        if s.uses_server else float(self.collectives * self.payload_bytes),
+        "bytes_sent_per_worker": float(self.pushes.mean() * self.payload_bytes)
         if s.uses_server else float(self.collectives * self.payload_bytes),
         "exchanges_per_worker": float((self.pushes + self.pulls).mean()) if s.uses_server
         else float(self.collectives),
