@@ -132,7 +132,7 @@ def make_tx(algo: str, c, *, num_workers: int, steps_per_epoch: int,
                       optax.sgd(sched, momentum=c.momentum))
   else:
     raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algo!r}")
-  return optax.chain(sync, opt)
+  return mfopt.chain(sync, opt)  # (keeps the hybrid's host schedule; optax.chain dropped it)
 
 
 def build_model(c, dataset, *, policy: str = "fp32", bn: str | None = None):

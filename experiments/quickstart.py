@@ -106,7 +106,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     # Seed 002: see SIM_RUNS below (a simulated cluster, not train.fit).
     # Seed 004: linear-scaling AdaBound warm-up into LARS SGD.
     "sync hybrid AdaBound->LARS SGD (seed 004)": Algorithm(
-        lambda ctx, lr: optax.chain(
+        lambda ctx, lr: mfopt.chain(  # (keeps the hybrid's host schedule for host gates)
             mfopt.sync_gradients(ctx.axis_name),
             mfopt.hybrid_adabound_lars(
                 num_workers=ctx.num_workers, steps_per_epoch=ctx.steps_per_epoch,

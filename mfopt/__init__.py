@@ -7,7 +7,7 @@ communicating transform takes an ``axis_name`` (``None`` = one worker).
 # Infrastructure: worker mesh, data, models, the generic train step, reliability.
 from mfopt import (checkpoint, comm, costmodel, data, distributed, models, parallel, report,
                    train)
-from mfopt.comm import CommStats, comm_totals, differentiable_gates, sync_gradients
+from mfopt.comm import CommStats, chain, comm_totals, differentiable_gates, sync_gradients
 from mfopt.parallel import DATA_AXIS, LOCAL_AXIS, WORKER_AXES, make_mesh
 
 # Seed 000: momentum-like factors, and the §3.1 BatchNorm analysis.

@@ -281,6 +281,41 @@ class HostSchedule(NamedTuple):
   reread_after_open: bool = False
 
 
+def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """``optax.chain(*transforms)`` that keeps a member's ``update.host_schedule``.
+
+  ``optax.chain`` returns a new ``update`` function, so a gated transform inside it (e.g.
+  ``optax.chain(sync_gradients(axes), hybrid_adabound_lars(...))``, the synchronous hybrid)
+  lost its host schedule and ran with the device-side gate that XLA:GPU blocks the host on
+  (:func:`static_gates`). Each schedule reads its state wherever it sits in the chain's state
+  (:func:`states_of`). At most one member may carry one: a host gate is one decision per step.
+  (:func:`mfopt.precision.dynamic_loss_scale` keeps no schedule on purpose: a skipped
+  non-finite step does not advance the inner state, which the host cannot foresee.)
+
+  Example:
+    >>> import mfopt
+    >>> hybrid = mfopt.hybrid_adabound_lars(num_workers=8, steps_per_epoch=10, warmup_epochs=1)
+    >>> tx = mfopt.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), hybrid)
+    >>> tx.update.host_schedule is hybrid.update.host_schedule
+    True
+  """
+  tx = optax.chain(*transforms)
+  schedules = [s for t in transforms
+               if (s := getattr(t.update, "host_schedule", None)) is not None]
+  if len(schedules) > 1:
+    raise ValueError(f"chain: {len(schedules)} transforms carry a host_schedule; a step has one "
+                     "host gate decision, so at most one gated transform may be chained")
+  if not schedules:
+    return tx
+  inner_update = tx.update
+
+  def update_fn(updates, state, params=None, **extra_args):
+    return inner_update(updates, state, params, **extra_args)
+
+  update_fn.host_schedule = schedules[0]
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
 def host_scalar(x: Any) -> int:
   """A Python int from an int scalar that is equal on every worker (worker 0 of a stacked
   array; the first local shard of a multi-process one, so no process waits on another)."""

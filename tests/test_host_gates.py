@@ -92,6 +92,10 @@ TRANSFORMS = {
                                                _controllers()["adpsgd"]),
     "hybrid": lambda: mfopt.hybrid_adabound_lars(num_workers=W, steps_per_epoch=2,
                                                  warmup_epochs=2),
+    # the synchronous hybrid: optax.chain dropped the schedule, mfopt.chain keeps it
+    "sync_hybrid": lambda: mfopt.chain(
+        mfopt.sync_gradients(mfopt.WORKER_AXES),
+        mfopt.hybrid_adabound_lars(num_workers=W, steps_per_epoch=2, warmup_epochs=2)),
 }
 
 
@@ -108,9 +112,21 @@ def test_host_gated_step_equals_device_gated_step(name):
   assert all(int(np.max(np.asarray(m["gate_mismatch"]))) == 0 for m in m_host)
   assert "gate_mismatch" not in m_dev[0]
   np.testing.assert_array_equal(np.asarray(m_host[-1]["loss"]), np.asarray(m_dev[-1]["loss"]))
-  expected_open = {"periodic": 3, "block_momentum": 4, "hybrid": 5}
+  expected_open = {"periodic": 3, "block_momentum": 4, "hybrid": 5, "sync_hybrid": 5}
   if name in expected_open:
     assert step.opened == expected_open[name]
+
+
+def test_chain_keeps_one_host_schedule_and_refuses_two():
+  hybrid = mfopt.hybrid_adabound_lars(num_workers=W, steps_per_epoch=2, warmup_epochs=2)
+  assert getattr(optax.chain(mfopt.sync_gradients("w"), hybrid).update, "host_schedule",
+                 None) is None  # why mfopt.chain exists
+  assert mfopt.chain(mfopt.sync_gradients("w"), hybrid).update.host_schedule is \
+      hybrid.update.host_schedule
+  assert not hasattr(mfopt.chain(mfopt.sync_gradients("w"), optax.sgd(0.1)).update,
+                     "host_schedule")
+  with pytest.raises(ValueError, match=r"chain: 2 transforms carry a host_schedule"):
+    mfopt.chain(hybrid, TRANSFORMS["periodic"]())
 
 
 def test_local_program_has_no_gate_loop_and_no_collective():
