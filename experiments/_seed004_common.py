@@ -6,7 +6,8 @@ with the seed's hyperparameter rules (§3.1): per-worker lr ``base_lr`` scaled b
 * ``hybrid``: ``mfopt.hybrid_adabound_lars`` (T epochs of linear-scaling AdaBound, then LARS SGD
   with momentum, weight decay and ``lr N decay^(epoch-T)``);
 * ``adabound``: ``mfopt.adabound(alpha, final_lr=base_lr*N)`` for the whole run (the AdaBound
-  baseline of Fig. 3.1; its final lr linearly scaled like the others -- a choice);
+  baseline of Fig. 3.1; its final lr linearly scaled like the others -- a choice; no weight
+  decay, as in the hybrid's AdaBound phase, while the two SGD phases take ``weight_decay``);
 * ``warmup_sgd``: gradual warmup + linear-scaling SGD (Goyal et al.): lr rises linearly from
   ``base_lr`` to ``base_lr*N`` over the same T epochs, then the same exponential decay as the
   hybrid; momentum 0.9, weight decay 1e-4, no LARS.
