@@ -541,6 +541,10 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
                      f"warmup_epochs={warmup_epochs!r}, steps_per_epoch={steps_per_epoch!r}")
   lars_lr = hybrid_lars_learning_rate(num_workers=num_workers, steps_per_epoch=steps_per_epoch,
                                       base_lr=base_lr, decay=decay)
+  # The LARS-norm gate opens at the switch for good; the host replays that from the count
+  # (mfopt.comm.static_gates: on XLA:GPU the device-side gate blocks the host every step).
+  schedule = HostSchedule(read=lambda opt_state: host_scalar(_hybrid_state(opt_state).count),
+                          next=lambda count: (count >= switch, count + 1))
 
   def init_fn(params):
     return HybridState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params),
@@ -576,7 +580,7 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     # 2 scalars per leaf cost one copy kernel each on XLA:GPU (322 on the ResNet-50 tree).
     # w and g go in as operands, not closed over (see gated: loop-invariant code motion).
     table = gated(unbatched(count, axis_name) >= switch, norms,
-                  jnp.zeros((len(ws), 2), table_dtype), (ws, gs))
+                  jnp.zeros((len(ws), 2), table_dtype), (ws, gs), owner=schedule)
     leaf_norms = [(table[i, 0].astype(w.dtype), table[i, 1].astype(g.dtype))
                   for i, (w, g) in enumerate(zip(ws, gs))]
     neg_lr = -lars_lr(jnp.maximum(count - switch, 0))
@@ -601,11 +605,7 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     new_updates = jax.tree.map(lambda a, m: pick(-a, m), ab_step, new_mu)
     return new_updates, HybridState(count=optax.safe_increment(count), mu=new_mu, nu=new_nu)
 
-  # The LARS-norm gate opens at the switch for good; the host replays that from the count
-  # (mfopt.comm.static_gates: on XLA:GPU the device-side gate blocks the host every step).
-  update_fn.host_schedule = HostSchedule(
-      read=lambda opt_state: host_scalar(_hybrid_state(opt_state).count),
-      next=lambda count: (count >= switch, count + 1))
+  update_fn.host_schedule = schedule
   return optax.GradientTransformation(init_fn, update_fn)
 
 

@@ -466,6 +466,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   comm_dtype = comm_dtype_of(comm_dtype)
   _checks.nonnegative_int("trace_length", trace_length)
   controller = period
+  schedule = _host_schedule(controller) if controller.host_period is not None else None
   average_inner_state = _checks.flag("average_inner_state", average_inner_state)
   track_variance = _checks.flag("track_variance", track_variance)
   sync_variance = _checks.flag("sync_variance", sync_variance, allow_none=True)
@@ -614,7 +615,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
     carry = (local, inner_state, state.outer_state, state.anchor, ctl, state.param_comm,
              state.scalar_comm, diag)
-    carry = gated(due, sync_body, carry)
+    carry = gated(due, sync_body, carry, owner=schedule)
     new_params, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
     return new_params, PeriodicAveragingState(
         count=k + 1, inner_state=inner_state, outer_state=outer_state, anchor=anchor,
@@ -625,8 +626,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     return jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params), state
 
   update_fn.params_step = params_step
-  if controller.host_period is not None:
-    update_fn.host_schedule = _host_schedule(controller)
+  if schedule is not None:
+    update_fn.host_schedule = schedule
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

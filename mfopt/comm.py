@@ -158,7 +158,8 @@ def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
 GATE_SCOPE = "mfopt_gate"
 
 
-def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = ()) -> Any:
+def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = (), *,
+          owner: HostSchedule | None = None) -> Any:
   """``fn(carry, *operands)`` where the scalar ``pred`` holds, else ``carry``, as a
   ``lax.while_loop`` of 0 or 1 trips (named :data:`GATE_SCOPE`) instead of a ``lax.cond``.
 
@@ -184,9 +185,15 @@ def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = ()) -> Any:
   ``pred`` must be unbatched under the worker ``vmap`` (:func:`unbatched`); batched, the loop
   runs ``fn`` for every worker while any needs it and selects (still correct, not cheaper).
   ``fn`` must return a value of ``carry``'s structure, shapes and dtypes.
+
+  ``owner``: the :class:`HostSchedule` that predicts this gate (the transform's
+  ``update.host_schedule``). Under :func:`static_gates` for another schedule the gate stays on
+  the device: ``periodic_averaging(hybrid_adabound_lars(...))`` forced the hybrid's LARS gate
+  to the averaging schedule's decision, so after the switch a local step ran with the trust
+  ratio's norms left at zero.
   """
   static = _STATIC_GATE.get()
-  if static is not None:  # traced under static_gates: the host decided; no control flow
+  if static is not None and (static.owner is None or static.owner is owner):  # host decided
     static.preds.append(jnp.asarray(pred))
     with jax.named_scope(GATE_SCOPE):
       return fn(carry, *operands) if static.open else carry
@@ -327,6 +334,7 @@ def host_scalar(x: Any) -> int:
 class _StaticGate(NamedTuple):
   open: bool
   preds: list
+  owner: HostSchedule | None  # None: every gate (a benchmark's choice)
 
 
 _STATIC_GATE: contextvars.ContextVar[_StaticGate | None] = contextvars.ContextVar(
@@ -334,8 +342,11 @@ _STATIC_GATE: contextvars.ContextVar[_StaticGate | None] = contextvars.ContextVa
 
 
 @contextlib.contextmanager
-def static_gates(open_: bool) -> Iterator[list]:
+def static_gates(open_: bool, owner: HostSchedule | None = None) -> Iterator[list]:
   """Trace :func:`gated` calls with the gate decided by the host: ``fn`` runs iff ``open_``.
+
+  ``owner``: only the gates of that schedule (``gated(..., owner=owner)``) are decided; any
+  other gate in the step (a transform nested in another) stays on the device. ``None``: all.
 
   The measured reason (issue 8, BENCHMARKS.md, H100 + JAX 0.11.2): XLA:GPU runs a ``while``
   (and a ``conditional``) whose trip count is data by copying the predicate to the host and
@@ -350,7 +361,7 @@ def static_gates(open_: bool) -> Iterator[list]:
   mismatch count (``gate_mismatch`` in the train step's metrics) so a host schedule that
   disagrees with the device is detected, never silently wrong.
   """
-  token = _STATIC_GATE.set(_StaticGate(bool(open_), []))
+  token = _STATIC_GATE.set(_StaticGate(bool(open_), [], owner))
   try:
     yield _STATIC_GATE.get().preds
   finally:

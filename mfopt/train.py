@@ -212,7 +212,7 @@ def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn,
       params, opt_state, norm = apply_transform(tx, grads, opt_state, params, norm_fn)
       gate_metrics = {}
     else:
-      with comm_lib.static_gates(gate) as preds:
+      with comm_lib.static_gates(gate, getattr(tx.update, "host_schedule", None)) as preds:
         params, opt_state, norm = apply_transform(tx, grads, opt_state, params, norm_fn)
       if not preds:
         raise ValueError(f"host gates: the transform traced no mfopt.comm.gated call, so its "

@@ -92,6 +92,11 @@ TRANSFORMS = {
                                                _controllers()["adpsgd"]),
     "hybrid": lambda: mfopt.hybrid_adabound_lars(num_workers=W, steps_per_epoch=2,
                                                  warmup_epochs=2),
+    # the hybrid inside periodic averaging: the host decides the averaging gate only (its
+    # decision was forced on the hybrid's LARS gate too: zero norms after the switch)
+    "averaged_hybrid": lambda: mfopt.periodic_averaging(
+        mfopt.hybrid_adabound_lars(num_workers=W, steps_per_epoch=2, warmup_epochs=1,
+                                   axis_name=mfopt.WORKER_AXES), mfopt.WORKER_AXES, 3),
     # the synchronous hybrid: optax.chain dropped the schedule, mfopt.chain keeps it
     "sync_hybrid": lambda: mfopt.chain(
         mfopt.sync_gradients(mfopt.WORKER_AXES),
@@ -112,7 +117,8 @@ def test_host_gated_step_equals_device_gated_step(name):
   assert all(int(np.max(np.asarray(m["gate_mismatch"]))) == 0 for m in m_host)
   assert "gate_mismatch" not in m_dev[0]
   np.testing.assert_array_equal(np.asarray(m_host[-1]["loss"]), np.asarray(m_dev[-1]["loss"]))
-  expected_open = {"periodic": 3, "block_momentum": 4, "hybrid": 5, "sync_hybrid": 5}
+  expected_open = {"periodic": 3, "block_momentum": 4, "hybrid": 5, "sync_hybrid": 5,
+                   "averaged_hybrid": 3}
   if name in expected_open:
     assert step.opened == expected_open[name]
 
@@ -155,13 +161,15 @@ def test_a_wrong_host_schedule_is_caught_by_fit(monkeypatch):
   model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
   tx = mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, 3)
   good = tx.update.host_schedule
-  tx.update.host_schedule = comm.HostSchedule(
-      read=good.read, next=lambda h: (good.next(h)[0] is False, good.next(h)[1]))
+  wrong = comm.HostSchedule(read=good.read,
+                            next=lambda h: (good.next(h)[0] is False, good.next(h)[1]))
+  # the host replays the wrong copy; the transform's gate is still the one `good` owns
+  monkeypatch.setattr(train, "host_schedule", lambda tx, host_gates=None: wrong)
   kw = dict(model=model, tx=tx, dataset=dataset, num_workers=W, per_worker_batch=4,
             num_steps=4, log_every=4, progress=False, mesh=parallel.make_mesh(jax.devices()[:2]))
   with pytest.raises(RuntimeError, match="host gates: at step 1 "):
     train.fit(host_gates=True, **kw)
-  tx.update.host_schedule = good
+  monkeypatch.undo()
   result = train.fit(host_gates=True, **kw)  # the real schedule trains, nothing logged extra
   assert "train_gate_mismatch" not in result.history[-1]
   assert result.summary["collectives"] == 1  # one sync (step 3) in 4 steps
