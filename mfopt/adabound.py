@@ -172,7 +172,9 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
     return AdaBoundState(count=jnp.zeros([], jnp.int32), mu=zeros,
                          nu=optax.tree.zeros_like(params),
                          nu_max=optax.tree.zeros_like(params) if amsbound else (),
-                         base_lr=jnp.asarray(base, jnp.float32))
+                         # a copy: jnp.asarray kept the caller's f32 array itself, which a
+                         # donated step then deleted (and inject_hyperparams held it twice)
+                         base_lr=jnp.array(base, jnp.float32, copy=True))
 
   def update_fn(updates, state, params=None):
     del params

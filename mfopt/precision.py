@@ -249,7 +249,8 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
   def init_fn(params):
     ds = DynamicScale(growth_factor=growth_factor, backoff_factor=backoff_factor,
                       growth_interval=growth_interval, fin_steps=jnp.zeros([], jnp.int32),
-                      scale=jnp.asarray(init_scale, jnp.float32))
+                      # a copy (jnp.asarray kept the caller's array; a donated step deleted it)
+                      scale=jnp.array(init_scale, jnp.float32, copy=True))
     inner_state = inner.init(params)
     _check_local_steps_skip(inner_state)
     return LossScaleState(dynamic_scale=ds, inner_state=inner_state,

@@ -176,3 +176,43 @@ def test_inside_multisteps(name, factory):
       params_p = optax.apply_updates(params_p, up)
     params_m = optax.apply_updates(params_m, um)
   chex.assert_trees_all_close(params_m, params_p, rtol=1e-6, atol=1e-7)
+
+
+def _f32(v):
+  return jnp.asarray(v, jnp.float32)  # a caller's jax array, as from a sweep or a schedule
+
+
+# Hyperparameters given as jax arrays: a state that held the caller's array itself (adabound's
+# base_lr, dynamic_loss_scale's scale: jnp.asarray returns its f32 input) had it deleted by the
+# first donated step, and inject_hyperparams' state then held one buffer twice (a donation error).
+ARRAY_HYPERPARAMETERS = {
+    "mf_sgd": lambda: mfopt.mf_sgd(_f32(0.1), _f32(0.9)),
+    "mf_adam": lambda: mfopt.mf_adam(_f32(0.1), _f32(0.9)),
+    "adabound": lambda: mfopt.adabound(_f32(0.1)),
+    "adabound(constant schedule)": lambda: mfopt.adabound(optax.constant_schedule(_f32(0.1))),
+    "inject_hyperparams(adabound)": lambda: optax.inject_hyperparams(mfopt.adabound)(
+        learning_rate=0.1),
+    "hybrid_adabound_lars": lambda: mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=2,
+                                                               base_lr=_f32(0.1)),
+    "dynamic_loss_scale": lambda: mfopt.precision.dynamic_loss_scale(optax.sgd(0.1),
+                                                                     init_scale=_f32(1024.0)),
+    "block_momentum": lambda: mfopt.block_momentum(optax.sgd(0.1), None, 2, _f32(0.5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARRAY_HYPERPARAMETERS))
+def test_donated_steps_leave_the_callers_arrays_alone(name):
+  tx = ARRAY_HYPERPARAMETERS[name]()
+  params = {"w": jnp.ones(3)}
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  donated = jax.jit(step, donate_argnums=(0, 1))
+  p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+  for _ in range(2):
+    p, s = donated(p, s, {"w": jnp.full(3, 0.5)})
+  # the transform still works: its hyperparameters were not donated with the first state
+  expected = jax.jit(step)(params, tx.init(params), {"w": jnp.full(3, 0.5)})
+  chex.assert_trees_all_equal_shapes(expected, (p, s))
