@@ -156,6 +156,8 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
     del params
     require_bound(axis_name, "qsgd")
     flat, unravel = ravel_pytree(updates)
+    if flat.size == 0:  # no parameters (an empty optax.masked / multi_transform group)
+      return updates, QSGDState(count=state.count + 1, comm=state.comm)  # nothing exchanged
     dtype = flat.dtype
     key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
     if axis_name is not None:

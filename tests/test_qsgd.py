@@ -112,6 +112,24 @@ def test_distributed_qsgd_equals_mean_of_per_worker_quantizations_w16():
   assert totals["all_gathers"] == 1 and totals["all_gather_bytes"] == 80 + 4 * 2
 
 
+def test_a_group_without_parameters_exchanges_nothing():
+  """An optax.multi_transform group holding no parameters gave qsgd an empty tree: the gather's
+  reshape divided by zero. It is a no-op now, with no exchange counted."""
+  tx = optax.multi_transform(
+      {"q": optax.chain(mfopt.qsgd("w"), optax.sgd(1.0)), "plain": optax.sgd(1.0)},
+      {"a": "plain"})
+  params = {"a": jnp.zeros((2, 3))}
+  grads = {"a": jnp.ones((2, 3))}
+
+  def step(p, g):
+    updates, state = tx.update(g, tx.init(p), p)
+    return updates, state
+
+  updates, state = jax.vmap(step, axis_name="w")(params, grads)
+  np.testing.assert_array_equal(np.asarray(updates["a"]), -np.ones((2, 3)))
+  assert mfopt.comm_totals(state)["all_gathers"] == 0
+
+
 @pytest.mark.parametrize("kw,match", [({"bits": 1}, r"bits must be an integer in \[2, 8\], got 1"),
                                       ({"bits": 9}, r"got 9"),
                                       ({"bucket_size": 0}, r"bucket_size must be a positive"),
