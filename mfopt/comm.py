@@ -581,6 +581,8 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
     if axis_name is None:
       return updates, state
     require_bound(axis_name, "sync_gradients")
+    if not any(x.size for x in jax.tree.leaves(updates)):  # an empty group: nothing to exchange
+      return updates, state
     if scaled_exchange and loss_scale is not None:
       updates = pmean_tree_scaled(updates, axis_name, comm_dtype, loss_scale)
     else:

@@ -112,12 +112,14 @@ def test_distributed_qsgd_equals_mean_of_per_worker_quantizations_w16():
   assert totals["all_gathers"] == 1 and totals["all_gather_bytes"] == 80 + 4 * 2
 
 
-def test_a_group_without_parameters_exchanges_nothing():
+@pytest.mark.parametrize("exchange", [lambda: mfopt.qsgd("w"), lambda: mfopt.sync_gradients("w")],
+                         ids=["qsgd", "sync_gradients"])
+def test_a_group_without_parameters_exchanges_nothing(exchange):
   """An optax.multi_transform group holding no parameters gave qsgd an empty tree: the gather's
-  reshape divided by zero. It is a no-op now, with no exchange counted."""
+  reshape divided by zero. It is a no-op now, with no exchange counted (sync_gradients counted
+  an all-reduce of 0 bytes)."""
   tx = optax.multi_transform(
-      {"q": optax.chain(mfopt.qsgd("w"), optax.sgd(1.0)), "plain": optax.sgd(1.0)},
-      {"a": "plain"})
+      {"q": optax.chain(exchange(), optax.sgd(1.0)), "plain": optax.sgd(1.0)}, {"a": "plain"})
   params = {"a": jnp.zeros((2, 3))}
   grads = {"a": jnp.ones((2, 3))}
 
@@ -127,7 +129,8 @@ def test_a_group_without_parameters_exchanges_nothing():
 
   updates, state = jax.vmap(step, axis_name="w")(params, grads)
   np.testing.assert_array_equal(np.asarray(updates["a"]), -np.ones((2, 3)))
-  assert mfopt.comm_totals(state)["all_gathers"] == 0
+  totals = mfopt.comm_totals(state)
+  assert totals["all_gathers"] == totals["all_reduces"] == 0
 
 
 @pytest.mark.parametrize("kw,match", [({"bits": 1}, r"bits must be an integer in \[2, 8\], got 1"),
