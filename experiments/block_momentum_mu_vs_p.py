@@ -202,5 +202,6 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   ]
   (workdir / "report.md").write_text("\n".join(lines) + "\n")
   return {"rows": rows, "best": best_rows, "verdicts": verdicts,
-          "eta_valid": eta_valid, "constants": {"L": consts.L, "sigma2": consts.sigma2, "M": consts.M,
+          "eta_valid": eta_valid,
+          "constants": {"L": consts.L, "sigma2": consts.sigma2, "M": consts.M,
                         "f_gap": consts.f_gap}}

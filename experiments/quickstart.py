@@ -228,7 +228,9 @@ SIM_MODELS = ("mlp", "cnn")
 
 def _label(c, dataset_name: str, model_name: str) -> str:
   """A run's name in curves and logs: the dataset, plus the model when a dataset appears twice."""
-  return dataset_name if list(c.datasets).count(dataset_name) == 1 else f"{dataset_name}/{model_name}"
+  if list(c.datasets).count(dataset_name) == 1:
+    return dataset_name
+  return f"{dataset_name}/{model_name}"
 
 
 def _model_for(name: str, dataset: data_lib.Dataset, use_bn: bool):

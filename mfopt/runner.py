@@ -667,8 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--restart", action="store_true",
                       help="delete the workdir's checkpoints, data log (config.json, "
                       "summary.json, metrics.jsonl, attempts.json) and the reports, plots and "
-                      "data files written since the discarded run began (by modification time), and "
-                      "start from scratch")
+                      "data files written since the discarded run began (by modification "
+                      "time), and start from scratch")
   dist = parser.add_argument_group("multi-process (see mfopt.distributed; default: environment)")
   dist.add_argument("--coordinator", default=None, help="host:port of process 0")
   dist.add_argument("--num-processes", type=int, default=None)

@@ -133,7 +133,8 @@ def test_override_applies_with_type():
 
 
 def test_quickstart_pair_named_twice_is_refused():
-  _raises(r"name the same \(dataset, model\) pair twice: \[\('digits', 'mlp'\), \('digits', 'mlp'\)\]",
+  _raises(r"name the same \(dataset, model\) pair twice: "
+          r"\[\('digits', 'mlp'\), \('digits', 'mlp'\)\]",
           "quickstart", "datasets=('digits','digits')", "models=('mlp','mlp')")
 
 
