@@ -36,11 +36,14 @@ Hardware/runtime: full preset (3 seeds, 1000 steps, 8 workers, CPSGD p in {2,
 4, 8, 16}, FULLSGD lr in {0.1, 0.2, 0.4}) measured 944 s wall on 2 CPU cores
 shared with other jobs (load average ~20), 135 s on a quiet machine (2026-11-25); quick
 preset ~3-4 s of CPU (25-60 s wall under that load).
-Measured (2026-11-25, full preset, ``python -m experiments adpsgd_table progress=false``):
-every claim not reproduced at this scale. Table I best test accuracy (mean ± std, 3 seeds):
-SMALL_BATCH 0.4287 ± 0.0247, ADPSGD 0.7180 ± 0.0131, best CPSGD (p=8) 0.7303 ± 0.0059, best
-FULLSGD (lr=0.2) 0.7283 ± 0.0129; §V.B at equal syncs (176 per seed for both): ADPSGD minus
-the decreasing period 0 ± 0.0161.
+Measured (2026-11-25, full preset, ``python -m experiments adpsgd_table progress=false``,
+165 s on 2 shared cores): Table I best test accuracy (mean ± std, 3 seeds): SMALL_BATCH
+0.4287 ± 0.0247, ADPSGD 0.7180 ± 0.0131, best CPSGD (p=8) 0.7303 ± 0.0059, best FULLSGD
+(lr=0.2) 0.7283 ± 0.0129, every Table I claim not reproduced at this scale. §V.B at equal syncs
+(176 per seed for both), ADPSGD minus the decreasing period: best test accuracy +0.0003 ±
+0.0166 (not reproduced); smallest training loss 0.0559 ± 0.0064 lower for ADPSGD
+(**reproduced**, the one claim that is). (Before session 17 §V.B was judged on the final test
+accuracy alone.)
 """
 
 from __future__ import annotations
