@@ -43,6 +43,12 @@ class Link:
     if not self.latency >= 0:
       raise ValueError(f"latency must be non-negative (s), got {self.latency!r}")
 
+  def describe(self) -> str:
+    """``"10 Gbit/s Ethernet (1.25 GB/s per direction, latency 20 us)"``: what a report says a
+    projection assumed (latency is a large share of a small model's modelled all-reduce)."""
+    return (f"{self.name} ({self.bandwidth / 1e9:.4g} GB/s per direction, latency "
+            f"{self.latency * 1e6:.3g} us)")
+
   def transfer_time(self, num_bytes: float) -> float:
     """Point-to-point time of one message (parameter-server push/pull)."""
     return num_bytes / self.bandwidth + self.latency
@@ -55,6 +61,10 @@ GBIT = 1e9 / 8  # bytes/s in one Gbit/s
 PRESETS: Mapping[str, Link] = {
     "1gbit": Link("1 Gbit/s Ethernet", 1 * GBIT, 50e-6),
     "10gbit": Link("10 Gbit/s Ethernet", 10 * GBIT, 20e-6),
+    # seed 001 §V's "emulated 10Gbps": trickle capped each node's upload and download at
+    # 5 Gbit/s, so 5 Gbit/s per direction, which is B in the full-duplex ring formula
+    "10gbit-trickle": Link("seed 001's emulated 10 Gbit/s (5 Gbit/s up and down per node)",
+                           5 * GBIT, 20e-6),
     "100gbit": Link("100 Gbit/s InfiniBand", 100 * GBIT, 5e-6),
     "nvlink": Link("NVLink ring (370 GB/s)", 370e9, 3e-6),
     "ndr400": Link("NDR 400 InfiniBand (~47 GB/s)", 47e9, 3e-6),
