@@ -25,6 +25,7 @@ reproduced at this scale (k of n runs diverged)". In the helpers' per-seed value
 from __future__ import annotations
 
 import math
+import time
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,7 +38,7 @@ import optax
 
 import mfopt
 from experiments._averaging_common import mesh_for  # noqa: F401 (also used by seed-004 scripts)
-from mfopt import batchnorm, data as data_lib, metrics, parallel, precision, runner, train
+from mfopt import batchnorm, costmodel, data as data_lib, metrics, parallel, precision, runner, train
 from mfopt import models as models_lib
 
 ALGORITHMS = ("hybrid", "adabound", "warmup_sgd")
@@ -181,7 +182,47 @@ def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
   summary = {**result.summary, "diverged": False, "error": None, "diverged_at_step": None}
   return {"history": result.history, "summary": summary,
           "steps_per_epoch": spe, "num_devices": num_devices, "per_worker_batch": b,
-          "seed": seed, "diverged": False, "error": None, "diverged_at_step": None}
+          "seed": seed, "diverged": False, "error": None, "diverged_at_step": None,
+          "build": {"algo": algo, "policy": policy, "bn": bn, "warmup_epochs": warmup_epochs}}
+
+
+def one_worker_step_s(c, dataset, *, algo: str, per_worker_batch: int, policy: str = "fp32",
+                      bn: str | None = None, warmup_epochs: float | None = None, steps: int = 8,
+                      repeats: int = 3) -> float:
+  """Seconds of one worker's train step alone on one device: the compute time of the seed-004
+  projections (``mfopt.metrics.efficiency_report(one_worker_step_s=...)``).
+
+  A run's ``train_s x devices / workers`` is not it: the run's virtual workers go through one
+  ``vmap``-batched step, which made one worker look 2.05x faster than it is alone (2 CPU
+  cores, W = 8; a review's measurement), so the projected efficiency came out too low and the
+  single-GPU time too short. Here: the run's model, precision policy, BN strategy, optimizer
+  and per-worker batch, one worker on this process's first device, one fixed batch; compiled
+  and warmed up, then the fastest of ``repeats`` timings of ``steps`` steps (other load only
+  slows a repeat down). The steps timed are the optimizer's first (the hybrid's AdaBound
+  warm-up); the update is a small part of a step.
+  """
+  if not 0 < steps <= 16:
+    raise ValueError(f"steps must be in [1, 16] (queued without a wait), got {steps!r}")
+  b = per_worker_batch
+  spe = max(len(dataset.train) // (c.num_workers * b), 1)  # the run's schedule
+  model = build_model(c, dataset, policy=policy, bn=bn)
+  tx = precision.with_policy(make_tx(algo, c, num_workers=c.num_workers, steps_per_epoch=spe,
+                                     warmup_epochs=warmup_epochs), policy)
+  mesh = parallel.make_mesh(jax.local_devices()[:1])  # (each process times its own)
+  batcher = data_lib.WorkerBatcher(dataset.train, num_workers=1, per_worker_batch=b, seed=0)
+  batch = parallel.shard_workers(batcher.batch(0), mesh)
+  state = train.init_train_state(model, tx, batcher.batch(0)["x"][0], num_workers=1, mesh=mesh)
+  step = train.make_train_step(model, tx, mesh=mesh, num_workers=1)
+  state, _ = step(state, batch)  # compile and warm up
+  jax.block_until_ready(state)
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(steps):  # (few steps: XLA:CPU's deadlock needed ~32 queued)
+      state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    best = min(best, time.perf_counter() - t0)
+  return best / steps
 
 
 def diverged_run(error: train.NonFiniteError, *, seed: int, desc: str, num_workers: int,
@@ -223,19 +264,25 @@ def add_efficiency(runs: Sequence[dict[str, Any]], target: float, c, dataset) ->
   and ``convergence_rate`` 0.
   """
   device = jax.devices()[0].device_kind if jax.devices()[0].platform != "cpu" else "CPU"
+  timed: dict[tuple[Any, ...], float] = {}  # one timing per build, shared by its seeds
   for r in runs:
     if is_diverged(r):
       r["efficiency"] = {
-          "single_device_speed": math.nan, "speed_device": device, "compute_s": math.nan,
+          "single_device_speed": math.nan, "speed_device": device,
+          "speed_source": "n/a (run diverged)", "compute_s": math.nan,
           "comm_s": math.nan, "scaling_efficiency": math.nan,
           "efficiency_source": "n/a (run diverged)", "target_accuracy": target,
           "epochs_to_target": None, "convergence_rate": 0.0,
           "actual_single_gpu_time_s": math.nan, "actual_training_time_s": math.nan}
       continue
+    build = {**r.get("build", {"algo": "hybrid"}), "per_worker_batch": r["per_worker_batch"]}
+    key = tuple(sorted(build.items()))
+    if key not in timed:
+      timed[key] = one_worker_step_s(c, dataset, **build)
     r["efficiency"] = metrics.efficiency_report(
         summary=r["summary"], history=r["history"], target=target,
         samples_per_epoch=len(dataset.train), num_devices=r["num_devices"], net=c.net,
-        device=device)
+        device=device, one_worker_step_s=timed[key])
 
 
 def auto_target(c, finals: Mapping[Any, Sequence[float]]) -> float:
@@ -409,7 +456,9 @@ def setup_lines(c, dataset, *, extra: str = "") -> list[str]:
       f"scaling), alpha {c.alpha}, T = {_warmup_text(c)} epochs, decay {c.decay}, momentum "
       f"{c.momentum}, weight decay {c.weight_decay}, LARS trust coefficient {c.trust_coefficient}",
       "- Times: train time measured on this machine (compile excluded); speeds are samples/s "
-      "of one worker on one device of this machine; scaling efficiency and the actual "
-      f"average single-GPU time are **projected** (cost model, {c.net}) from the measured "
+      "of one worker on one device of this machine, timed alone (W = 1, the run's model, "
+      "optimizer and per-worker batch); scaling efficiency and the actual "
+      "average single-GPU time are **projected** (cost model, "
+      f"{costmodel.link(c.net).describe()}) from the measured "
       "compute time and the all-reduces the transforms counted." + extra,
   ]

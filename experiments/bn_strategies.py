@@ -185,7 +185,9 @@ def _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_
              "diverged": False}
   return {"history": history, "summary": summary, "steps_per_epoch": spe,
           "num_devices": mesh.shape[parallel.DATA_AXIS], "per_worker_batch": b, "seed": seed,
-          "diverged": False, "error": None, "diverged_at_step": None}
+          "diverged": False, "error": None, "diverged_at_step": None,
+          # timed alone at the mean per-worker batch b (the run's batches are b/2, b, 3b/2)
+          "build": {"algo": "hybrid", "bn": "sync"}}
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:

@@ -115,7 +115,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                                  ["method", "final test acc", "best test acc", "final train acc",
                                   "epochs to target", "samples/s per device (measured, "
                                   f"{rows and runs[c.algorithms[0]][0]['efficiency']['speed_device']}"
-                                  "; taken as one worker's speed on its own device: derived)",
+                                  "; one worker timed alone on one device)",
                                   "scaling eff. (projected)",
                                   "actual avg single-GPU time s (projected)", "all-reduces/worker"]),
            *common.diverged_lines(runs, lambda a: common.LABELS[a]),

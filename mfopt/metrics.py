@@ -17,8 +17,12 @@ Seed 004 §1 and §3.2.2:
 Where communication time is not measured (one device, CPU, virtual workers) the efficiency is
 *projected* with :func:`mfopt.costmodel.projected_time` from the collectives the transforms
 counted and the measured compute time, and every result carries ``efficiency_source`` saying so.
-The per-worker compute time of a run with ``W`` virtual workers on ``D`` devices is
-``train_s * D / W`` (the devices ran their ``W/D`` workers one after another).
+The per-worker compute time is ``steps x`` one worker's step time measured alone on one device
+(``one_worker_step_s``, what the seed-004 experiments pass). Without it, it is derived as
+``train_s * D / W`` for ``W`` virtual workers on ``D`` devices, which holds only if the devices
+ran their workers one after another: under ``vmap`` they run batched, so it understates the
+compute time and overstates one worker's speed (2.05x on 2 CPU cores at W = 8, a review's
+measurement), and the efficiency it gives is a lower bound.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ def actual_single_gpu_time(epochs: float | None, samples_per_epoch: int, single_
 def efficiency_report(*, summary: Mapping[str, Any], history: Sequence[Mapping[str, Any]],
                       target: float, samples_per_epoch: int, num_devices: int,
                       net: str = "100gbit", comm_s: float | None = None,
-                      device: str = "CPU") -> dict[str, Any]:
+                      device: str = "CPU",
+                      one_worker_step_s: float | None = None) -> dict[str, Any]:
   """The seed-004 metrics of one :func:`mfopt.train.fit` run.
 
   Args:
@@ -79,11 +84,12 @@ def efficiency_report(*, summary: Mapping[str, Any], history: Sequence[Mapping[s
     comm_s: *measured* communication seconds per worker, if available; then the efficiency
       is labelled "measured".
     device: name of the compute device, for the speed label.
+    one_worker_step_s: seconds of one worker's train step alone on one device at the run's
+      per-worker batch (measured by the caller); ``None``: derived from ``train_s`` (see the
+      module docstring; ``speed_source`` says which).
 
   Returns:
-    ``single_device_speed`` (samples/s per device, measured over the run's training time;
-    used as one worker's speed on its own device, which is derived: it holds when a device's
-    virtual workers run one after another, and understates it when ``vmap`` batches them),
+    ``single_device_speed`` (one worker's samples/s on its own device), ``speed_source``,
     ``compute_s`` (per worker), ``comm_s``,
     ``scaling_efficiency``, ``efficiency_source``, ``epochs_to_target``, ``convergence_rate``,
     ``actual_single_gpu_time_s``, ``actual_training_time_s``.
@@ -91,19 +97,28 @@ def efficiency_report(*, summary: Mapping[str, Any], history: Sequence[Mapping[s
   w = int(summary["num_workers"])
   train_s = float(summary["train_s"])
   samples = float(summary["samples"])
-  compute_s = train_s * num_devices / w
   per_worker_samples = samples / w
+  if one_worker_step_s is not None:
+    if not one_worker_step_s > 0:
+      raise ValueError(f"one_worker_step_s must be positive, got {one_worker_step_s!r}")
+    compute_s = float(summary["steps"]) * one_worker_step_s
+    speed_source = "measured (one worker's step alone on one device)"
+  else:
+    compute_s = train_s * num_devices / w
+    speed_source = ("derived (train_s x devices / workers: overstates one worker's speed when "
+                    "vmap batches the workers)")
   speed = per_worker_samples / compute_s  # one worker on its own device
   if comm_s is None:
     proj = costmodel.projected_time(compute_s, summary, w, net)
-    comm, source = proj["comm_s"], f"projected (cost model, {costmodel.link(net).name})"
+    comm, source = proj["comm_s"], f"projected (cost model, {costmodel.link(net).describe()})"
   else:
     comm, source = float(comm_s), "measured"
   eff = scaling_efficiency(compute_s, comm)
   epochs = epochs_to_target(history, target)
   single = actual_single_gpu_time(epochs, samples_per_epoch, speed, eff)
   return {
-      "single_device_speed": speed, "speed_device": device, "compute_s": compute_s,
+      "single_device_speed": speed, "speed_device": device, "speed_source": speed_source,
+      "compute_s": compute_s,
       "comm_s": comm, "scaling_efficiency": eff, "efficiency_source": source,
       "target_accuracy": target, "epochs_to_target": epochs,
       "convergence_rate": (1.0 / epochs) if epochs else 0.0,

@@ -20,7 +20,7 @@ def test_hybrid_vs_baselines_quick(tmp_path):
                               overrides=TINY + ["algorithms=hybrid,warmup_sgd"])
   text = (tmp_path / "report.md").read_text()
   for needle in ("AdaBound warmup + LARS SGD (hybrid)", "gradual warmup + linear-scaling SGD",
-                 "projected", "samples/s per device (measured, CPU; taken as one worker",
+                 "projected", "samples/s per device (measured, CPU; one worker timed alone",
                  "## Paper claims"):
     assert needle in text
   runs = _runs(tmp_path)
@@ -30,6 +30,11 @@ def test_hybrid_vs_baselines_quick(tmp_path):
     assert r["summary"]["all_reduces"] == steps  # synchronous: one all-reduce per step
     assert 0 < r["efficiency"]["scaling_efficiency"] < 1
     assert r["history"][-1]["epoch"] == pytest.approx(steps * 64 / 512)
+    # compute = steps x one worker's step timed alone (the vmap-batched run's train_s / W
+    # made one worker look about twice as fast as it is on 2 cores)
+    assert r["efficiency"]["speed_source"].startswith("measured (one worker's step alone")
+    assert r["efficiency"]["single_device_speed"] == pytest.approx(
+        r["summary"]["per_worker_batch"] * steps / r["efficiency"]["compute_s"])
   assert len(out["verdicts"]) == 2 and (tmp_path / "accuracy.png").exists()
 
 
@@ -111,8 +116,12 @@ def test_bn_strategies_varying_row_resumes_and_skips_when_finished(tmp_path, mon
   assert strip(again) == strip(first) and again["history"] == first["history"]
   assert len(first["history"]) == 2
 
-  def no_training(*args, **kwargs):
-    raise AssertionError("a finished run was trained again")
+  real = train.make_train_step
+
+  def no_training(*args, num_workers, **kwargs):
+    if num_workers != 1:  # (W = 1: the projections' one-worker step timing, redone per attempt)
+      raise AssertionError("a finished run was trained again")
+    return real(*args, num_workers=num_workers, **kwargs)
 
   monkeypatch.setattr(train, "make_train_step", no_training)
   assert runner.run_experiment("bn_strategies", **kw)["target"] == resumed["target"]
@@ -139,6 +148,13 @@ def test_seed004_metrics_closed_forms():
   assert rep["compute_s"] == 2.0 and rep["comm_s"] == pytest.approx(comm, rel=1e-9)
   assert rep["scaling_efficiency"] == pytest.approx(1 / (1 + comm / 2.0), rel=1e-9)
   assert rep["efficiency_source"].startswith("projected")
+  assert rep["speed_source"].startswith("derived")
+  # with one worker's step timed alone: compute = steps x its time (summary steps: 1000 / 8 / 1)
+  timed = metrics.efficiency_report(summary={**summary, "steps": 125}, history=history,
+                                    target=0.75, samples_per_epoch=1000, num_devices=1,
+                                    net="10gbit", one_worker_step_s=0.004)
+  assert timed["compute_s"] == pytest.approx(0.5) and timed["single_device_speed"] == 2000.0
+  assert timed["scaling_efficiency"] == pytest.approx(1 / (1 + comm / 0.5), rel=1e-9)
   assert rep["actual_single_gpu_time_s"] == pytest.approx(3 * 1000 / (500.0 * rep["scaling_efficiency"]))
   with pytest.raises(ValueError, match="compute_s"):
     metrics.scaling_efficiency(0.0, 1.0)

@@ -21,6 +21,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from mfopt import costmodel
 from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import report
@@ -284,7 +285,8 @@ def setup_lines(c, ds, model_desc: str, networks: Sequence[Any], extra: str = ""
       "a BB worker (seed's model) also pays 1/3 of a step per Armijo trial and, with exact ν, one "
       "more gradient; server updates and k-tests take no simulated time); "
       f"message size: {payload}; networks: "
-      + ", ".join(str(n) for n in networks) + " (mfopt.costmodel presets; the server link is shared "
+      + "; ".join(costmodel.link(n).describe() if isinstance(n, (str, costmodel.Link)) else str(n)
+                  for n in networks) + " (mfopt.costmodel presets; the server link is shared "
       f"and {'full' if c.duplex else 'half'}-duplex).",
       f"- Baselines: SGD lr {c.learning_rate:g} x {c.decay_rate:g}^epoch"
       + (f", momentum {c.momentum:g}" if c.momentum else ", no momentum")
