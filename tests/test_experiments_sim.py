@@ -26,6 +26,8 @@ def test_async_convergence_quick(tmp_path):
   assert all(r["test_accuracy_mean"] > 0.12 for r in res["table"])  # above chance (0.1)
   assert asp["link_utilisation_push_mean"] > 0 and ar["link_utilisation_push_mean"] == 0
   assert "Seed claims" in text and "KSync[working] needs less time" in text
+  # the simulated links are stated with their bandwidth and latency
+  assert "100 Gbit/s InfiniBand (12.5 GB/s per direction, latency 5 us)" in text
 
 
 def test_async_scaling_quick(tmp_path):
