@@ -119,7 +119,37 @@ def sync_transform(inner: optax.GradientTransformation, mesh,
   optimizer states compare leaf by leaf.
   """
   axis = parallel.DATA_AXIS if _num_devices(mesh) > 1 else None
-  return optax.chain(comm_lib.sync_gradients(axis, comm_dtype), inner)
+  sync = comm_lib.sync_gradients(axis, comm_dtype)
+  chained = optax.chain(sync, inner)
+  inner_x = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    sync_state, inner_state = state
+    _check_inner(inner_state)
+    # The stacked step's exchange sits inside dynamic_loss_scale(chain(sync_gradients, ...)),
+    # which hands it the loss scale, so an fp16 exchange sends scaled values; here the loss
+    # scaling is inside ``inner``, so the scale is handed over from its state. (Without it
+    # the fp16 exchange sent unscaled gradients: below fp16's range, 0, and training stopped
+    # without an overflow on 2+ devices.)
+    scale = precision_lib.loss_scale_of(inner_state)
+    updates, sync_state = sync.update(
+        updates, sync_state, params, **({} if scale is None else {"loss_scale": scale.scale}))
+    updates, inner_state = inner_x.update(updates, inner_state, params, **extra_args)
+    return updates, (sync_state, inner_state)
+
+  return optax.GradientTransformationExtraArgs(chained.init, update_fn)
+
+
+def _check_inner(inner_state: Any) -> None:
+  """``inner`` must not communicate: the fast path makes the one exchange itself. (Given
+  ``periodic_averaging`` it ran synchronous SGD and counted averaging all-reduces that never
+  ran; given the reference chain it counted a second all-reduce per step.)"""
+  found = comm_lib.states_of(inner_state, comm_lib.CommStats)
+  if found:
+    raise ValueError(
+        f"fast path: inner must be a local optimizer (the fast path adds the gradient "
+        f"exchange itself), got one whose state holds {len(found)} communication counter(s); "
+        "pass e.g. optax.sgd(...), not a chain with sync_gradients, periodic_averaging or qsgd")
 
 
 def _check_model(model) -> None:
@@ -150,6 +180,7 @@ def init_train_state(model, inner: optax.GradientTransformation, example_x, *, n
   per_device = parallel.local_workers(num_workers, mesh)
   params, model_state = models_lib.init_model(model, jax.random.PRNGKey(seed), example_x)
   opt_state = sync_transform(inner, mesh, comm_dtype).init(params)
+  _check_inner(opt_state[1])
   rows = parallel.process_worker_slice(num_workers, mesh)
   local_workers = rows.stop - rows.start
   local_devices = local_workers // per_device
@@ -185,7 +216,10 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
   Equals :func:`mfopt.train.make_train_step` with
   ``optax.chain(mfopt.sync_gradients(WORKER_AXES, comm_dtype), inner)`` on the same
   worker-stacked batches (see the module docstring for the proof; ``tests/test_fastpath.py``
-  checks parameters, optimizer state and BN running statistics with ``allclose``).
+  checks parameters, optimizer state and BN running statistics with ``allclose``), up to the
+  exchange's rounding when ``comm_dtype`` is set: the stacked step rounds each worker's
+  gradient to it, the fast path the ``D`` device means (on one device: nothing is exchanged,
+  nothing rounded).
 
   Args:
     model: a flax module with per-worker BN (``bn_axis_name=None``).

@@ -206,6 +206,20 @@ def test_group_bn_runs_the_model_on_the_flat_batch():
                              inner, mesh=mesh, num_workers=4)
 
 
+@pytest.mark.parametrize("inner", [
+    lambda: mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, 3),
+    lambda: optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(0.1))],
+    ids=["periodic_averaging", "sync_chain"])
+def test_rejects_a_communicating_inner(inner):
+  """The fast path makes the exchange itself: given periodic averaging it ran synchronous SGD
+  and counted averaging all-reduces that never ran; given the reference chain, a second
+  all-reduce per step."""
+  mesh = mfopt.make_mesh(jax.devices()[:1])
+  with pytest.raises(ValueError, match=r"inner must be a local optimizer .*communication count"):
+    fastpath.init_train_state(MODEL, inner(), np.zeros((B, 8, 8, 1), np.float32),
+                              num_workers=2, mesh=mesh)
+
+
 def test_rejects_synchronised_bn():
   mesh = mfopt.make_mesh(jax.devices()[:1])
   model = models.get_model("cnn", features=(4,), num_classes=3, bn_axis_name="data")
@@ -213,13 +227,16 @@ def test_rejects_synchronised_bn():
     fastpath.make_train_step(model, optax.sgd(0.1), mesh=mesh, num_workers=2)
 
 
-def test_fp16_dynamic_loss_scaling_equals_the_worker_stacked_step():
+@pytest.mark.parametrize("devices,comm_dtype", [(1, None), (2, np.float16)])
+def test_fp16_dynamic_loss_scaling_equals_the_worker_stacked_step(devices, comm_dtype):
   """fp16 with inner = dynamic_loss_scale(sgd): the fast path scales the loss (a loss x1e-7,
   whose fp16 gradients flush to zero unscaled, still trains as the stacked step does) and an
   overflowing step (one worker's inputs x3e4: its fp16 forward overflows) keeps parameters,
-  momentum and BN statistics on every worker, exactly as the worker-stacked step does."""
+  momentum and BN statistics on every worker, exactly as the worker-stacked step does.
+  On 2 devices with an fp16 exchange the gradients travel loss-scaled, as in the stacked step
+  (they went unscaled, flushed to 0, and nothing trained)."""
   from mfopt import precision
-  mesh = mfopt.make_mesh(jax.devices()[:1])
+  mesh = mfopt.make_mesh(jax.devices()[:devices])
   model = precision.apply_policy(MODEL, "fp16")
   W = 4
 
@@ -232,15 +249,16 @@ def test_fp16_dynamic_loss_scaling_equals_the_worker_stacked_step():
       :, None, None, None, None])
   inner = precision.dynamic_loss_scale(optax.sgd(1e5, momentum=0.9))
   ref_tx = precision.dynamic_loss_scale(
-      optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES), optax.sgd(1e5, momentum=0.9)))
+      optax.chain(mfopt.sync_gradients(mfopt.WORKER_AXES, comm_dtype),
+                  optax.sgd(1e5, momentum=0.9)))
   ref_state = train_lib.init_train_state(model, ref_tx, batches[0]["x"][0], num_workers=W,
                                          mesh=mesh)
   ref_step = train_lib.make_train_step(model, ref_tx, mesh=mesh, num_workers=W, donate=False,
                                        loss_fn=tiny_loss)
   fast_state = fastpath.init_train_state(model, inner, batches[0]["x"][0], num_workers=W,
-                                         mesh=mesh)
+                                         mesh=mesh, comm_dtype=comm_dtype)
   fast_step = fastpath.make_train_step(model, inner, mesh=mesh, num_workers=W, donate=False,
-                                       loss_fn=tiny_loss)
+                                       loss_fn=tiny_loss, comm_dtype=comm_dtype)
   for i, batch in enumerate(batches):
     sharded = parallel.shard_workers(batch, mesh)
     ref_state, rm = ref_step(ref_state, sharded)
