@@ -363,9 +363,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       report.target(f"{tag}: sync branch exchanges the parameters",
                     float(row["program_sync_branch_bytes"] >= local * want
                           and row["hlo_sync_branch_bytes"] >= compiled(want)), ">=", 1.0)
-      if kind == "periodic":
+      if kind == "periodic":  # exactly (with >=, averaging every step passed as p=4)
         counted(tag, f"counters = floor(N/p) = {syncs} parameter exchanges",
-                row["counter_all_reduces"] >= syncs and row["counter_payload_bytes"] >= syncs * want)
+                row["counter_all_reduces"] == syncs and row["counter_payload_bytes"] == syncs * want)
+      else:  # ADPSGD: each sync exchanges the parameters and S_k (one f32 scalar), nothing else
+        n = row["counter_all_reduces"]
+        counted(tag, "counters = parameters + S_k per sync",
+                n >= 2 and n % 2 == 0 and row["counter_payload_bytes"] == n // 2 * (want + 4))
     if bf16 and not cpu:  # issue 8: bf16 all-reduce operands in the compiled GPU HLO
       dtypes = row["hlo_every_step_dtypes"] if kind in ("sync", "fast") else \
           row["hlo_sync_branch_dtypes"]

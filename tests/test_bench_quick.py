@@ -58,7 +58,12 @@ def test_bench_comm_quick_hlo_counts_hold():
   if "periodic_averaging p=4" in rows:
     pa = rows["periodic_averaging p=4"]
     assert pa["hlo_every_step_bytes"] < 64 and pa["hlo_sync_branch_bytes"] >= MLP_PARAM_BYTES
-    assert pa["counter_all_reduces"] >= 2  # floor(8 / 4) parameter exchanges
+    # floor(8 / 4) parameter exchanges, exactly (>= let averaging on every step pass)
+    assert pa["counter_all_reduces"] == 2
+    assert pa["counter_payload_bytes"] == 2 * MLP_PARAM_BYTES
+  ad = next(f for name, f in rows.items() if name.startswith("adpsgd"))
+  assert ad["counter_all_reduces"] >= 2  # each sync: the parameters and S_k (4 bytes)
+  assert ad["counter_payload_bytes"] == ad["counter_all_reduces"] // 2 * (MLP_PARAM_BYTES + 4)
 
 
 def test_bench_train_step_quick_runs():
