@@ -323,6 +323,16 @@ def run_case(report: _bench.Report, shape_name: str, params: Any, name: str, mf_
       bytes_per_param=bytes_per_param, gbs_mfopt=gbs_mf, gbs_optax=gbs_ox,
       state_arrays_mfopt=state_counts[0], state_arrays_optax=s_ref,
       traffic_bpp_mfopt=traffic_bpp[0], traffic_bpp_optax=traffic_bpp[1])
+  if not name.endswith(BEFORE):
+    # The compiled every-step bytes: the part of the update cost that --quick (CI) can judge
+    # (a transform keeping one more parameter-sized buffer passed --quick unnoticed). XLA:CPU
+    # runs the hybrid's AdaBound phase at 44 B/param against optax.adam's 40: the LARS norms'
+    # operands stay live through the gated loop (tests/test_adabound.py); XLA:GPU, 1.00x.
+    cpu_hybrid = (name.startswith("hybrid_adabound_lars[adabound")
+                  and jax.default_backend() == "cpu")
+    limit = 1.11 if cpu_hybrid else 1.01  # (44 B + the counters and scalars: 1.10004)
+    report.target(f"compiled every-step traffic {shape_name} {name} (mfopt/optax)",
+                  traffic_bpp[0][0] / traffic_bpp[1][0], "<=", limit)
   return ratio
 
 
@@ -406,6 +416,7 @@ def gpu_aot_structure(report: _bench.Report, args) -> dict[str, Any]:
                      "launches": st["launches_cheapest"], "launches_dearest": st["launches_dearest"]})
       mf, ox = rows
       ratio = mf["entry_bpp"] / ox["entry_bpp"]
+      judged = not name.endswith(BEFORE)  # (a reference row, as in the runtime mode)
       report.figure(
           f"gpu-aot | {shape_name} | {name} / {ox_name} | every-step traffic", ratio, "x bytes",
           f"compiled for an H100: mfopt {mf['entry_bpp']:.2f} + {mf['branches_bpp']} B/param, "
@@ -414,8 +425,9 @@ def gpu_aot_structure(report: _bench.Report, args) -> dict[str, Any]:
           f"{num_params:,} params",
           shape=shape_name, transform=name, baseline=ox_name, traffic_ratio=ratio,
           mfopt_structure=mf, optax_structure=ox, num_params=num_params)
-      report.target(f"gpu-aot {shape_name} {name}: every-step traffic <= optax's (+1%)", ratio,
-                    "<=", 1.01)
+      if judged:
+        report.target(f"gpu-aot {shape_name} {name}: every-step traffic <= optax's (+1%)",
+                      ratio, "<=", 1.01)
   return report.finish()
 
 

@@ -36,8 +36,11 @@ def test_bench_update_quick_runs_with_optax_byte_convention():
     assert f["gbs_optax"] > 0 and f["gbs_mfopt"] > 0
   names = {f["transform"] for f in figs if "transform" in f}
   assert "mf_sgd" in names  # issue 3 is on main
-  # Quick-mode targets are listed but not judged.
-  assert all(t["passed"] is None for t in result["targets"])
+  # Quick mode judges the compiled every-step bytes (one more parameter-sized buffer kept by a
+  # transform passed unnoticed) and lists the timing targets unjudged.
+  traffic = [t for t in result["targets"] if "compiled every-step traffic" in t["name"]]
+  assert len(traffic) >= 9 and all(t["passed"] for t in traffic), traffic
+  assert all(t["passed"] is None for t in result["targets"] if t not in traffic)
 
 
 def test_bench_comm_quick_hlo_counts_hold():
