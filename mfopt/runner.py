@@ -434,27 +434,37 @@ def _run_began(d: pathlib.Path) -> float | None:
     return None
 
 
-def discard_run_data(workdir: pathlib.Path) -> None:
+def discard_run_data(workdir: pathlib.Path) -> list[pathlib.Path]:
   """``--restart``: removes ``workdir``'s checkpoints, data log (:data:`RUN_DATA`) and the
   outputs the discarded run wrote (files with an :data:`OUTPUT_SUFFIXES` suffix, directly in
-  the workdir or a ``process-*`` folder, last written since that run began), so the new run's
-  folder holds its own results only. A per-seed trace of a seed the new run does not have
-  used to stay beside its report. Files older than the run (a user's own) are kept."""
+  the workdir or a ``process-*`` folder, last written while that run went on: from its start
+  to its last write of the data log or a checkpoint), so the new run's folder holds its own
+  results only. A per-seed trace of a seed the new run does not have used to stay beside its
+  report. A user's files written before the run began or after it ended are kept (those
+  written after it ended went too). Returns the outputs removed (the CLI prints them)."""
+  removed = []
+  ended = {d: _last_write([d / n for n in RUN_DATA]
+                          + ([workdir / CHECKPOINTS] if d == workdir else []))
+           for d in [workdir, *sorted(workdir.glob("process-*"))]}
   if (workdir / CHECKPOINTS).exists():
     shutil.rmtree(workdir / CHECKPOINTS)
-  for d in [workdir, *sorted(workdir.glob("process-*"))]:
+  for d, last in ended.items():
     began = _run_began(d)
     for name in RUN_DATA:
       (d / name).unlink(missing_ok=True)
     if began is None:
       continue
+    last = math.inf if last is None else last
     for f in d.iterdir():
       try:
+        # (1 s of slack either side: file systems' coarse mtimes)
         if (f.is_file() and f.suffix in OUTPUT_SUFFIXES
-            and f.stat().st_mtime >= began - 1.0):  # (file systems' coarse mtimes)
+            and began - 1.0 <= f.stat().st_mtime <= last + 1.0):
           f.unlink()
+          removed.append(f)
       except OSError:
         pass
+  return removed
 
 
 def _last_write(paths: Iterable[pathlib.Path]) -> float | None:
@@ -573,7 +583,10 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
                       f"({single_only}); run it as one process (with any number of devices)")
   record = {"experiment": name, "quick": quick, "config": config.to_dict()}
   if restart and primary:
-    discard_run_data(workdir)
+    removed = discard_run_data(workdir)
+    if removed:
+      print(f"--restart removed the discarded run's outputs: "
+            f"{', '.join(str(f.relative_to(workdir)) for f in removed)}", file=sys.stderr)
   if restart and jax.process_count() > 1:  # the others check the workdir after it is cleared
     from jax.experimental import multihost_utils  # noqa: PLC0415
     multihost_utils.sync_global_devices("mfopt_restart")
@@ -667,8 +680,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--restart", action="store_true",
                       help="delete the workdir's checkpoints, data log (config.json, "
                       "summary.json, metrics.jsonl, attempts.json) and the reports, plots and "
-                      "data files written since the discarded run began (by modification "
-                      "time), and start from scratch")
+                      "data files written while the discarded run went on (by modification "
+                      "time; it prints them), and start from scratch")
   dist = parser.add_argument_group("multi-process (see mfopt.distributed; default: environment)")
   dist.add_argument("--coordinator", default=None, help="host:port of process 0")
   dist.add_argument("--num-processes", type=int, default=None)

@@ -1,6 +1,7 @@
 """The experiment runner: bad input fails early and clearly; quickstart writes its report."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -213,7 +214,8 @@ def test_quickstart_quick_writes_report_table_and_plot(tmp_path):
 
 def test_restart_discards_checkpoints_the_data_log_and_the_runs_outputs(tmp_path):
   """--restart leaves the folder to the new run: a discarded run's per-seed trace of a seed the
-  new run does not have used to stay beside its report. A user's older files stay."""
+  new run does not have used to stay beside its report. A user's files from before the run or
+  after it ended stay (those after it went too)."""
   import os
   import time
   began = time.time() - 100
@@ -223,11 +225,18 @@ def test_restart_discards_checkpoints_the_data_log_and_the_runs_outputs(tmp_path
                  "trace_CPSGD_seed1.json", "loss.png", "notes.txt", "mine.json"):
       (d / name).write_text("{}")
     (d / "attempts.json").write_text(json.dumps([{"started": began}, {"started": began + 50}]))
+    for f in d.iterdir():
+      if f.is_file():
+        os.utime(f, (began + 60, began + 60))  # the run wrote these; it ended at began + 60
     os.utime(d / "mine.json", (began - 60, began - 60))  # there before the run
-  runner.discard_run_data(tmp_path)
+    (d / "later.md").write_text("notes written after the run ended")  # (mtime: now)
+  removed = runner.discard_run_data(tmp_path)
   assert not (tmp_path / "checkpoints").exists()
   for d in (tmp_path, tmp_path / "process-1"):
-    assert sorted(f.name for f in d.iterdir() if f.is_file()) == ["mine.json", "notes.txt"]
+    assert sorted(f.name for f in d.iterdir() if f.is_file()) == ["later.md", "mine.json",
+                                                                  "notes.txt"]
+  assert sorted(f.name for f in removed) == sorted(["report.md", "trace_CPSGD_seed1.json",
+                                                    "loss.png"] * 2)
   assert runner.check_resumable(tmp_path, {"experiment": "x"}) is False
 
 
@@ -277,3 +286,16 @@ def test_dataset_registered_after_the_experiment_was_imported_is_accepted(monkey
   assert c.dataset == "my_digits"
   _raises(r"'dataset' must be one of \[.*'my_digits'.*got 'textcorpus'", "adpsgd_variance",
           "dataset=textcorpus")
+
+
+def test_restart_on_the_command_line_says_what_it_removed(tmp_path, capsys):
+  quick = ["quickstart", "--quick", "--workdir", str(tmp_path), "datasets=digits", "models=mlp",
+           "num_steps=2", "log_every=2", "progress=false", "sim_runs=()",
+           "algorithms=('sync Adam (optax)',)"]
+  assert runner.main(quick) == 0
+  capsys.readouterr()
+  assert runner.main([*quick, "--restart"]) == 0
+  err = capsys.readouterr().err
+  assert re.search(r"--restart removed the discarded run's outputs: .*report\.md", err), err
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["attempts"] == 1 and not summary["resumed"]  # a fresh run
