@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import inspect
 import json
 import math
 import os
@@ -659,7 +660,11 @@ def _note_allowed_changes(path: pathlib.Path, history: list[dict[str, Any]]) -> 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m experiments",
-      description="Run an mfopt experiment; writes metrics.jsonl, summary.json, plots and report.md.")
+      description="Run an mfopt experiment; writes metrics.jsonl, summary.json, plots and report.md.",
+      add_help=False)
+  parser.add_argument("-h", "--help", action="store_true",
+                      help="show this help; with an experiment name, also what it runs and its "
+                      "config (with --quick: the quick preset's)")
   parser.add_argument("name", nargs="?", help="experiment name (omit with --list)")
   parser.add_argument("overrides", nargs="*", help="config overrides key=value (dotted keys)")
   parser.add_argument("--quick", action="store_true", help="the small preset used in CI")
@@ -689,11 +694,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   dist.add_argument("--distributed", action="store_true",
                     help="join a job found by JAX's cluster detection (SLURM, Open MPI, ...)")
   args = parser.parse_intermixed_args(argv)
+  if args.help and args.name is None:
+    parser.print_help()
+    return 0
   if args.list or args.name is None:
     print("\n".join(list_experiments()))
-    return 0 if args.list else 2
+    if args.list:
+      return 0
+    print("error: name an experiment (one of the above), or pass --list or --help",
+          file=sys.stderr)
+    return 2
   try:
     module, config = prepare(args.name, quick=args.quick, overrides=args.overrides)  # fail before joining a job
+    if args.help:  # (the same help for every name told nothing about the experiment)
+      parser.print_help()
+      print(f"\n{inspect.getdoc(module)}\n\n{inspect.getdoc(module.get_config)}"
+            f"\n\nconfig{' (--quick)' if args.quick else ''} (override with key=value):\n"
+            f"{config}")
+      return 0
     if args.show_config:
       print(config)
       return 0

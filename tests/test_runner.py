@@ -299,3 +299,16 @@ def test_restart_on_the_command_line_says_what_it_removed(tmp_path, capsys):
   assert re.search(r"--restart removed the discarded run's outputs: .*report\.md", err), err
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["attempts"] == 1 and not summary["resumed"]  # a fresh run
+
+
+def test_help_with_a_name_describes_that_experiment(capsys):
+  """``NAME --help`` printed the same help for every name (and 0 for an unknown one); with no
+  name the list came with exit status 2 and no word of why."""
+  assert runner.main(["adpsgd_variance", "--help", "--quick"]) == 0
+  out = capsys.readouterr().out
+  assert "adpsgd_variance: seed 001 Fig. 1" in out and "Command: ``python -m experiments" in out
+  assert "config (--quick) (override with key=value):" in out and "p_init: 4" in out
+  assert runner.main(["nope", "--help"]) == 2
+  assert "unknown experiment 'nope'" in capsys.readouterr().err
+  assert runner.main([]) == 2
+  assert "error: name an experiment" in capsys.readouterr().err
