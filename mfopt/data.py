@@ -818,11 +818,19 @@ def random_resized_crop(image: np.ndarray, rng: np.random.Generator, size: int =
   return _resize(image, (size, size), box=(left, top, left + cw, top + ch))
 
 
+def _check_crop(size: int, resize_size: int) -> None:
+  if not size <= resize_size:  # (a negative crop offset sliced a strip: (299, 22, 3) at 299)
+    raise ValueError(f"image_size {size!r} must be <= resize_size {resize_size!r}: the evaluation "
+                     f"crop is taken from the image resized to resize_size on its shorter side; "
+                     f"pass e.g. resize_size={round(size * 256 / 224)}")
+
+
 def resize_center_crop(image: np.ndarray, size: int = 224, resize_size: int = 256) -> np.ndarray:
   """Resizes the shorter side to ``resize_size`` (bilinear), then center-crops ``size``.
 
   The standard ImageNet evaluation transform. Returns uint8 ``(size, size, C)``.
   """
+  _check_crop(size, resize_size)
   h, w = image.shape[:2]
   if h <= w:
     nh, nw = resize_size, max(resize_size, int(round(w * resize_size / h)))
@@ -873,9 +881,10 @@ def make_imagenet_preprocess(size: int = 224, resize_size: int = 256) -> Preproc
   Training (``rng`` given): :func:`random_resized_crop` with scale
   ``(0.08, 1)`` and ratio ``(3/4, 4/3)``, then a horizontal flip with
   probability 1/2. Evaluation: :func:`resize_center_crop` (shorter side to
-  ``resize_size``, center ``size`` crop). Both normalise with the ImageNet
-  channel mean and standard deviation.
+  ``resize_size``, center ``size`` crop; ``size <= resize_size``). Both normalise with the
+  ImageNet channel mean and standard deviation.
   """
+  _check_crop(size, resize_size)  # (before any training, not at the first evaluation)
 
   def preprocess(example: Mapping[str, Any], rng: np.random.Generator | None = None) -> Batch:
     image = np.asarray(example["image"])

@@ -483,6 +483,12 @@ def test_resize_center_crop_and_imagenet_preprocess():
     assert got["x"].shape == (224, 224, 3) and got["x"].dtype == np.float32 and got["y"] == 417
   mean, std = np.array(data.IMAGENET_MEAN), np.array(data.IMAGENET_STD)
   np.testing.assert_allclose(ev["x"], (out / 255.0 - mean) / std, rtol=1e-5, atol=1e-5)
+  # a crop larger than the resized shorter side sliced a strip ((299, 22, 3) at 299 / 256),
+  # and fit's evaluation failed after all of training: refused when the loader is built
+  with pytest.raises(ValueError, match=r"image_size 299 must be <= resize_size 256.*"
+                                       r"resize_size=342"):
+    data.make_imagenet_preprocess(size=299)
+  assert data.make_imagenet_preprocess(299, 342)(example, None)["x"].shape == (299, 299, 3)
 
 
 def test_random_crop_flip_is_a_shifted_window():
