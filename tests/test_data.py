@@ -419,6 +419,21 @@ def test_tfds_tiny_shakespeare_from_prepared_array_record_files(tmp_path):
   assert str(tmp_path) in ds.meta["source"] and _json_ok(ds.meta)
 
 
+def test_mf_lstm_validates_tiny_shakespeare_on_its_validation_split(tmp_path, monkeypatch):
+  """mf_lstm's 'validation perplexity' came from the loader's default test split."""
+  from mfopt import runner
+  train = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 60
+  validation = "All:\nSpeak, speak.\n" * 10  # 190 characters: 5 sequences of 32
+  test = "First Citizen:\nYou are all resolved rather to die than to famish?\n" * 10
+  _prepare_tiny_shakespeare(tmp_path / "tfds", {"train": train, "validation": validation,
+                                                "test": test})
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+  runner.run_experiment("mf_lstm", quick=True, workdir=tmp_path / "run", overrides=[
+      "dataset=tiny_shakespeare", "mfs=(0.9,)", "epochs=1.0", "progress=false"])
+  report = (tmp_path / "run" / "report.md").read_text()
+  assert f"{(len(train) - 1) // 32:,} train / {(len(validation) - 1) // 32} validation" in report
+
+
 @pytest.mark.parametrize("name", ["cifar10", "mnist", "imagenet2012"])
 def test_tfds_missing_dataset_error_names_dataset_and_dir(tmp_path, name):
   with pytest.raises(data.DatasetNotPreparedError) as info:

@@ -107,6 +107,8 @@ def test_mf_lstm_quick(tmp_path):
     # better than a uniform guess over the vocabulary
     assert 1.0 < r["validation_perplexity"] < vocab
   assert "| MF value | train perplexity | validation perplexity |" in text
+  # the train perplexity's window is stated (the last log_every window, here all 15 steps)
+  assert re.search(r"over the last logging window, its last \d+ step\(s\) x 64 sequences", text)
   # The step count follows the corpus, built from this Python's stdlib docstrings (15 steps on
   # CPython 3.11; Python 3.12's docstrings give another count): equal sequences for every MF.
   c = runner.prepare("mf_lstm", quick=True)[1]
@@ -114,6 +116,22 @@ def test_mf_lstm_quick(tmp_path):
   dataset = mfopt.data.load(c.dataset, seq_len=c.seq_len)
   steps = _mf_common.steps_for(int(round(c.epochs * len(dataset.train))), c.global_batch)
   assert f"{steps} per run x global batch 64 = {steps * 64:,} sequences processed" in text
+
+
+def test_mf_lstm_claims_take_their_direction_from_table_4():
+  """mfs=(0.95, 0.99): Table 4 has train ppl 17.84 at 0.99 > 17.04 at 0.95, but the claim
+  expected the larger MF lower, so rows equal to the paper's were 'not reproduced'."""
+  import ml_collections
+  from experiments import mf_lstm
+  rows = [{"mf": mf, "seed": s, "train_perplexity": t + 0.01 * s, "validation_perplexity": v}
+          for mf, (t, v) in mf_lstm.PAPER_TABLE4.items() for s in range(3)]
+  for mfs in [(0.95, 0.99), (0.9, 0.95, 0.975, 0.99), (0.9, 0.99)]:
+    claims = mf_lstm._claims(ml_collections.ConfigDict({"mfs": mfs}), rows)
+    assert claims and all(v.startswith("reproduced") for v in claims.values()), (mfs, claims)
+  assert "train ppl(MF 0.99) - train ppl(MF 0.95) > 0 (paper 17.84 vs 17.04)" in \
+      mf_lstm._claims(ml_collections.ConfigDict({"mfs": (0.95, 0.99)}), rows)
+  # an MF outside Table 4 makes no claim
+  assert mf_lstm._claims(ml_collections.ConfigDict({"mfs": (0.9, 0.999)}), rows) == {}
 
 
 def test_mf_batch_workers_claim_where_the_paper_ties_is_not_testable():
