@@ -111,7 +111,8 @@ CONV_IMPLS = ("xla", "gemm")
 
 #: How CNN / ResNet BatchNorms are computed: ``"flax"`` (``nn.BatchNorm``, the default) or
 #: ``"mfopt"`` (:class:`GroupBatchNorm` with one group: the same parameters, statistics and
-#: function, with a hand-written backward pass).
+#: function, with a hand-written backward pass; reverse mode only, so ``jax.jvp`` / ``jacfwd``
+#: need ``"flax"``).
 BN_IMPLS = ("flax", "mfopt")
 
 
@@ -226,7 +227,7 @@ def _check_float_dtype(owner: str, dtype: Any) -> None:
 
 def _check_bn(owner: str, momentum: Any, axis_name: Any, groups: Any = 1,
               impl: Any = "flax") -> None:
-  if not (isinstance(momentum, (int, float)) and 0.0 <= momentum < 1.0):
+  if not (_checks.is_real(momentum) and 0.0 <= momentum < 1.0):  # (np.float32 too; no bool)
     raise ValueError(f"{owner}: bn_momentum must be in [0, 1), got {momentum!r}")
   _checks.positive_int("bn_groups", groups, owner=owner)
   if groups > 1 and axis_name is not None:
@@ -380,7 +381,10 @@ class GroupBatchNorm(nn.Module):
   runs :func:`group_batch_norm`. Models build it through ``bn_groups`` (CNN, ResNets).
 
   With ``groups=1`` the statistics are ``(C,)``, flax's layout, so it is a drop-in for
-  ``nn.BatchNorm`` with a hand-written backward pass (models: ``bn_impl="mfopt"``). Dtypes as
+  ``nn.BatchNorm`` with a hand-written backward pass (models: ``bn_impl="mfopt"``) in reverse
+  mode (``jax.grad``; Hessian-vector products as ``jax.jvp`` of ``jax.grad`` work too); forward
+  mode through the layer itself (``jax.jvp``, ``jax.jacfwd`` of the loss) is not defined, as for any
+  ``jax.custom_vjp``: use flax's BatchNorm (``bn_impl="flax"``, ``bn_groups=1``). Dtypes as
   flax's: the statistics come from the input as given (in float32), and the output is in
   ``dtype``, or without one in the promotion of the input and ``param_dtype`` (a bf16 input
   with float32 parameters gives float32).

@@ -128,8 +128,9 @@ def get_policy(spec: str | Policy) -> Policy:
   >>> get_policy("compute=bf16").name
   'params=float32,compute=bfloat16,output=float32'
   """
-  if isinstance(spec, Policy):
-    policy = spec
+  if isinstance(spec, Policy):  # (its fields may be the parser's names: "bf16", "fp16")
+    policy = Policy(**{f: _dtype(f, v) if isinstance(v, str) else v
+                       for f, v in dataclasses.asdict(spec).items()})
   elif isinstance(spec, str):
     fields = {}
     if "=" not in spec:
@@ -283,6 +284,8 @@ def _check_local_steps_skip(inner_state: Any) -> None:
   to average (across devices the collective then waits for a worker that does not come).
   """
   from mfopt.averaging import PeriodicAveragingState  # noqa: PLC0415 (averaging -> comm only)
+  for s in states_of(inner_state, optax.ApplyIfFiniteState):  # optax.apply_if_finite(comm)
+    _refuse_communicating(s.inner_state, "optax.apply_if_finite")
   for s in states_of(inner_state, PeriodicAveragingState):
     if not states_of(s.inner_state, optax.ApplyIfFiniteState):
       raise ValueError(
@@ -305,7 +308,25 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
   to average, and across devices the collective waits forever for the one that did not join.
   """
   _checks.transformation("inner", inner, owner="skip_nonfinite")
-  return optax.apply_if_finite(inner, max_consecutive_errors=2 ** 31 - 1)
+  tx = optax.apply_if_finite(inner, max_consecutive_errors=2 ** 31 - 1)
+
+  def init_fn(params):
+    state = tx.init(params)
+    _refuse_communicating(state.inner_state, "skip_nonfinite")  # (it was only documented)
+    return state
+
+  return tx._replace(init=init_fn)
+
+
+def _refuse_communicating(state: Any, wrapper: str) -> None:
+  found = states_of(state, CommStats)
+  if found:
+    raise ValueError(
+        f"{wrapper} must wrap a local optimizer, got one that communicates ({len(found)} "
+        "communication counter(s) in its state): it decides per worker, so a skipping worker "
+        "falls out of step with the others (a periodic average then comes at different steps, "
+        "and across devices a collective waits for a worker that does not join). Wrap the "
+        "inner optimizer instead: periodic_averaging(skip_nonfinite(inner), axis_name, period)")
 
 
 def with_policy(tx: optax.GradientTransformation, policy: str | Policy,
