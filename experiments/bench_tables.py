@@ -19,6 +19,7 @@ import argparse
 import glob
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,12 +74,17 @@ def section(result: dict[str, Any], *, figures: bool = False, source: str = "") 
   return "\n".join(lines) + "\n"
 
 
+def _natural(path: str) -> list[Any]:
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", os.path.basename(path))]
+
+
 def json_files(paths: Sequence[str]) -> list[str]:
-  """The JSON files named, or found (``*.json``, sorted) in the folders named."""
+  """The JSON files named, or found (``*.json``) in the folders named, in natural order: the
+  gpu_plan calls' files start with their number, and ``10_...`` sorts after ``9_...``."""
   out: list[str] = []
   for p in paths:
     if os.path.isdir(p):
-      out += sorted(glob.glob(os.path.join(p, "*.json")))
+      out += sorted(glob.glob(os.path.join(p, "*.json")), key=_natural)
     elif os.path.isfile(p):
       out.append(p)
     else:

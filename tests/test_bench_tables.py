@@ -1,6 +1,7 @@
 """experiments/bench_tables.py: BENCHMARKS.md rows from benchmark JSON (issue 8)."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -76,3 +77,11 @@ def test_bad_paths_are_named(tmp_path):
   bad.write_text('{"figures": []}')
   with pytest.raises(SystemExit, match="not a benchmark result"):
     bench_tables.main([str(bad)])
+
+
+def test_a_folders_files_come_in_call_order(tmp_path):
+  """gpu_plan's call 10 sorted before call 2 as strings."""
+  for name in ("10_abc_bench_update.json", "2_abc_bench_update.json", "1_abc_bench_x.json"):
+    (tmp_path / name).write_text("{}")
+  assert [os.path.basename(f) for f in bench_tables.json_files([str(tmp_path)])] == [
+      "1_abc_bench_x.json", "2_abc_bench_update.json", "10_abc_bench_update.json"]
