@@ -424,7 +424,10 @@ def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int, iters
                      on_warm: Callable[[int, float], None] | None = None,
                      on_error: Callable[[int, Exception], None] | None = None
                      ) -> list[Timing | None]:
-  """Warm up every runner, then time them round-robin ``reps`` times.
+  """Warm up every runner, then time them round-robin ``reps`` times, the order reversed
+  every other round (A B, B A, ...): a fixed order gave the first runner every round's cold
+  start (caches, clocks) and the last every round's warm one. (GPU tables measured before
+  session 17 used the fixed order.)
 
   ``on_warm(i, seconds)`` is called after runner ``i``'s warm-up (its compile and ``warmup``
   calls). A bench reports its figures only after all the timing, so these calls are what a
@@ -451,8 +454,8 @@ def time_interleaved(runners: Sequence[Runner], *, warmup: int, reps: int, iters
       on_warm(i, time.perf_counter() - t0)
   samples: dict[int, list[float]] = {i: [] for i in alive}
   faults: dict[int, list[int | None]] = {i: [] for i in alive}
-  for _ in range(reps):
-    for i in alive:
+  for rep_ in range(reps):
+    for i in (alive if rep_ % 2 == 0 else alive[::-1]):
       samples[i].append(runners[i].call(iters))
       faults[i].append(runners[i].last_faults)
   return [Timing(samples[i], None if None in faults[i] else faults[i]) if i in samples

@@ -211,6 +211,24 @@ def test_time_interleaved_drops_a_failing_runner_only_when_asked():
     _bench.time_interleaved([good(), _bench.Runner(broken, 0)], warmup=1, reps=1, iters=1)
 
 
+def test_time_interleaved_alternates_the_order_of_each_round():
+  """A fixed order gave the first runner every round's cold start."""
+  from experiments import _bench
+  calls = []
+
+  class Recorder(_bench.Runner):
+    def __init__(self, name):
+      super().__init__(lambda s: s, 0)
+      self.name = name
+
+    def call(self, iters):
+      calls.append(self.name)
+      return 1.0
+
+  _bench.time_interleaved([Recorder("a"), Recorder("b")], warmup=0, reps=4, iters=1)
+  assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+
+
 def test_bench_virtual_workers_leaves_out_failing_programs_and_times_the_rest(monkeypatch):
   """One program failing to build (lax.map) and one failing in its warm-up (unroll with
   GroupBatchNorm) are named in notes; the stretch figures come from the programs that ran."""
