@@ -173,14 +173,3 @@ def _claims(c, rows) -> dict[str, str]:
   if 0.975 in mfs and mfs[-1] > 0.975:  # the train side of "both worse at 0.99"
     claim("train_perplexity", mfs[-1], 0.975)
   return out
-  mid = 0.975 if 0.975 in mfs else mfs[-1]
-  if mid != mfs[0]:
-    d = common.paired_difference(rows, "train_perplexity", {"mf": mid}, {"mf": mfs[0]})
-    out[f"train ppl(MF {mid}) - train ppl(MF {mfs[0]}) < 0"] = common.claim_verdict(d, -1)
-  if 0.95 in mfs and mfs[-1] != 0.95:
-    d = common.paired_difference(rows, "validation_perplexity", {"mf": mfs[-1]}, {"mf": 0.95})
-    out[f"val ppl(MF {mfs[-1]}) - val ppl(MF 0.95) > 0"] = common.claim_verdict(d, +1)
-  if 0.975 in mfs and mfs[-1] > 0.975:  # the train side of "both worse at 0.99" (17.84 vs 13.40)
-    d = common.paired_difference(rows, "train_perplexity", {"mf": mfs[-1]}, {"mf": 0.975})
-    out[f"train ppl(MF {mfs[-1]}) - train ppl(MF 0.975) > 0"] = common.claim_verdict(d, +1)
-  return out

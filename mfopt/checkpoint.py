@@ -257,24 +257,22 @@ def _say(message: str) -> None:
     print(f"[mfopt.checkpoint] {message}", file=sys.stderr, flush=True)
 
 
-_GLOB_CHARS = "[]*?"
-
-
 def check_directory(directory: str | os.PathLike) -> pathlib.Path:
   """``directory`` as an absolute path, or ValueError if orbax could not read it back.
 
   Orbax merges each process's OCDBT data with ``directory.glob("ocdbt.process_*")``, which
-  treats ``[``, ``]``, ``*`` and ``?`` in the path as a pattern: under ``runs/KSync[working]``
-  the merge matched nothing and was skipped with a log warning, the save returned normally, and
-  the next start found every checkpoint unreadable and set them all aside as corrupt.
+  treats a ``[...]`` in the path as a character class: under ``runs/KSync[working]`` the merge
+  matched nothing and was skipped with a log warning, the save returned normally, and the next
+  start found every checkpoint unreadable and set them all aside as corrupt. (``*``, ``?`` and
+  an unpaired bracket match themselves there; tested.)
   """
   path = pathlib.Path(directory).absolute()
-  bad = sorted({ch for ch in str(path) if ch in _GLOB_CHARS})
-  if bad:
+  bracket = re.search(r"\[[^/]*\]", str(path))
+  if bracket:
     raise ValueError(
-        f"checkpoint directory {str(path)!r} contains {' '.join(bad)}: orbax globs the path "
-        "when it merges a save, and such a checkpoint cannot be read back; choose a path "
-        f"without any of {' '.join(_GLOB_CHARS)}")
+        f"checkpoint directory {str(path)!r} contains {bracket.group(0)!r}: orbax globs the "
+        "path when it merges a save, so a [...] there is a character class and such a "
+        "checkpoint cannot be read back; choose a path without one")
   return path
 
 

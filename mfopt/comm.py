@@ -190,10 +190,12 @@ def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = (), *,
   ``update.host_schedule``). Under :func:`static_gates` for another schedule the gate stays on
   the device: ``periodic_averaging(hybrid_adabound_lars(...))`` forced the hybrid's LARS gate
   to the averaging schedule's decision, so after the switch a local step ran with the trust
-  ratio's norms left at zero.
+  ratio's norms left at zero. A gate without an owner (a user's transform) is decided by
+  whatever schedule is active, as before owners existed.
   """
   static = _STATIC_GATE.get()
-  if static is not None and (static.owner is None or static.owner is owner):  # host decided
+  if static is not None and (static.owner is None or owner is None or owner is static.owner):
+    # the host decided: no control flow
     static.preds.append(jnp.asarray(pred))
     with jax.named_scope(GATE_SCOPE):
       return fn(carry, *operands) if static.open else carry
@@ -273,6 +275,10 @@ class HostSchedule(NamedTuple):
   A transform whose :func:`gated` predicate the host can predict exposes one as
   ``tx.update.host_schedule``; :func:`mfopt.train.make_train_step` then runs a step compiled
   with the gate open or shut, chosen on the host, instead of the device-side loop.
+
+  The transform's :func:`gated` calls name it (``gated(..., owner=schedule)``) so that a host
+  decision applies to its own gates only, not to those of a gated transform nested in it; a
+  gate without an owner follows whichever schedule is active.
 
   Attributes:
     read: ``opt_state -> h``: the schedule's host state, read from the transform's state
@@ -551,7 +557,10 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
       ``None`` exchanges in the gradient's own dtype. An fp16 exchange inside
       :func:`mfopt.precision.dynamic_loss_scale` sends the gradients loss-scaled
       (:func:`pmean_tree_scaled`): that transform passes its scale as the extra
-      argument ``loss_scale``, which ``optax.chain`` forwards.
+      argument ``loss_scale``, which ``optax.chain`` forwards. Outside it
+      (``optax.chain(sync_gradients(axes, jnp.float16), dynamic_loss_scale(opt))``) the
+      exchange gets no scale and sends the unscaled gradients, which fp16 may flush to zero:
+      put the loss scaling outermost.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state counts one all-reduce per

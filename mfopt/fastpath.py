@@ -215,7 +215,10 @@ def make_train_step(model, inner: optax.GradientTransformation, *, mesh, num_wor
 
   Equals :func:`mfopt.train.make_train_step` with
   ``optax.chain(mfopt.sync_gradients(WORKER_AXES, comm_dtype), inner)`` on the same
-  worker-stacked batches (see the module docstring for the proof; ``tests/test_fastpath.py``
+  worker-stacked batches (for ``inner = dynamic_loss_scale(opt)``: with
+  ``dynamic_loss_scale(optax.chain(sync_gradients(WORKER_AXES, comm_dtype), opt))``, whose
+  fp16 exchange is loss-scaled; the chain the other way round sends unscaled fp16 gradients)
+  (see the module docstring for the proof; ``tests/test_fastpath.py``
   checks parameters, optimizer state and BN running statistics with ``allclose``), up to the
   exchange's rounding when ``comm_dtype`` is set: the stacked step rounds each worker's
   gradient to it, the fast path the ``D`` device means (on one device: nothing is exchanged,

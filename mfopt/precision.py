@@ -67,7 +67,7 @@ import optax
 from flax.training.dynamic_scale import DynamicScale
 
 from mfopt import _checks
-from mfopt.comm import CommStats, states_of
+from mfopt.comm import CommStats, payload_of, states_of
 
 __all__ = [
     "Policy",
@@ -296,6 +296,13 @@ def _check_local_steps_skip(inner_state: Any) -> None:
           "others' and the workers stop agreeing on when to average")
 
 
+def _payload_or_unknown(stats: CommStats) -> int | None:
+  try:
+    return payload_of(stats)
+  except jax.errors.ConcretizationTypeError:  # (under jit: counted as communicating)
+    return None
+
+
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
   """``optax.apply_if_finite`` that never gives up: a non-finite gradient is a skipped step.
 
@@ -319,7 +326,9 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
 
 def _refuse_communicating(state: Any, wrapper: str) -> None:
-  found = states_of(state, CommStats)
+  """ValueError if ``state`` holds a counter with a payload: a transform built with
+  ``axis_name=None`` (one worker) counts nothing and may be wrapped."""
+  found = [c for c in states_of(state, CommStats) if _payload_or_unknown(c) != 0]
   if found:
     raise ValueError(
         f"{wrapper} must wrap a local optimizer, got one that communicates ({len(found)} "

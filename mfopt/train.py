@@ -215,8 +215,10 @@ def _worker_phases(model, tx: optax.GradientTransformation, loss_fn: LossFn,
       with comm_lib.static_gates(gate, getattr(tx.update, "host_schedule", None)) as preds:
         params, opt_state, norm = apply_transform(tx, grads, opt_state, params, norm_fn)
       if not preds:
-        raise ValueError(f"host gates: the transform traced no mfopt.comm.gated call, so its "
-                         f"host_schedule has nothing to decide (tx.update={tx.update!r})")
+        raise ValueError(f"host gates: the transform traced no mfopt.comm.gated call that its "
+                         f"host_schedule decides (none, or each owned by another schedule: "
+                         f"gated(..., owner=...)), so it has nothing to decide "
+                         f"(tx.update={tx.update!r})")
       gate_metrics = {"gate_mismatch": sum((jnp.asarray(p) != gate).astype(jnp.int32)
                                            for p in preds)}
     metrics = {"loss": loss, **aux, "update_norm": norm, **gate_metrics}

@@ -123,6 +123,32 @@ def test_host_gated_step_equals_device_gated_step(name):
     assert step.opened == expected_open[name]
 
 
+def test_a_users_gated_transform_without_an_owner_is_host_decided():
+  """HostSchedule's docstring pattern (gated(...) without owner=, update.host_schedule): host
+  gates still decide it; with owners introduced it was refused ('traced no gated call')."""
+  def every_other():
+    def init(params):
+      return {"count": jnp.zeros([], jnp.int32)}
+
+    def update(updates, state, params=None):
+      c = state["count"]
+      updates = comm.gated(comm.unbatched(c, mfopt.WORKER_AXES) % 2 == 1,
+                           lambda u: jax.lax.pmean(u, mfopt.WORKER_AXES), updates)
+      return jax.tree.map(lambda x: -0.1 * x, updates), {"count": c + 1}
+
+    update.host_schedule = comm.HostSchedule(
+        read=lambda st: comm.host_scalar(jax.tree.leaves(st)[0]),
+        next=lambda c: (c % 2 == 1, c + 1))
+    return optax.GradientTransformation(init, update)
+
+  step, s_host, m_host = _run(every_other(), True, steps=4)
+  _, s_dev, _ = _run(every_other(), False, steps=4)
+  assert isinstance(step, train.HostGatedStep) and step.opened == 2
+  assert all(int(np.max(np.asarray(m["gate_mismatch"]))) == 0 for m in m_host)
+  for a, b in zip(jax.tree.leaves(s_host.params), jax.tree.leaves(s_dev.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)  # (pmean's rounding)
+
+
 def test_chain_keeps_one_host_schedule_and_refuses_two():
   hybrid = mfopt.hybrid_adabound_lars(num_workers=W, steps_per_epoch=2, warmup_epochs=2)
   assert getattr(optax.chain(mfopt.sync_gradients("w"), hybrid).update, "host_schedule",

@@ -377,3 +377,11 @@ def test_policy_object_with_the_parsers_dtype_names_and_numpy_bn_momentum():
   assert model.bn_momentum == np.float32(0.9)
   with pytest.raises(ValueError, match=r"bn_momentum must be in \[0, 1\), got False"):
     mfopt.models.get_model("cnn", features=(4,), num_classes=3, bn_momentum=False)
+
+
+def test_skip_nonfinite_wraps_a_one_worker_transform():
+  """axis_name=None exchanges nothing: its counters hold no payload, and wrapping it is fine."""
+  for tx in (optax.chain(mfopt.sync_gradients(None), optax.sgd(0.1)),
+             mfopt.periodic_averaging(optax.sgd(0.1), None, 2)):
+    state = precision.skip_nonfinite(tx).init({"w": jnp.zeros(3)})
+    assert state is not None
