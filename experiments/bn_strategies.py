@@ -119,7 +119,7 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
                          f"past this run's {total}; use another workdir or more epochs")
       if restored.meta.get("result") is not None and restored.meta["samples"] >= total:
         ckpt.close()
-        return restored.meta["result"]
+        return {**restored.meta["result"], "build": VARYING_BUILD}  # (older saves had none)
       state, meta = restored.state, restored.meta  # (a finished shorter run trains on)
       samples, step, next_eval = meta["samples"], meta["step"], meta["next_eval"]
       history, train_s = meta["history"], meta["train_s"]
@@ -186,8 +186,12 @@ def _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_
   return {"history": history, "summary": summary, "steps_per_epoch": spe,
           "num_devices": mesh.shape[parallel.DATA_AXIS], "per_worker_batch": b, "seed": seed,
           "diverged": False, "error": None, "diverged_at_step": None,
-          # timed alone at the mean per-worker batch b (the run's batches are b/2, b, 3b/2)
-          "build": {"algo": "hybrid", "bn": "sync"}}
+          "build": VARYING_BUILD}
+
+
+# How add_efficiency times row 1's worker alone: at the mean per-worker batch b (the run's
+# batches are b/2, b, 3b/2), with synchronised BN.
+VARYING_BUILD = {"algo": "hybrid", "bn": "sync"}
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
