@@ -38,7 +38,8 @@ import optax
 
 import mfopt
 from experiments._averaging_common import mesh_for  # noqa: F401 (also used by seed-004 scripts)
-from mfopt import batchnorm, costmodel, data as data_lib, metrics, parallel, precision, runner, train
+from mfopt import batchnorm, costmodel, data as data_lib, metrics, parallel, precision, runner
+from mfopt import train
 from mfopt import models as models_lib
 
 ALGORITHMS = ("hybrid", "adabound", "warmup_sgd")

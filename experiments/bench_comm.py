@@ -365,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                           and row["hlo_sync_branch_bytes"] >= compiled(want)), ">=", 1.0)
       if kind == "periodic":  # exactly (with >=, averaging every step passed as p=4)
         counted(tag, f"counters = floor(N/p) = {syncs} parameter exchanges",
-                row["counter_all_reduces"] == syncs and row["counter_payload_bytes"] == syncs * want)
+                row["counter_all_reduces"] == syncs
+                and row["counter_payload_bytes"] == syncs * want)
       else:  # ADPSGD: each sync exchanges the parameters and S_k (one f32 scalar), nothing else
         n = row["counter_all_reduces"]
         counted(tag, "counters = parameters + S_k per sync",

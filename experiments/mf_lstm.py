@@ -40,8 +40,9 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 
   Command: ``python -m experiments mf_lstm`` (``--quick``: CI preset).
   Hardware: one GPU recommended. Full: 4 MF x 3 seeds x 20 epochs of the 312,239-character
-  textcorpus training split (CPython 3.11.7; the corpus is its standard library's docstrings) at sequence length 64 (4,878 sequences, 76.2 steps per epoch at
-  batch 64): 12 runs of 1,524 steps (20 epochs = 97,560 sequences, to whole steps) of a
+  textcorpus training split (CPython 3.11.7; the corpus is its standard library's
+  docstrings) at sequence length 64 (4,878 sequences, 76.2 steps per epoch at batch 64):
+  12 runs of 1,524 steps (20 epochs = 97,560 sequences, to whole steps) of a
   1-layer LSTM with 256 units.
   Runtime: projected, not measured in full. Reduced run on this project's 2-core CPU (1 JAX
   device, load average ~22 from other jobs): ``python -m experiments mf_lstm epochs=0.5

@@ -723,10 +723,10 @@ def load_textcorpus(seq_len: int = 64) -> Dataset:
   every Python. It is :func:`textcorpus_text` (the docstrings of 35 standard
   library modules, :data:`TEXTCORPUS_MODULES`; 346,933 characters and 100
   distinct ones on CPython 3.11.7; other Python releases, patch releases too, have other
-  docstrings: 353,084 and 97 on 3.12.1, so ``meta["sha256"]`` identifies it), split contiguously into the first 90% of
-  characters for training and the last 10% for validation (the ``test``
-  source). The vocabulary is the sorted characters of the whole text and is in
-  ``meta["vocab"]``. Each split is cut by :func:`char_sequences`:
+  docstrings: 353,084 and 97 on 3.12.1, so ``meta["sha256"]`` identifies it), split
+  contiguously into the first 90% of characters for training and the last 10% for
+  validation (the ``test`` source). The vocabulary is the sorted characters of the whole
+  text and is in ``meta["vocab"]``. Each split is cut by :func:`char_sequences`:
   ``x = tokens[:-1]``, ``y = tokens[1:]`` per sequence, both ``(N, seq_len)``
   int32.
 

@@ -660,7 +660,8 @@ def _note_allowed_changes(path: pathlib.Path, history: list[dict[str, Any]]) -> 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m experiments",
-      description="Run an mfopt experiment; writes metrics.jsonl, summary.json, plots and report.md.",
+      description="Run an mfopt experiment; writes metrics.jsonl, summary.json, plots and "
+                  "report.md.",
       add_help=False)
   parser.add_argument("-h", "--help", action="store_true",
                       help="show this help; with an experiment name, also what it runs and its "

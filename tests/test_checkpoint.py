@@ -119,7 +119,8 @@ def test_round_trip_is_exact_and_keeps_the_newest_n(tmp_path):
 def test_directory_orbax_cannot_read_back_is_refused_before_saving(tmp_path, name):
   """orbax globs the path when it merges a save: under runs/KSync[working] the save returned
   normally, wrote no manifest, and the next start set every checkpoint aside as corrupt."""
-  with pytest.raises(ValueError, match=r"checkpoint directory .* contains '\[.*\]'.*cannot be read back"):
+  with pytest.raises(ValueError,
+                     match=r"checkpoint directory .* contains '\[.*\]'.*cannot be read back"):
     checkpoint.RunCheckpointer(tmp_path / name / "ckpt")
   assert not (tmp_path / name).exists()
 

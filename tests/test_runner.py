@@ -106,7 +106,8 @@ def test_bad_values(override, match):
     ("ksync_trace", "dataset=tiny_shakespeare", r"'dataset' must be one of .*got 'tiny_shakespeare'"),
     ("adpsgd_table", "decreasing_periods=(4,)", r"'decreasing_periods' must hold two periods"),
     # session 17: quickstart's first error listed datasets its validate then refused
-    ("quickstart", "datasets=foo", r"'datasets' must be one of \['digits', 'mnist1d'\], got \('foo',\)"),
+    ("quickstart", "datasets=foo",
+     r"'datasets' must be one of \['digits', 'mnist1d'\], got \('foo',\)"),
     # session 17: a ResNet with sim_runs crashed in the simulator after its train.fit rows ran
     ("quickstart", "models=('mlp','resnet18')",
      r"'models' may only name \['mlp', 'cnn'\] when sim_runs .*got \['resnet18'\]"),
