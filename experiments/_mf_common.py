@@ -164,14 +164,17 @@ def paired_difference(rows: Sequence[Mapping[str, Any]], metric: str,
     return {r["seed"]: r for r in rows if all(r.get(k) == v for k, v in sel.items())}
   ra, rb = pick(a), pick(b)
   diffs = []
-  for s in sorted(set(ra) & set(rb)):
+  seeds = sorted(set(ra) & set(rb))
+  for s in seeds:
     va, vb = float(ra[s][metric]), float(rb[s][metric])
     if math.isfinite(va) and math.isfinite(vb):
       diffs.append(va - vb)
+  excluded = len(seeds) - len(diffs)
   if not diffs:
-    return {"mean": math.nan, "std": math.nan, "n": 0, "significant": False}
+    return {"mean": math.nan, "std": math.nan, "n": 0, "excluded": excluded,
+            "significant": False}
   mean, std = report.mean_std(diffs)
-  return {"mean": mean, "std": std, "n": len(diffs),
+  return {"mean": mean, "std": std, "n": len(diffs), "excluded": excluded,
           "significant": len(diffs) > 1 and abs(mean) > 2 * std}
 
 
@@ -180,6 +183,8 @@ def claim_verdict(diff: Mapping[str, Any], expected_sign: int) -> str:
   if diff["n"] == 0 or not math.isfinite(diff["mean"]):
     return "not testable (no finite pair)"
   numbers = f"{diff['mean']:+.4f} ± {diff['std']:.4f} over {diff['n']} seed(s)"
+  if diff.get("excluded"):  # as the seed 001/003/004 scripts: a diverged run voids the claim
+    return f"not reproduced at this scale ({diff['excluded']} seed(s) diverged): {numbers}"
   if diff["n"] < 2:
     return f"not reproduced at this scale (one seed, no std): {numbers}"
   if np.sign(diff["mean"]) == expected_sign and diff["significant"]:

@@ -46,6 +46,7 @@ def test_hybrid_warmup_T_quick(tmp_path):
   test = out["final_test_accuracy"]
   v = out["verdicts"]
   assert "T=1 vs T=2" in v[1]["claim"] and "T=2 vs T=1" in v[2]["claim"]
+  assert v[1]["claim"].startswith("not a seed claim")  # (the seed: "T has little effect")
   assert v[1]["mean_diff"] == pytest.approx(test[1.0][0] - test[2.0][0])  # test acc, T=1 - T=2
   text = (tmp_path / "report.md").read_text()
   assert "| 1 |" in text and "| 2 |" in text

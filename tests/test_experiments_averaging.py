@@ -233,3 +233,15 @@ def test_adpsgd_variance_records_diverged_runs(tmp_path):
              for v in summary["verdicts"])
   assert "every ADPSGD run diverged" in report and "Not plotted (every seed diverged)" in report
   assert not list(tmp_path.glob("trace_*.json")) and not list(tmp_path.glob("fig*.png"))
+
+
+def test_one_period_or_one_p_makes_no_comparison(tmp_path):
+  """A single value compared itself with itself and reported 'not reproduced (0 ± 0)'."""
+  summary = runner.run_experiment("adpsgd_variance", quick=True, workdir=tmp_path / "v",
+                                  overrides=["periods=(8,)"])
+  v = next(x for x in summary["verdicts"] if x["claim"].startswith("Eq. (10)"))
+  assert v["reason"] == "one period only: nothing to compare" and v["seeds"] == 0
+  summary = runner.run_experiment("block_momentum_mu_vs_p", quick=True, workdir=tmp_path / "m",
+                                  overrides=["workers=(6,)"])
+  v, = summary["verdicts"]
+  assert v["reason"] == "one P or one mu only: nothing to compare"

@@ -218,3 +218,14 @@ def test_mf_batch_workers_batch_claim_takes_the_tables_sign():
   c.optimizers, c.batches, c.workers = ("adam",), (96,), (1, 8)
   assert list(mf_batch_workers._claims(c, []).values()) == [
       "not testable (a cell outside the paper's table)"]
+
+
+def test_a_diverged_seed_voids_a_seed000_claim_as_in_the_other_families():
+  from experiments import _mf_common
+  rows = [{"mf": mf, "seed": s, "test_accuracy": acc}
+          for s, (a, b) in enumerate([(0.9, 0.8), (0.91, 0.8), (float("nan"), 0.8)])
+          for mf, acc in ((0.99, a), (0.9, b))]
+  d = _mf_common.paired_difference(rows, "test_accuracy", {"mf": 0.99}, {"mf": 0.9})
+  assert d["n"] == 2 and d["excluded"] == 1
+  assert _mf_common.claim_verdict(d, +1).startswith(
+      "not reproduced at this scale (1 seed(s) diverged)")
