@@ -299,8 +299,8 @@ def _check_local_steps_skip(inner_state: Any) -> None:
 def _payload_or_unknown(stats: CommStats) -> int | None:
   try:
     return payload_of(stats)
-  except jax.errors.ConcretizationTypeError:  # (under jit: counted as communicating)
-    return None
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None  # (init under jit: the payload is a tracer; counted as communicating)
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -385,3 +385,7 @@ def test_skip_nonfinite_wraps_a_one_worker_transform():
              mfopt.periodic_averaging(optax.sgd(0.1), None, 2)):
     state = precision.skip_nonfinite(tx).init({"w": jnp.zeros(3)})
     assert state is not None
+  # under jit the payload is a tracer: the wrapped transform counts as communicating
+  with pytest.raises(ValueError, match=r"must wrap a local optimizer"):
+    jax.jit(precision.skip_nonfinite(
+        optax.chain(mfopt.sync_gradients("w"), optax.sgd(0.1))).init)({"w": jnp.zeros(3)})
