@@ -229,8 +229,9 @@ def test_adpsgd_variance_records_diverged_runs(tmp_path):
   assert {k: [r["diverged"] for r in v] for k, v in runs.items()} == {
       "CPSGD p=8": [True], "ADPSGD": [True]}
   assert all(r["eq9"] == "diverged (1/1)" for r in summary["rows"])
-  assert all(v["verdict"] == "not reproduced at this scale" and "diverged run" in v["reason"]
-             for v in summary["verdicts"])
+  assert all(v["verdict"] == "not reproduced at this scale" for v in summary["verdicts"])
+  assert all("diverged run" in v["reason"] for v in summary["verdicts"]
+             if not v["claim"].startswith("Eq. (10)"))  # (one period: nothing to compare)
   assert "every ADPSGD run diverged" in report and "Not plotted (every seed diverged)" in report
   assert not list(tmp_path.glob("trace_*.json")) and not list(tmp_path.glob("fig*.png"))
 
