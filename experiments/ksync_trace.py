@@ -127,7 +127,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                        "verdict": suite.paired_claim(
                            suite.per_seed(rows, "test_accuracy", variant="adaptive k [working]"),
                            suite.per_seed(rows, "test_accuracy", variant=f"fixed k={k} [working]"),
-                           lower_is_better=False)})
+                           lower_is_better=False, nan_means="diverged")})
       for fld in ("time_to_target", "samples_to_target"):
         claims.append({"claim": f"adaptive k needs less {fld.split('_')[0]} to target than fixed k={k}",
                        "ours": suite.pm(adaptive, fld), "baseline": suite.pm(f, fld),

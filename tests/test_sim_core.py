@@ -382,6 +382,12 @@ def test_paired_claim_needs_every_seed_and_two_std_of_the_paired_differences():
   assert claim({0: 10, 1: 11, 2: 12}, {0: 20, 1: nan, 2: 22}) == (
       "reproduced (the baseline reached the target in 2/3 seeds)")
   assert claim({0: 0.9, 1: 0.8}, {0: 0.5, 1: 0.45}, lower_is_better=False) == "reproduced"
+  # accuracy: NaN is a diverged run, which voids the claim (a baseline diverged in every seed
+  # was "reproduced (ours reached the target ...)")
+  assert claim({0: 0.9, 1: 0.8}, {0: nan, 1: nan}, lower_is_better=False,
+               nan_means="diverged") == "not reproduced at this scale (2 of 4 runs diverged)"
+  assert claim({0: 0.9, 1: 0.8}, {0: 0.5, 1: 0.45}, lower_is_better=False,
+               nan_means="diverged") == "reproduced"
   assert suite.holds_in_every_seed({0: True}).startswith("consistent in 1 seed (not a test")
   assert suite.holds_in_every_seed({0: True, 1: False}) == (
       "not reproduced at this scale (holds in 1/2 seeds)")

@@ -223,7 +223,7 @@ def per_seed(rows: Sequence[Mapping[str, Any]], field: str, **match: Any) -> dic
 
 
 def paired_claim(ours: Mapping[int, float], baseline: Mapping[int, float],
-                 lower_is_better: bool = True) -> str:
+                 lower_is_better: bool = True, nan_means: str = "missed the target") -> str:
   """The protocol's verdict on "ours beats the baseline", on per-seed pairs (SPEC.md).
 
   Reproduced only if the mean paired difference (same seed) has the claimed sign and exceeds
@@ -231,6 +231,9 @@ def paired_claim(ours: Mapping[int, float], baseline: Mapping[int, float],
   NaN means "never reached the target": ours must reach it in every seed; a seed where only
   the baseline missed it is not a pair (said in the verdict), and a baseline that never
   reached it while ours always did is reproduced. One seed has no spread: never reproduced.
+  ``nan_means="diverged"`` (a metric such as accuracy, NaN only when a run diverged): a
+  diverged run on either side makes the claim not reproduced, as in the other experiments
+  (a baseline that diverged in every seed was "reproduced: ours reached the target").
   """
   seeds = sorted(set(ours) & set(baseline))
   n = len(seeds)
@@ -238,6 +241,12 @@ def paired_claim(ours: Mapping[int, float], baseline: Mapping[int, float],
     return "not decidable (no seeds)"
   a = np.array([ours[s] for s in seeds], float)
   b = np.array([baseline[s] for s in seeds], float)
+  if nan_means == "diverged":
+    bad = int((~np.isfinite(a)).sum() + (~np.isfinite(b)).sum())
+    if bad:
+      return f"not reproduced at this scale ({bad} of {2 * n} runs diverged)"
+  elif nan_means != "missed the target":
+    raise ValueError(f"nan_means must be 'missed the target' or 'diverged', got {nan_means!r}")
   if not np.isfinite(a).all():
     return (f"not reproduced at this scale (ours reached the target in "
             f"{int(np.isfinite(a).sum())}/{n} seeds)")
