@@ -25,7 +25,6 @@ reproduced at this scale (k of n runs diverged)". In the helpers' per-seed value
 from __future__ import annotations
 
 import math
-import time
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,6 +36,7 @@ import numpy as np
 import optax
 
 import mfopt
+from experiments import _bench
 from experiments._averaging_common import mesh_for  # noqa: F401 (also used by seed-004 scripts)
 from mfopt import batchnorm, costmodel, data as data_lib, metrics, parallel, precision, runner
 from mfopt import train
@@ -214,16 +214,11 @@ def one_worker_step_s(c, dataset, *, algo: str, per_worker_batch: int, policy: s
   batch = parallel.shard_workers(batcher.batch(0), mesh)
   state = train.init_train_state(model, tx, batcher.batch(0)["x"][0], num_workers=1, mesh=mesh)
   step = train.make_train_step(model, tx, mesh=mesh, num_workers=1)
-  state, _ = step(state, batch)  # compile and warm up
-  jax.block_until_ready(state)
-  best = math.inf
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(steps):  # (few steps: XLA:CPU's deadlock needed ~32 queued)
-      state, _ = step(state, batch)
-    jax.block_until_ready(state)
-    best = min(best, time.perf_counter() - t0)
-  return best / steps
+  # the benchmarks' harness: one warm-up call (the compile), then `repeats` timings of `steps`
+  # steps (few: XLA:CPU's deadlock needed ~32 queued); the fastest, in seconds per step
+  runner = _bench.Runner(step, state, (batch,), out_state=lambda out: out[0])
+  timing, = _bench.time_interleaved([runner], warmup=1, reps=repeats, iters=steps)
+  return min(timing.samples)
 
 
 def diverged_run(error: train.NonFiniteError, *, seed: int, desc: str, num_workers: int,
