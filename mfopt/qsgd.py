@@ -11,7 +11,8 @@ the signed integer levels
    \\qquad \\ell_i = \\lfloor s|v_i|/\\|v\\| \\rfloor,
 
 so that :math:`E[\\|v\\| q_i / s] = v_i` (unbiased). Every worker all-gathers
-the int8 levels and the scales of all workers, dequantizes and averages them
+the int8 levels and the scales of all workers (in one int8 buffer, the scales' bytes
+appended: one ``all_gather`` per step), dequantizes and averages them
 (integers must not be summed in an all-reduce: the sum would overflow int8 and
 the scales differ per worker). The result is identical on every worker.
 
@@ -107,6 +108,19 @@ def _all_gather(x: jax.Array, axis_name: AxisName) -> jax.Array:
   return x.reshape((-1,) + x.shape[len(axes):])
 
 
+def _pack(q: jax.Array, norms: jax.Array) -> jax.Array:
+  """The int8 levels and the float32 norms' bytes in one int8 buffer, so that one all-gather
+  carries both: the exchange counted by :class:`~mfopt.comm.CommStats` is then the one the
+  program runs (two gathers would pay the per-collective latency twice)."""
+  return jnp.concatenate([q, lax.bitcast_convert_type(norms, jnp.int8).reshape(-1)])
+
+
+def _unpack(gathered: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+  """Inverse of :func:`_pack` on a gathered ``(W, n + 4 * buckets)`` buffer."""
+  norms = gathered[:, n:].reshape(gathered.shape[0], -1, 4)
+  return gathered[:, :n], lax.bitcast_convert_type(norms, jnp.float32)
+
+
 def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
          seed: int = 0) -> optax.GradientTransformation:
   r"""Mean over workers of QSGD-quantized gradients (stochastic, unbiased), via ``all_gather``.
@@ -167,8 +181,7 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
       mean = dequantize(q, norms, bits, bucket_size)
       comm = state.comm
     else:
-      all_q = _all_gather(q, axis_name)          # (W, n) int8
-      all_norms = _all_gather(norms, axis_name)  # (W, buckets) float32
+      all_q, all_norms = _unpack(_all_gather(_pack(q, norms), axis_name), q.shape[0])
       deq = jax.vmap(lambda a, b: dequantize(a, b, bits, bucket_size))(all_q, all_norms)
       mean = jnp.mean(deq, axis=0)
       comm = state.comm._replace(count=state.comm.count + 1)

@@ -93,6 +93,10 @@ def test_distributed_qsgd_equals_mean_of_per_worker_quantizations_w16():
   text = lowered.compile().as_text()
   assert re.search(r"s8\[[^\]]*\]\S* all-gather", text)
   assert not re.search(r"s8\[[^\]]*\]\S* all-reduce", text)
+  # One all-gather per step, levels and norms together (the counter's one exchange): the norms
+  # travelled in a second, float32 all-gather before they were packed into the int8 buffer.
+  gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+  assert gathers == ["s8[8,2,88]{2,1,0}"], gathers  # 8 devices x 2 local x (80 + 4 x 2) bytes
   # Reference: dequantize each worker's code (same keys) and average.
   deq = []
   for w in range(workers):
