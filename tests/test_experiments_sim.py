@@ -94,3 +94,30 @@ def test_quickstart_simulated_rows(tmp_path):
   assert bsp["payload_bytes"] / bsp["all_reduces"] == sync["payload_bytes"] / sync["all_reduces"]
   assert rows[runs[0]]["test_accuracy"] > 0.3  # learns (chance is 0.1)
   assert "simulated time (s)" in (tmp_path / "report.md").read_text()
+
+
+def test_async_scaling_speedup_undefined_where_a_one_worker_reference_missed_the_target():
+  """ASP at M = 1 missing the target made ASP's speedups NaN, which paired_claim read as "the
+  baseline never reached the target": KSync's claim was "reproduced" on no evidence."""
+  from experiments.async_scaling import speedup_verdict
+
+  def rows(asp_ref, ks=(2.0, 2.1, 2.2), asp=(1.0, 1.1, 1.2)):
+    out = []
+    for seed in range(3):
+      for name, t1, sp in (("KSync[working]", 10.0, ks[seed]), ("ASP", asp_ref[seed], asp[seed])):
+        sp = sp if np.isfinite(t1) else float("nan")  # T(1) / T(M) as run() computes it
+        out += [{"strategy": name, "workers": 1, "seed": seed, "time_to_target": t1,
+                 "speedup_time": 1.0},
+                {"strategy": name, "workers": 4, "seed": seed, "time_to_target": 5.0,
+                 "speedup_time": sp}]
+    return out
+
+  nan = float("nan")
+  assert speedup_verdict(rows((10.0, 10.0, 10.0)), "speedup_time", 4) == "reproduced"
+  assert speedup_verdict(rows((nan, nan, nan)), "speedup_time", 4).startswith("not decidable")
+  assert speedup_verdict(rows((nan, nan, 10.0)), "speedup_time", 4).startswith("not decidable")
+  one_missing = speedup_verdict(rows((nan, 10.0, 10.0)), "speedup_time", 4)
+  assert one_missing.startswith("reproduced [on 2 seeds") and "1/3 seeds" in one_missing
+  # a kept seed whose M-worker baseline run missed the target is still a miss of the baseline
+  assert speedup_verdict(rows((10.0,) * 3, asp=(1.0, 1.1, nan)), "speedup_time", 4) == (
+      "reproduced (the baseline reached the target in 2/3 seeds)")
