@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["is_int", "is_real", "is_traced", "is_array", "real_scalar", "number_where", "positive_int", "nonnegative_int",
            "positive_number", "nonnegative_number", "finite_positive_number", "unit_interval",
-           "transformation", "flag"]
+           "transformation", "flag", "python_scalars"]
 
 
 def is_int(value: Any) -> bool:
@@ -57,6 +57,23 @@ def real_scalar(value: Any) -> tuple[bool, Any]:
       return True, None
     return True, (float(value) if jnp.issubdtype(value.dtype, jnp.floating) else int(value))
   return False, None
+
+
+def python_scalars(config: Any) -> None:
+  """Replaces, in the frozen dataclass ``config``, every field holding a NumPy scalar or a
+  concrete 0-d NumPy/JAX array by its Python value.
+
+  The simulator's configs are hashed (``functools.lru_cache`` keys of jitted steps) and
+  fingerprinted for resumption (:func:`mfopt.sim.server.plain_settings`): a ``jnp.asarray(0.9)``
+  momentum passed validation and then raised ``unhashable type`` mid-run, and a JAX learning
+  rate was fingerprinted as ``'ArrayImpl'``, so runs at two learning rates looked the same.
+  """
+  import dataclasses  # (only the simulator's configs need it)
+  for f in dataclasses.fields(config):
+    v = getattr(config, f.name)
+    if isinstance(v, np.generic) or (isinstance(v, (np.ndarray, jax.Array)) and v.ndim == 0
+                                     and not is_traced(v)):
+      object.__setattr__(config, f.name, np.asarray(v).item())
 
 
 def _label(name: str, owner: str | None) -> str:

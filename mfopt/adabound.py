@@ -264,6 +264,7 @@ def linear_scaling_bounds(epoch, *, base_lr: float, num_workers: int, warmup_epo
   _checks.positive_number("base_lr", base_lr)
   _checks.positive_int("num_workers", num_workers)
   _checks.positive_number("warmup_epochs", warmup_epochs)
+  _checks.unit_interval("b2", b2)  # (b2 = 1 made B_u infinite, NaN made it NaN, silently)
   t = jnp.minimum(jnp.asarray(epoch), warmup_epochs)
   lrn = base_lr * num_workers
   lower = t / warmup_epochs * lrn

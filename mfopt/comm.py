@@ -72,6 +72,8 @@ def check_axis_name(axis_name: Any, *, name: str = "axis_name") -> AxisName:
     return axis_name
   if (isinstance(axis_name, (tuple, list)) and axis_name
       and all(isinstance(a, str) for a in axis_name)):
+    if len(set(axis_name)) < len(axis_name):  # (psum failed inside the trace; qsgd gathered twice)
+      raise ValueError(f"{name} names an axis twice: {axis_name!r}")
     return tuple(axis_name)
   raise ValueError(f"{name} must be None (one worker), an axis name (str) or a tuple of axis "
                    f"names, e.g. mfopt.WORKER_AXES; got {axis_name!r}")
@@ -90,7 +92,9 @@ def comm_dtype_of(comm_dtype: Any) -> jnp.dtype | None:
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"comm_dtype must be a floating dtype (jnp.bfloat16, 'bfloat16', 'bf16', "
                      f"jnp.float16, ...), got {comm_dtype!r}")
-  return dtype
+  # float64 without jax_enable_x64 runs as float32 (JAX only warns): the exchange's dtype is
+  # the canonical one, and so is what the counters charge (they charged 8 bytes a value).
+  return jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:

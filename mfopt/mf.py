@@ -545,7 +545,11 @@ def _schedule_values(name: str, value: Any, num_steps: int) -> np.ndarray:
       raise ValueError(f"{name} as a sequence must have num_steps={num_steps} values, "
                        f"got {vals.size}")
   else:
-    vals = np.full(num_steps, float(value))
+    ok, v = _checks.real_scalar(value)
+    if not ok or v is None:  # ("0.9" and True were read as 0.9 and 1.0; None raised float's error)
+      raise ValueError(f"{name} must be a number, a schedule or a sequence of num_steps numbers, "
+                       f"got {value!r}")
+    vals = np.full(num_steps, float(v))
   if not np.all(np.isfinite(vals)):
     raise ValueError(f"{name} must be finite, got {value!r}")
   return vals
@@ -585,6 +589,7 @@ def check_mf_conditions(mf: Any, lr: Any, num_steps: int,
       [ok] (2a) MF < 1: MF < 1 -- max MF = 0.9
   """
   T = _checks.positive_int("num_steps", num_steps)
+  second_order = _checks.flag("second_order", second_order)
   mfs = _schedule_values("mf", mf, T)
   lrs = _schedule_values("lr", lr, T)
   if np.any(mfs < 0):

@@ -242,9 +242,12 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
   """
   _checks.transformation("inner", inner, owner="dynamic_loss_scale")
   _checks.positive_number("init_scale", init_scale)
-  _checks.positive_number("growth_factor", growth_factor)
-  if not _checks.is_real(backoff_factor) or not 0 < backoff_factor < 1:
-    raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+  # growth >= 1 (1: never grows) and backoff in (0, 1): a "growth" of 0.5 shrank the scale
+  # after every run of finite steps. Python floats: DynamicScale holds them as static fields.
+  _checks.number_where("growth_factor", growth_factor, lambda v: v >= 1, ">= 1")
+  _checks.number_where("backoff_factor", backoff_factor, lambda v: 0 < v < 1, "in (0, 1)")
+  growth_factor, backoff_factor = (float(_checks.real_scalar(v)[1])
+                                   for v in (growth_factor, backoff_factor))
   _checks.positive_int("growth_interval", growth_interval)
 
   def init_fn(params):

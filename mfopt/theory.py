@@ -46,6 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from mfopt import _checks
+
 __all__ = ["ProblemConstants", "bound", "bound_terms", "conditions", "optimal_momentum",
            "optimal_period", "lemma5_condition", "estimate_constants"]
 
@@ -60,25 +62,19 @@ class ProblemConstants:
   f_gap: float
   delta: float = 0.5
 
-  def __post_init__(self):
+  def __post_init__(self):  # finite: L = inf made every bound NaN
     for name in ("L", "f_gap"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+      _checks.positive_number(name, getattr(self, name))
     for name in ("sigma2", "M"):
-      if not getattr(self, name) >= 0:
-        raise ValueError(f"{name} must be non-negative, got {getattr(self, name)!r}")
-    if not 0 < self.delta < 1:
-      raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
+      _checks.nonnegative_number(name, getattr(self, name))
+    _checks.number_where("delta", self.delta, lambda v: 0 < v < 1, "in (0, 1)")
 
 
-def _check(mu, eta, P, B, K):
-  if not 0 <= mu < 1:
-    raise ValueError(f"mu must be in [0, 1), got {mu!r}")
-  if not eta > 0:
-    raise ValueError(f"eta must be positive, got {eta!r}")
+def _check(mu, eta, P, B, K):  # finite: K = inf returned a NaN bound
+  _checks.unit_interval("mu", mu)
+  _checks.positive_number("eta", eta)
   for name, v in (("P", P), ("B", B), ("K", K)):
-    if not v >= 1:
-      raise ValueError(f"{name} must be >= 1, got {v!r}")
+    _checks.number_where(name, v, lambda v: v >= 1, ">= 1")
 
 
 def bound_terms(mu: float, N: float, eta: float, *, P: float, B: float, K: float,
@@ -130,6 +126,7 @@ def optimal_momentum(P: float, *, samples: float, eta: float, B: float, K: float
   hold; returns NaN if none does.
   """
   grid = np.arange(0.0, 0.9951, 0.0025) if grid is None else np.asarray(grid, float)
+  _checks.positive_number("samples", samples)
   n = samples / (P * B * K)
   best, best_mu = np.inf, float("nan")
   for mu in grid:
@@ -148,6 +145,8 @@ def optimal_period(mu: float, *, samples: float, eta: float, P: float, B: float,
   Minimises ``g(mu, S/K, eta; P, B, K)`` over ``K = 1..k_max`` where Theorem 1's
   conditions hold; returns 0 if none does.
   """
+  _checks.positive_int("k_max", k_max)  # (0 returned 0, "no K holds"; 2.7 was read as 2)
+  _checks.positive_number("samples", samples)
   best, best_k = np.inf, 0
   for k in range(1, int(k_max) + 1):
     if not conditions(mu, eta, K=k, c=c)["ok"]:
@@ -161,6 +160,8 @@ def optimal_period(mu: float, *, samples: float, eta: float, P: float, B: float,
 def lemma5_condition(mu: float, *, samples: float, eta: float, P: float, B: float,
                      c: ProblemConstants) -> bool:
   """Condition (11) = (12) of Lemmas 5 and 7 (``S = N K = samples``)."""
+  _check(mu, eta, P, B, 1)  # (eta = -0.01 "held"; mu = 1.5 did not, without saying why)
+  _checks.positive_number("samples", samples)
   d, om = c.delta, 1.0 - mu
   lhs = (1 - d) / d * c.f_gap / (samples * eta)
   rhs = (c.L**2 * eta**2 * c.sigma2 / (2 * B) / om**3

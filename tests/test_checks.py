@@ -216,3 +216,74 @@ def test_small_helpers_name_bad_inputs():
   for wrap in (mfopt.precision.dynamic_loss_scale, mfopt.precision.skip_nonfinite):
     with pytest.raises(ValueError, match=r"inner must be an optax.GradientTransformation"):
       wrap(optax.sgd)
+
+
+# ----------------------------------------------------------------------------- session 18 review
+# Each was accepted and misbehaved later (a wrong counter, a crash mid-run, a flipped feature).
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: mfopt.sync_gradients(("w", "w")), r"axis_name names an axis twice: \('w', 'w'\)"),
+    (lambda: mfopt.sim.KTestConfig(variance_ucb="no"), r"variance_ucb must be True or False"),
+    (lambda: mfopt.sim.ServerLink("10gbit", duplex="no"), r"duplex must be True or False"),
+    (lambda: mfopt.check_mf_conditions(0.9, 0.1, 10, second_order="no"),
+     r"second_order must be True or False"),
+    (lambda: mfopt.check_mf_conditions("0.9", 0.1, 10), r"mf must be a number, .*'0.9'"),
+    (lambda: mfopt.check_mf_conditions(0.9, None, 10), r"lr must be a number, .*None"),
+    (lambda: mfopt.check_mf_conditions(True, 0.1, 10), r"mf must be a number, .*True"),
+    (lambda: mfopt.sim.KSync("working"), r"config must be a mfopt.sim.KSyncConfig or None, got "
+     r"'working' \(for the preset: mfopt.sim.ksync_preset\('working'\)"),
+    (lambda: mfopt.sim.KSync({}), r"config must be a mfopt.sim.KSyncConfig or None, got \{\}"),
+    (lambda: mfopt.sim.KSyncConfig(bb=None, lr_fallback=None), r"lr_fallback must be a "),
+    (lambda: mfopt.sim.BBConfig(alpha0=0.01, alpha_min=1.0), r"alpha_min=1.0 is above"),
+    (lambda: mfopt.sim.ComputeModel(speeds=2.0), r"speeds must be None or a sequence"),
+    (lambda: mfopt.sim.ComputeModel(speeds=[1.0, float("inf")]), r"speeds must be a sequence "
+     r"of finite positive numbers, got inf"),
+    (lambda: mfopt.linear_scaling_bounds(1.0, base_lr=0.1, num_workers=8, warmup_epochs=2,
+                                         b2=1.0), r"b2 must be in \[0, 1\), got 1.0"),
+    (lambda: mfopt.precision.dynamic_loss_scale(optax.sgd(0.1), growth_factor=0.5),
+     r"growth_factor must be >= 1, got 0.5"),
+])
+def test_review_s18_bad_arguments_are_refused(build, match):
+  with pytest.raises(ValueError, match=match):
+    build()
+
+
+def test_theory_refuses_what_it_answered_wrongly():
+  from mfopt import theory
+  c = theory.ProblemConstants(L=1.0, sigma2=1.0, M=1.0, f_gap=1.0)
+  with pytest.raises(ValueError, match=r"eta must be a positive number, got -0.01"):
+    theory.lemma5_condition(0.5, samples=1e4, eta=-0.01, P=4, B=8, c=c)  # it "held"
+  with pytest.raises(ValueError, match=r"k_max must be a positive integer, got 0"):
+    theory.optimal_period(0.5, samples=1e4, eta=0.01, P=4, B=8, c=c, k_max=0)
+  with pytest.raises(ValueError, match=r"K must be >= 1, got inf \(it must be finite\)"):
+    theory.bound(0.5, 10, 0.01, P=4, B=8, K=float("inf"), c=c)
+  with pytest.raises(ValueError, match=r"samples must be a positive number, got -100000.0"):
+    theory.optimal_momentum(4, samples=-1e5, eta=0.01, B=8, K=2, c=c)
+  with pytest.raises(ValueError, match=r"L must be a positive number, got inf"):
+    theory.ProblemConstants(L=float("inf"), sigma2=1.0, M=1.0, f_gap=1.0)
+
+
+def test_float64_comm_dtype_without_x64_is_counted_as_the_float32_it_sends():
+  """x64 off: a float64 exchange runs in float32, but the counters charged 8 bytes a value."""
+  assert not jax.config.jax_enable_x64
+  params = {"w": np.zeros(1000, np.float32)}
+  for dtype in (float, "float64", np.float64):
+    tx = mfopt.sync_gradients("w", comm_dtype=dtype)
+    state = jax.vmap(tx.init, axis_size=2)(jax.tree.map(lambda x: np.stack([x, x]), params))
+    _, state = jax.vmap(tx.update, axis_name="w")(
+        jax.tree.map(lambda x: np.stack([x, x]), params), state)
+    assert mfopt.comm_totals(state)["all_reduce_bytes"] == 4000, dtype
+
+
+def test_simulator_configs_hold_python_scalars():
+  """A 0-d JAX momentum passed validation, then a jitted-step cache raised 'unhashable type'
+  mid-run; a JAX learning rate was fingerprinted as 'ArrayImpl' (two rates looked the same)."""
+  import jax.numpy as jnp
+  a = server.BaseSGD(learning_rate=jnp.asarray(0.25), momentum=jnp.asarray(0.75))
+  assert type(a.learning_rate) is float and type(a.momentum) is float
+  assert hash(a) == hash(server.BaseSGD(learning_rate=0.25, momentum=0.75))
+  assert server.plain_settings(a) != server.plain_settings(server.BaseSGD(learning_rate=0.5,
+                                                                          momentum=0.75))
+  assert type(mfopt.sim.BBConfig(alpha0=jnp.asarray(0.01)).alpha0) is float
+  assert type(ksync.KTestConfig(confidence=np.float32(0.95)).confidence) is float
+  assert server.plain_settings(jnp.arange(3.0)) == [0.0, 1.0, 2.0]

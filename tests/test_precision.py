@@ -59,7 +59,7 @@ def test_policy_parsing_and_errors():
   # named errors, not TypeErrors or silent acceptance of bools and strings
   for kw, match in ((dict(init_scale="1"), r"init_scale must be a positive number, got '1'"),
                     (dict(init_scale=True), r"init_scale must be a positive number, got True"),
-                    (dict(growth_factor=float("nan")), r"growth_factor must be a positive"),
+                    (dict(growth_factor=float("nan")), r"growth_factor must be >= 1, got nan"),
                     (dict(backoff_factor="0.5"), r"backoff_factor must be in \(0, 1\), got '0.5'")):
     with pytest.raises(ValueError, match=match):
       precision.dynamic_loss_scale(optax.sgd(0.1), **kw)

@@ -95,7 +95,7 @@ def test_estimate_constants_finds_max_abs_eigenvalue_at_a_saddle():
     assert 4.9 <= est.L <= 5.0 + 1e-5, (seed, est.L)
 
 
-@pytest.mark.parametrize("kw,match", [({"L": 0.0}, r"L must be positive, got 0.0"),
+@pytest.mark.parametrize("kw,match", [({"L": 0.0}, r"L must be a positive number, got 0.0"),
                                       ({"delta": 1.0}, r"delta must be in \(0, 1\), got 1.0")])
 def test_bad_constants(kw, match):
   args = dict(L=1.0, sigma2=1.0, M=1.0, f_gap=1.0, delta=0.5) | kw

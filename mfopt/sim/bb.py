@@ -79,6 +79,7 @@ class BBConfig:
   double_on_k_increase: bool = False
 
   def __post_init__(self):
+    _checks.python_scalars(self)
     w = _checks.number_where  # finite real scalars only (a string or inf used to slip through)
     w("alpha0", self.alpha0, lambda v: v > 0, "> 0")
     if self.nu not in NU_MODES:
@@ -90,6 +91,10 @@ class BBConfig:
       _checks.flag(flag, getattr(self, flag))
     w("alpha_min", self.alpha_min, lambda v: v >= 0, ">= 0")
     w("alpha_max_factor", self.alpha_max_factor, lambda v: v > 0, "> 0")
+    if self.clamp and self.alpha_min > self.alpha_max_factor * self.alpha0:  # (clip then
+      # returned the maximum for every step, silently)
+      raise ValueError(f"alpha_min={self.alpha_min!r} is above the clamp's maximum "
+                       f"alpha_max_factor * alpha0 = {self.alpha_max_factor * self.alpha0!r}")
     w("eps", self.eps, lambda v: 0 < v < 1, "in (0, 1)")
     w("min_step_sq", self.min_step_sq, lambda v: v >= 0, ">= 0")
     if self.alpha_floor_factor is not None:

@@ -109,13 +109,18 @@ class ComputeModel:
   extra_gradient_cost: float = 1.0
 
   def __post_init__(self):
+    _checks.python_scalars(self)
     w = _checks.number_where  # finite real scalars only (a string or inf used to slip through)
     for name in ("base_s", "speed_spread", "jitter_sigma", "forward_cost", "extra_gradient_cost"):
       w(name, getattr(self, name), lambda v: v >= 0, ">= 0")
     w("straggler_prob", self.straggler_prob, lambda v: 0 <= v <= 1, "in [0, 1]")
     w("straggler_slowdown", self.straggler_slowdown, lambda v: v >= 1, ">= 1")
-    if self.speeds is not None and any(not s > 0 for s in self.speeds):
-      raise ValueError(f"speeds must all be positive, got {self.speeds!r}")
+    if self.speeds is not None:  # (a bare 2.0 raised "not iterable"; inf was accepted)
+      if isinstance(self.speeds, str) or np.ndim(self.speeds) != 1:
+        raise ValueError(f"speeds must be None or a sequence of per-worker factors, got "
+                         f"{self.speeds!r}")
+      for s in self.speeds:
+        w("speeds", s, lambda v: v > 0, "a sequence of finite positive numbers")
 
   def speed_factors(self, num_workers: int, seed: int) -> np.ndarray:
     if self.speeds is not None:
@@ -157,7 +162,7 @@ class ServerLink:
 
   def __init__(self, net: str | costmodel.Link | None, duplex: bool = True):
     self.net = None if net is None else costmodel.link(net)
-    self.duplex = bool(duplex)
+    self.duplex = _checks.flag("duplex", duplex)
     self.free_at = [0.0, 0.0]
     self.busy = [0.0, 0.0]
     self.bytes = [0.0, 0.0]

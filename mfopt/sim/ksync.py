@@ -109,6 +109,8 @@ class KTestConfig:
   variance_ucb: bool = False
 
   def __post_init__(self):
+    _checks.python_scalars(self)
+    _checks.flag("variance_ucb", self.variance_ucb)
     _checks.number_where("theta", self.theta, lambda v: v > 0, "> 0")
     _checks.number_where("confidence", self.confidence, lambda v: 0 < v < 1, "in (0, 1)")
     if self.ci_mode not in CI_MODES:

@@ -187,10 +187,12 @@ class Simulator:
                        f"got {what} {strategy!r}")
     _checks.positive_int("num_workers", num_workers)
     _checks.positive_int("per_worker_batch", per_worker_batch)
-    if payload_bytes is not None and not payload_bytes >= 0:
-      raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes!r}")
-    if eval_every_samples is not None and not eval_every_samples > 0:
-      raise ValueError(f"eval_every_samples must be positive, got {eval_every_samples!r}")
+    if payload_bytes is not None:
+      _checks.nonnegative_number("payload_bytes", payload_bytes)
+    if eval_every_samples is not None:  # (0.5, True and inf were accepted)
+      _checks.positive_int("eval_every_samples", eval_every_samples)
+    if compute is not None and not isinstance(compute, clock_lib.ComputeModel):
+      raise ValueError(f"compute must be a mfopt.sim.ComputeModel or None, got {compute!r}")
     self.strategy = strategy
     self.model, self.dataset = model, dataset
     self.num_workers, self.batch_size, self.seed = int(num_workers), int(per_worker_batch), int(seed)
@@ -208,7 +210,11 @@ class Simulator:
     theta0, unravel = flat_model(params)
     self.unravel = unravel
     if init_params is not None:
-      theta0 = np.asarray(init_params, np.float32).reshape(theta0.shape)
+      flat = np.asarray(init_params, np.float32)
+      if flat.size != theta0.size:
+        raise ValueError(f"init_params must hold the model's {theta0.size} parameters (flat), "
+                         f"got {flat.size} values")
+      theta0 = flat.reshape(theta0.shape)
     self.dim = theta0.size
     self.payload_bytes = float(4 * self.dim if payload_bytes is None else payload_bytes)
     self.eval_every_samples = eval_every_samples

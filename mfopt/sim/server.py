@@ -65,6 +65,7 @@ class BaseSGD:
   momentum: float | None = None
 
   def __post_init__(self):
+    _checks.python_scalars(self)
     _checks.number_where("learning_rate", self.learning_rate, lambda v: v > 0, "> 0")
     _checks.number_where("decay_rate", self.decay_rate, lambda v: 0 < v <= 1, "in (0, 1]")
     if self.momentum is not None:
@@ -181,8 +182,8 @@ def plain_settings(v: Any) -> Any:
   if dataclasses.is_dataclass(v) and not isinstance(v, type):
     return {f.name: plain_settings(getattr(v, f.name)) for f in dataclasses.fields(v)
             if f.name not in ("parent", "name")}  # (flax modules: their place in a tree)
-  if isinstance(v, np.ndarray):  # (e.g. ComputeModel.speeds: its values, not its type)
-    return plain_settings(v.tolist())
+  if isinstance(v, (np.ndarray, jax.Array)):  # (ComputeModel.speeds: values, not the type)
+    return plain_settings(np.asarray(v).tolist())
   if isinstance(v, np.generic):
     v = v.item()
   if isinstance(v, float) and not math.isfinite(v):
@@ -444,13 +445,15 @@ class KSyncConfig:
   r0: float = 0.0
 
   def __post_init__(self):
+    _checks.python_scalars(self)
     _checks.number_where("gamma", self.gamma, lambda v: 0 <= v < 1, "in [0, 1)")
     _checks.flag("dampening", self.dampening)
     if not isinstance(self.ktest, ksync_lib.KTestConfig):
       raise ValueError(f"ktest must be a mfopt.sim.ksync.KTestConfig, got {self.ktest!r}")
     if self.bb is not None and not isinstance(self.bb, bb_lib.BBConfig):
       raise ValueError(f"bb must be a mfopt.sim.bb.BBConfig or None, got {self.bb!r}")
-    _base_sgd(self.lr_fallback, "KSyncConfig.lr_fallback")
+    if not isinstance(self.lr_fallback, BaseSGD):  # (None is not a schedule: bb=None uses it)
+      raise ValueError(f"lr_fallback must be a mfopt.sim.BaseSGD, got {self.lr_fallback!r}")
     _checks.number_where("r0", self.r0, lambda v: v >= 0, "a number >= 0")
     if not (self.k_rule == "adaptive" or (_checks.is_int(self.k_rule) and self.k_rule >= 1)):
       raise ValueError(f"k_rule must be 'adaptive' or a positive integer, got {self.k_rule!r}")
@@ -482,7 +485,13 @@ class KSync(_Collect):
   SETTINGS = ("config", "label")
 
   def __init__(self, config: KSyncConfig | None = None, label: str | None = None):
-    self.config = config or KSyncConfig()
+    if config is not None and not isinstance(config, KSyncConfig):
+      hint = (f" (for the preset: mfopt.sim.ksync_preset({config!r}), or "
+              f"KSync(mfopt.sim.ksync_config({config!r})))"
+              if isinstance(config, str) else "")
+      raise ValueError(f"KSync: config must be a mfopt.sim.KSyncConfig or None, got "
+                       f"{config!r}{hint}")
+    self.config = KSyncConfig() if config is None else config
     self.bb = self.config.bb
     self.label = label
     self.momentum_damping = 1.0 - self.config.gamma if self.config.dampening else 1.0
