@@ -76,6 +76,8 @@ def _values(value: ScalarOrSchedule, validate_steps: int | None, name: str = "va
   A constant must be a real scalar (Python/NumPy number, 0-d array; a tracer is unchecked):
   ``"0.1"`` or ``True`` would pass ``float()`` and fail inside the update instead.
   """
+  if validate_steps is not None:  # (0, -3 and 1.5 passed when the values were constants)
+    _checks.positive_int("validate_steps", validate_steps)
   if not callable(value):
     ok, _ = _checks.real_scalar(value)
     if not ok:

@@ -116,6 +116,18 @@ def _dtype(field: str, text: str):
   return _ALIASES[key]
 
 
+def _dtype_object(field: str, value: Any):
+  """A dtype given as an object (``jnp.bfloat16``, ``np.dtype``): one of the float dtypes of
+  :data:`_ALIASES`; ``compute=jnp.int8`` or ``5`` was accepted, as its string was not."""
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.name not in _ALIASES:
+    raise ValueError(f"{field} must be one of {sorted(set(_ALIASES))}, got {value!r}")
+  return _ALIASES[dtype.name]
+
+
 def get_policy(spec: str | Policy) -> Policy:
   """Parses ``"params=float32,compute=bfloat16,output=float32"`` (missing fields: float32).
 
@@ -129,7 +141,7 @@ def get_policy(spec: str | Policy) -> Policy:
   'params=float32,compute=bfloat16,output=float32'
   """
   if isinstance(spec, Policy):  # (its fields may be the parser's names: "bf16", "fp16")
-    policy = Policy(**{f: _dtype(f, v) if isinstance(v, str) else v
+    policy = Policy(**{f: _dtype(f, v) if isinstance(v, str) else _dtype_object(f, v)
                        for f, v in dataclasses.asdict(spec).items()})
   elif isinstance(spec, str):
     fields = {}

@@ -240,6 +240,12 @@ def test_small_helpers_name_bad_inputs():
      r"of finite positive numbers, got inf"),
     (lambda: mfopt.linear_scaling_bounds(1.0, base_lr=0.1, num_workers=8, warmup_epochs=2,
                                          b2=1.0), r"b2 must be in \[0, 1\), got 1.0"),
+    (lambda: mfopt.mf_sgd(0.1, mf=0.9, validate_steps=0), r"validate_steps must be a positive "
+     r"integer, got 0"),
+    (lambda: mfopt.precision.get_policy(mfopt.precision.Policy(compute=5)),
+     r"compute must be one of .*got 5"),
+    (lambda: mfopt.precision.get_policy(mfopt.precision.Policy(compute=np.int8)),
+     r"compute must be one of .*int8"),
     (lambda: mfopt.precision.dynamic_loss_scale(optax.sgd(0.1), growth_factor=0.5),
      r"growth_factor must be >= 1, got 0.5"),
 ])
