@@ -383,7 +383,12 @@ class RunCheckpointer:
     return meta
 
   def check_fingerprint(self, meta: Mapping[str, Any], step: int) -> None:
-    diff = config_diff(meta.get("fingerprint", {}), self.fingerprint)
+    saved = dict(meta.get("fingerprint", {}))
+    # run_resumable's chunk size (how often it saves, not what it computes) was fingerprinted
+    # until 2026-11-25: a rerun with another --checkpoint-every was refused. Older checkpoints
+    # still hold it.
+    saved.pop("chunk_events", None)
+    diff = config_diff(saved, self.fingerprint)
     if not diff:
       return
     message = (f"checkpoint step {step} in {self.directory} was written by a different run; "
@@ -592,7 +597,8 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
   simulation is bit-for-bit the uninterrupted one.
 
   Args:
-    chunk_events: events between checkpoints.
+    chunk_events: events between checkpoints (not in the fingerprint: a resumed run may save
+      at another interval; the chunks do not change the numbers).
     on_checkpoint: optional ``chunk -> None`` called after each save.
     min_interval_s: save a chunk's state only if this many seconds passed since the last
       save (the final state is always saved); ``None``: after every chunk.
@@ -609,8 +615,7 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
                      f"with max_samples, max_server_steps or max_time")
   limits = {k: v for k, v in run_kwargs.items() if k in ENGINE_LIMITS}
   ckpt = RunCheckpointer(directory, keep=keep, allow_mismatch=allow_mismatch,
-                         fingerprint={"run_kwargs": limits, "chunk_events": chunk_events,
-                                      **dict(fingerprint or {})})
+                         fingerprint={"run_kwargs": limits, **dict(fingerprint or {})})
   chunk = 0
   last_save = time.monotonic()
   try:

@@ -497,6 +497,29 @@ def test_simulator_sigkill_then_resume_is_bitwise_identical(tmp_path):
   assert len(want[1]) > 2 and reference.samples >= SIM_SAMPLES
 
 
+def test_simulator_resumes_with_another_chunk_size(tmp_path):
+  """The chunk size (--checkpoint-every) says how often to save, not what is computed: a run
+  resumed with another one was refused as 'written by a different run'."""
+
+  class Crash(Exception):
+    pass
+
+  def crash_after_third(chunk):
+    if chunk == 3:
+      raise Crash
+
+  with pytest.raises(Crash):
+    checkpoint.run_resumable(_simulator(), tmp_path, chunk_events=SIM_CHUNK,
+                             on_checkpoint=crash_after_third, max_samples=SIM_SAMPLES)
+  chunks = []
+  engine = checkpoint.run_resumable(_simulator(), tmp_path, chunk_events=5 * SIM_CHUNK,
+                                    on_checkpoint=chunks.append, max_samples=SIM_SAMPLES)
+  assert chunks[0] == 4  # resumed after the third chunk (a restart would also end equal)
+  reference = _simulator()
+  reference.run(max_samples=SIM_SAMPLES)
+  assert _sim_trace(engine) == _sim_trace(reference)
+
+
 def test_plain_codec_round_trips_types_exactly():
   state = {"a": np.arange(3.0), 3: (1, np.float32(2.5), [None, np.zeros((0, 2), np.int8)]),
            "__x": {"k": np.int64(7)}, (1, 2): "tuple key", "nan": float("nan")}
