@@ -6,6 +6,8 @@ and the date it was produced on, so figures can be traced to a run.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import json
 import math
@@ -79,6 +81,24 @@ MEASURED_FIELDS = ("train_time_s",)  # wall-clock fields of a metrics row; all o
 POSITION_FIELDS = ("step", "server_step")
 
 
+_RECOMPUTED_ROWS_REPLACE = contextvars.ContextVar("mfopt_recomputed_rows_replace",
+                                                   default=False)
+
+
+@contextlib.contextmanager
+def recomputed_rows_replace():
+  """Within it, a :class:`JsonlWriter` row at a position already in the file replaces the row
+  there instead of being dropped. The runner uses it when a run resumes under an allowed config
+  change (``--allow-config-change``): the recomputation after the checkpoint then follows the
+  new config, and the killed attempt's rows past the checkpoint belong to a trajectory that no
+  longer exists (its curve mixed the two)."""
+  token = _RECOMPUTED_ROWS_REPLACE.set(True)
+  try:
+    yield
+  finally:
+    _RECOMPUTED_ROWS_REPLACE.reset(token)
+
+
 class JsonlWriter:
   """Appends one JSON object per line to ``path`` (``metrics.jsonl``), each data point once.
 
@@ -126,6 +146,9 @@ class JsonlWriter:
     row = _jsonable(row)
     key = self._identity(row)
     if key in self._seen:
+      if self._seen[key] != self._content(row) and _RECOMPUTED_ROWS_REPLACE.get():
+        self._replace(key, row)
+        return
       if self._seen[key] != self._content(row) and not self._warned:
         self._warned = True
         print(f"{self.path}: a row differs from one already logged with the same labels and "
@@ -136,6 +159,15 @@ class JsonlWriter:
     self._seen[key] = self._content(row)
     with self.path.open("a") as f:
       f.write(json.dumps(row, allow_nan=False) + "\n")
+
+  def _replace(self, key: str, row: Mapping[str, Any]) -> None:
+    """Rewrites the file with ``row`` in place of the row at its position (atomically)."""
+    lines = [json.dumps(row, allow_nan=False) if self._identity(_jsonable(r)) == key
+             else json.dumps(_jsonable(r), allow_nan=False) for r in read_jsonl(self.path)]
+    tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, self.path)
+    self._seen[key] = self._content(row)
 
 
 def _torn_tail(raw: bytes) -> int | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import inspect
 import json
@@ -616,7 +617,9 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
       allow_mismatch=allow_config_change,
       min_interval_s=CHECKPOINT_INTERVAL_S if checkpoint_every is None else None):
     try:
-      summary = module.run(config, files_dir)
+      with (report.recomputed_rows_replace() if resumed and allow_config_change
+            else contextlib.nullcontext()):
+        summary = module.run(config, files_dir)
     except BaseException as e:  # (KeyboardInterrupt too) the attempt's time and why it ended
       fail_attempt(files_dir, attempts, time.perf_counter() - start, e)
       raise

@@ -398,6 +398,24 @@ def test_runner_resumes_skips_finished_runs_and_refuses_other_config(tmp_path, c
   assert [c["changes"] for c in kept[runner.ALLOWED_CHANGES]] == [["config.seed: 0 -> 3"]]
 
 
+def test_metrics_rows_recomputed_under_an_allowed_config_change_replace_the_old_ones(tmp_path):
+  """--allow-config-change after a kill: the rows the killed attempt logged past its last
+  checkpoint belong to the old config's trajectory; the recomputed rows replace them (the file
+  kept the old row at step 18, and its curve mixed the two trajectories)."""
+  path = tmp_path / "metrics.jsonl"
+  log = report.JsonlWriter(path)
+  for step, loss in ((6, 2.3), (12, 2.1), (18, 1.94)):
+    log({"algorithm": "a", "step": step, "loss": loss})
+  report.JsonlWriter(path)({"algorithm": "a", "step": 18, "loss": 1.95})  # an ordinary resume
+  assert [r["loss"] for r in report.read_jsonl(path)] == [2.3, 2.1, 1.94]  # keeps the first
+  with report.recomputed_rows_replace():
+    resumed = report.JsonlWriter(path)
+    resumed({"algorithm": "a", "step": 18, "loss": 1.95})
+    resumed({"algorithm": "a", "step": 24, "loss": 1.9})
+  assert report.read_jsonl(path) == [{"algorithm": "a", "step": s, "loss": v}
+                                     for s, v in ((6, 2.3), (12, 2.1), (18, 1.95), (24, 1.9))]
+
+
 def test_metrics_log_resumes_after_a_torn_last_line(tmp_path, capsys):
   """A kill (or a full disk) in the middle of an append leaves half a row: readers skip it,
   and the resumed writer cuts it off before appending (it used to raise JSONDecodeError on
