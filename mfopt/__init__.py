@@ -2,6 +2,11 @@
 
 Public API (SPEC.md): transforms compose with ``optax.chain``; every
 communicating transform takes an ``axis_name`` (``None`` = one worker).
+
+``mfopt.adabound`` and ``mfopt.qsgd`` are the transforms SPEC.md names, which shadow their
+modules as package attributes: ``import mfopt.qsgd as q`` gives the function. Import the
+modules' other names directly (``from mfopt.qsgd import quantize``) or use the aliases
+``mfopt._adabound_module`` and ``mfopt._qsgd_module``.
 """
 
 # Infrastructure: worker mesh, data, models, the generic train step, reliability.
@@ -20,6 +25,7 @@ from mfopt import averaging, theory
 from mfopt.averaging import (PeriodController, adpsgd_period, averaging_metrics,
                              block_momentum, constant_period, periodic_averaging,
                              scheduled_period, sync_trace)
+from mfopt import qsgd as _qsgd_module  # (the transform below shadows the module's name)
 from mfopt.qsgd import qsgd
 
 # Seed 002: the simulated asynchronous parameter-server cluster.

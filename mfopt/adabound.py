@@ -109,9 +109,17 @@ def _float_count(count: jax.Array, tree: Any) -> jax.Array:
   return count.astype(jnp.result_type(*dtypes, jnp.float32))
 
 
+def _update_moments(grads, mu, nu, b1, b2):
+  """Adam's moment updates (optax's), cast back to the state's dtypes: a float32 ``b1``/``b2``
+  (``optax.inject_hyperparams(..., hyperparam_dtype=jnp.float32)``, which the bf16 rounding
+  hint suggests) promoted bf16 moments to float32 after one step, so ``jit`` traced twice and
+  the state no longer matched ``init``'s (``mfopt.mf_adam`` casts the same way)."""
+  return (optax.tree.cast_like(optax.tree.update_moment(grads, mu, b1, 1), mu),
+          optax.tree.cast_like(optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2), nu))
+
+
 def _moments(grads, state, b1, b2, amsbound):
-  mu = optax.tree.update_moment(grads, state.mu, b1, 1)
-  nu = optax.tree.update_moment_per_elem_norm(grads, state.nu, b2, 2)
+  mu, nu = _update_moments(grads, state.mu, state.nu, b1, b2)
   nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu) if amsbound else ()
   return mu, nu, nu_max
 
@@ -363,8 +371,7 @@ def scale_by_linear_scaling_adabound(*, base_lr: float, num_workers: int, steps_
 
   def update_fn(updates, state, params=None):
     del params
-    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    mu, nu = _update_moments(updates, state.mu, state.nu, b1, b2)
     count = optax.safe_increment(state.count)
     return (_linear_scaling_step(count, mu, nu, **hyper),
             LinearScalingAdaBoundState(count=count, mu=mu, nu=nu))
@@ -561,8 +568,7 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     pick = lambda a, b: jnp.where(in_warmup, a, b)  # noqa: E731
     # AdaBound's moments; its own count stops at S (clamped so that it never overflows).
     k = jnp.minimum(count, switch)
-    ab_mu = optax.tree.update_moment(updates, state.mu, b1, 1)
-    ab_nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    ab_mu, ab_nu = _update_moments(updates, state.mu, state.nu, b1, b2)
     # LARS (optax.lars = add_decayed_weights, scale_by_trust_ratio, scale_by_learning_rate,
     # trace): g' = g + wd w, v = momentum v - lr tau ||w||/||g'|| g'. The norms are the only
     # part in the gated loop; its operands are w and g (g' is formed inside, not materialised).

@@ -122,6 +122,40 @@ def test_dtype_stable(name, factory, dtype):
   assert jax.tree.leaves(before) == jax.tree.leaves(after), name
 
 
+@pytest.mark.parametrize("build", [
+    lambda: optax.inject_hyperparams(mfopt.adabound, hyperparam_dtype=jnp.float32)(
+        learning_rate=0.1),
+    lambda: optax.inject_hyperparams(
+        mfopt.linear_scaling_adabound, static_args=("num_workers", "steps_per_epoch"),
+        hyperparam_dtype=jnp.float32)(base_lr=0.1, num_workers=2, steps_per_epoch=10),
+    lambda: optax.inject_hyperparams(
+        mfopt.hybrid_adabound_lars,
+        static_args=("num_workers", "steps_per_epoch", "warmup_epochs"),
+        hyperparam_dtype=jnp.float32)(num_workers=2, steps_per_epoch=2, warmup_epochs=1),
+], ids=["adabound", "linear_scaling_adabound", "hybrid"])
+def test_bf16_state_stays_bf16_under_float32_injected_hyperparameters(build):
+  """float32 b1/b2 (the fix the bf16 rounding error suggests) promoted the bf16 moments to
+  float32 after one step: a second trace and a state unlike init's (mf_adam already cast)."""
+  tx = build()
+  params = {"w": jnp.ones((4,), jnp.bfloat16)}
+  state0 = tx.init(params)
+  traces = []
+
+  def update(g, s, p):
+    traces.append(1)  # (chex.assert_max_traces counts every inject_hyperparams "update_fn")
+    return tx.update(g, s, p)
+
+  step = jax.jit(update)
+  state = state0
+  for i in range(4):  # (the hybrid switches to LARS at step 2)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.3 - 0.2 * i), params)
+    updates, state = step(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  assert len(traces) == 1
+  assert (jax.tree.map(lambda x: jnp.asarray(x).dtype, state)
+          == jax.tree.map(lambda x: jnp.asarray(x).dtype, state0))
+
+
 @cases
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 def test_converges(name, factory, problem):
@@ -216,3 +250,12 @@ def test_donated_steps_leave_the_callers_arrays_alone(name):
   # the transform still works: its hyperparameters were not donated with the first state
   expected = jax.jit(step)(params, tx.init(params), {"w": jnp.full(3, 0.5)})
   chex.assert_trees_all_equal_shapes(expected, (p, s))
+
+
+def test_shadowed_modules_have_aliases():
+  """mfopt.qsgd / mfopt.adabound are the SPEC's transforms; their modules stay reachable."""
+  import mfopt.adabound as a  # (the function: the package attribute shadows the module)
+  import mfopt.qsgd as q
+  assert a is mfopt.adabound and q is mfopt.qsgd and callable(q)
+  assert mfopt._qsgd_module.quantize is __import__("mfopt.qsgd", fromlist=["quantize"]).quantize
+  assert mfopt._adabound_module.scale_by_adabound is mfopt.scale_by_adabound
