@@ -131,8 +131,9 @@ def np_adpsgd(p_init, k_s, warmup=0, low=0.7, high=1.3, steps=N):
   return w, periods, s_trace
 
 
-def np_mavg(k_period, mu, steps=N):
-  """Seed 003 Alg. 1 (plain SGD learners)."""
+def np_mavg(k_period, mu, steps=N, nesterov=False):
+  """Seed 003 Alg. 1 (plain SGD learners); ``nesterov``: the anchor moves by ``d + mu v``
+  (optax's Nesterov trace, ``v = mu v + d``) instead of ``v``."""
   anchor = W0.astype(np.float32).copy()
   v = np.zeros(D, np.float32)
   w = np.broadcast_to(anchor, (W, D)).copy()
@@ -142,7 +143,8 @@ def np_mavg(k_period, mu, steps=N):
       a = w.mean(0, dtype=np.float32)
       d = a - anchor
       v = (np.float32(mu) * v + d).astype(np.float32)
-      anchor = (anchor + v).astype(np.float32)
+      step = (d + np.float32(mu) * v).astype(np.float32) if nesterov else v
+      anchor = (anchor + step).astype(np.float32)
       w = np.broadcast_to(anchor, (W, D)).copy()
   return w
 
@@ -193,11 +195,14 @@ def test_adpsgd_matches_numpy_alg2_period_trace_and_params():
   np.testing.assert_allclose(trace["lr"], [np_lr(k - 1) for k in trace["step"]])
 
 
-@pytest.mark.parametrize("mu", [0.0, 0.6])
-def test_block_momentum_matches_numpy_mavg(mu):
-  tx = mfopt.block_momentum(optax.sgd(schedule), mfopt.WORKER_AXES, 6, momentum=mu)
+@pytest.mark.parametrize("mu,nesterov", [(0.0, False), (0.6, False), (0.6, True)])
+def test_block_momentum_matches_numpy_mavg(mu, nesterov):
+  tx = mfopt.block_momentum(optax.sgd(schedule), mfopt.WORKER_AXES, 6, momentum=mu,
+                            nesterov=nesterov)
   got, _ = run_jax(tx)
-  _close(got, np_mavg(6, mu))
+  _close(got, np_mavg(6, mu, nesterov=nesterov))
+  if nesterov:  # (the flag was ignored and no test noticed: the two forms differ here)
+    assert np.abs(np_mavg(6, mu) - np_mavg(6, mu, nesterov=True)).max() > 10 * RTOL
 
 
 def test_outer_sgd_momentum_is_mavg_and_momentum_zero_is_periodic_averaging():
@@ -354,6 +359,21 @@ def test_scheduled_period_decreasing_20_then_5():
   trace = averaging.sync_trace(state)
   np.testing.assert_array_equal(trace["step"], list(range(20, 101, 20)) + list(range(105, 201, 5)))
   assert len(trace["step"]) == 100 // 20 + 100 // 5
+
+
+def test_scheduled_period_boundary_step_takes_the_new_period():
+  """periods[1] is in force from (0-based) step boundaries[0] on, that step included: with
+  (3, 2) and boundary 4, step 4 completes a 2-step round (steps 3-4). Written out by hand; the
+  test above never ended a round at its boundary, so side='left' passed it."""
+  tx = mfopt.periodic_averaging(optax.sgd(0.01), None, mfopt.scheduled_period((3, 2), (4,)),
+                                trace_length=16)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  upd = jax.jit(tx.update)
+  for _ in range(10):
+    _, state = upd({"w": jnp.ones(3)}, state, params)
+  # syncs after steps 2 (p = 3), 4 (p = 2 from step 4), 6, 8: counts 3, 5, 7, 9
+  np.testing.assert_array_equal(averaging.sync_trace(state)["step"], [3, 5, 7, 9])
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -717,3 +737,22 @@ def test_loss_scaling_refuses_a_local_algorithm_whose_local_steps_do_not_skip():
   ok = mfopt.periodic_averaging(precision.skip_nonfinite(optax.sgd(0.1)), "w", 2)
   precision.with_policy(ok, "fp16").init(params)  # the documented way passes
   precision.dynamic_loss_scale(optax.sgd(0.1)).init(params)  # and anything without averaging
+
+
+def test_adpsgd_period_never_falls_below_one():
+  """Alg. 2's shrink is p = max(1, p - 1): with drift growing every step the period shrinks
+  to 1 and stays there (without the floor it went 0, -1, ..., -23 and then took as many grow
+  steps to come back; no test noticed)."""
+  ctl = mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=4, p_init=2)
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), "w", ctl, trace_length=64)
+  p = {"w": jnp.zeros((2, 3))}
+  s = jax.vmap(tx.init)(p)
+  step = jax.jit(jax.vmap(tx.update, axis_name="w"))
+  periods = []
+  for k in range(30):  # the workers' drift grows every step: S_k > 1.3 lr C2, a shrink
+    g = {"w": jnp.asarray([[1.0], [-1.0]]) * (k + 1.0) ** 2 * jnp.ones((2, 3))}
+    u, s = step(g, s, p)
+    p = optax.apply_updates(p, u)
+    periods.append(int(averaging.find_averaging_state(s).controller.period[0]))
+  assert min(periods) == 1 and periods[-10:] == [1] * 10, periods
+  assert min(averaging.sync_trace(s)["period"]) >= 1

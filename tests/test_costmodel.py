@@ -14,6 +14,17 @@ def test_ring_all_reduce_closed_form():
   assert costmodel.all_reduce_time(s, 1, net) == 0.0
 
 
+def test_ring_all_gather_closed_form():
+  """(n-1) x payload over the bandwidth plus n-1 ring latencies (one per step; an all-reduce
+  pays 2(n-1)): QSGD's exchange time."""
+  net = costmodel.Link("x", bandwidth=1e9, latency=1e-4)
+  s, n = 1e5, 8
+  assert math.isclose(costmodel.all_gather_time(s, n, net), 7 * s / 1e9 + 7 * 1e-4)
+  assert math.isclose(costmodel.collective_time(s, n, net, comm.CollectiveKind.ALL_GATHER),
+                      7 * s / 1e9 + 7 * 1e-4)
+  assert costmodel.all_gather_time(s, 1, net) == 0.0
+
+
 def test_all_gather_wire_bytes_overtake_ring_all_reduce():
   # QSGD-8bit sends ~1/4 of the fp32 payload, but all-gather wire bytes grow as (n-1)
   # while the ring all-reduce's stay below 2x payload: the crossover is at n = 9.

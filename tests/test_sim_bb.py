@@ -135,3 +135,27 @@ def test_bb_config_errors_name_the_argument():
     sim.BBConfig(alpha0=0.0)
   with pytest.raises(ValueError, match="max_bt"):
     sim.BBConfig(max_bt=-1)
+
+
+@pytest.mark.parametrize("option,want", [
+    ({}, 0.5 * 0.1 + 0.5 * 0.8 / 2.0),
+    # nu = (<s, y> - c_a V) / <s, s> = (1.5 - 0.05 x 0.5) / 0.75
+    ({"nu_bias_correction": True}, 0.5 * 0.1 + 0.5 * 0.8 / ((1.5 - 0.05 * 0.5) / 0.75)),
+    # k grew: alpha_prev doubled before the smoothing
+    ({"double_on_k_increase": True}, 0.5 * 0.2 + 0.5 * 0.8 / 2.0),
+])
+def test_bb_options_by_hand(option, want):
+  """The two optional BB rules, by hand (no test ran either; a flipped sign or a missing
+  doubling passed). Loss 0.5 x th^2 with x = 2: g = 2 th; th = 1, th_prev = 1.5, g_prev = 3
+  (cheap nu): s = -0.5, y = -1 per coordinate, <s, y> = 1.5, <s, s> = 0.75, nu = 2. k b / N =
+  4 / 8 = 0.5 weights 1/nu x (1 - r) = 0.8 / nu against alpha_prev = 0.1."""
+  cfg = sim.BBConfig(alpha0=0.1, clamp=False, **option)
+  step = jax.jit(bb_lib.make_bb_step(lambda th, x, y: 0.5 * jnp.sum(x * th ** 2), cfg,
+                                     batch_size=4, dataset_size=8))
+  f = np.float32
+  inp = bb_lib.BBInputs(theta=jnp.ones(3), theta_prev=jnp.full(3, 1.5), g_prev=jnp.full(3, 3.0),
+                        alpha_prev=f(0.1), has_prev=np.bool_(True), k=f(1.0),
+                        k_grew=np.bool_(True), r=f(0.2), v_hat=f(0.5), c_a=f(0.05))
+  out = step(inp, jnp.full(3, 2.0), None)
+  assert bool(out.bb_applied) and int(out.num_backtracks) == 0
+  np.testing.assert_allclose(float(out.alpha), want, rtol=1e-6)

@@ -134,10 +134,11 @@ def test_reaverage_horizon_keeps_every_staleness_the_cutoff_keeps(gamma):
 
 def _replay_ksync_server(received, theta0, gamma, damp, theta_c, conf, k_max, merge):
   """An independent NumPy (float64, scipy t-quantile) server of spec §1.2/§2.2/§2.3/§4, fed the
-  messages the simulator's server received, in order: the k of each update and the final θ."""
+  messages the simulator's server received, in order: the k of each update, the final θ and
+  the broadcast of each update, ``(r = Ê/‖ḡ‖², V̂)`` (``None`` after a one-gradient update)."""
   from scipy import stats
   theta, u = theta0.astype(np.float64).copy(), np.zeros(theta0.shape, np.float64)
-  t, fresh, kbuf, slots, ks = 0, [], {}, {}, []
+  t, fresh, kbuf, slots, ks, bcasts = 0, [], {}, {}, [], []
   scale = (1 - gamma) if damp else 1.0
   for version_then, v, g, a in received:
     assert version_then == t
@@ -146,18 +147,21 @@ def _replay_ksync_server(received, theta0, gamma, damp, theta_c, conf, k_max, me
       fresh.append((g, a))
       n = len(fresh)
       done = n >= k_max
+      bcast = None
       if n >= 2:
         G = np.stack([x for x, _ in fresh])
         gbar, s2 = G.mean(0), G.var(0, ddof=1)
         e_hat = s2.sum() / n
         mu = gbar + stats.t.ppf(1 - (1 - conf) / 2, n - 1) * np.sqrt(s2 / n)
         done = done or (e_hat <= theta_c ** 2 * gbar @ gbar and e_hat <= theta_c ** 2 * mu @ mu)
+        bcast = (e_hat / (gbar @ gbar), s2.sum())
       if done:
         mean = sum(a_ * x for x, a_ in fresh) / n
         u = gamma * u + scale * mean
         theta = theta - u
         kbuf[t], slots[t] = n, (mean, n)
         ks.append(n)
+        bcasts.append(bcast)
         t, fresh = t + 1, []
     else:  # stale by tau: merged into the momentum, weighted gamma^(tau-1)
       tau = t - v
@@ -168,7 +172,7 @@ def _replay_ksync_server(received, theta0, gamma, damp, theta_c, conf, k_max, me
         new = (mean * cnt + a * g) / (cnt + 1)
         u = u + gamma ** (tau - 1) * scale * (new - mean)
         slots[v] = (new, cnt + 1)
-  return theta, ks
+  return theta, ks, bcasts
 
 
 @pytest.mark.parametrize("preset,overrides,workers", [
@@ -182,19 +186,26 @@ def test_ksync_server_equals_an_independent_replay_of_its_messages(preset, overr
                     dataset=data.load("mnist1d"), num_workers=workers, per_worker_batch=8, seed=1,
                     network="1gbit",
                     compute=sim.ComputeModel(0.01, speed_spread=0.5, jitter_sigma=0.3))
-  theta0, received, on_push = s.theta.copy(), [], strat.on_push
+  theta0, received, on_push, bcasts = s.theta.copy(), [], strat.on_push, []
 
   def spy(sim_, w):
     m = sim_.msg[w]
-    received.append((sim_.version, m.version, m.grad.copy(), float(m.alpha)))
+    version = sim_.version
+    received.append((version, m.version, m.grad.copy(), float(m.alpha)))
     on_push(sim_, w)
+    if sim_.version > version:  # an update: what the workers' BB steps receive with θ
+      bcasts.append((sim_.broadcast.get("r"), sim_.broadcast.get("v_hat")))
 
   strat.on_push = spy
   s.run(max_server_steps=40)
   c = strat.config
   assert c.stale_cutoff is None or c.stale_cutoff < c.gamma ** 40  # no stale gradient dropped
-  theta, ks = _replay_ksync_server(received, theta0, c.gamma, c.dampening, c.ktest.theta,
-                                   c.ktest.confidence, strat.k_max, c.stale_merge)
+  theta, ks, want_bcasts = _replay_ksync_server(received, theta0, c.gamma, c.dampening,
+                                                c.ktest.theta, c.ktest.confidence, strat.k_max,
+                                                c.stale_merge)
   assert ks == [int(k) for _, _, k in s.k_trace]
+  # the broadcast r = Ê/‖ḡ‖² and V̂ feed the BB steps (r from V̂ instead of Ê passed every test)
+  assert len(bcasts) == len(want_bcasts) and all(b is not None for b in want_bcasts)
+  np.testing.assert_allclose(np.array(bcasts, float), np.array(want_bcasts), rtol=2e-4)
   assert len(set(ks)) > 1 and strat.merged > 0  # k adapted, and stale gradients were merged
   np.testing.assert_allclose(s.theta, theta, rtol=0, atol=2e-6)

@@ -106,3 +106,20 @@ def test_bad_constants(kw, match):
 def test_bad_mu():
   with pytest.raises(ValueError, match=r"mu must be in \[0, 1\), got 1.0"):
     theory.bound(1.0, 10, 0.1, P=1, B=1, K=1, c=C)
+
+
+@pytest.mark.parametrize("delta,mu", [(0.8, 0.0), (0.8, 0.7), (0.4, 0.5)])
+def test_lemma5_condition_switches_where_eq11_written_out_says(delta, mu):
+  """Eq. (11) written out from seed 003 (away from delta = 0.5, where (1-d)/d = d/(1-d) hid a
+  swapped factor): the condition holds just below the crossing sample count S* and fails
+  just above it."""
+  c = theory.ProblemConstants(L=2.0, sigma2=3.0, M=0.4, f_gap=5.0, delta=delta)
+  eta, P, B = 0.01, 4, 8
+  om = 1.0 - mu
+  rhs = (1 / om**3 * c.L**2 * eta**2 * c.sigma2 / (2 * B)
+         + 1 / om**2 * (3 * delta - 1) / (2 * delta)
+         * (mu**2 / om**2 * (c.L * c.sigma2 * eta / (P * B) + c.L * eta * c.M)
+            + 2 * c.L * c.sigma2 * eta / (P * B)))
+  s_star = (1 - delta) / delta * c.f_gap / (eta * rhs)  # lhs(S) = rhs at S = S*
+  assert theory.lemma5_condition(mu, samples=s_star * 0.999, eta=eta, P=P, B=B, c=c)
+  assert not theory.lemma5_condition(mu, samples=s_star * 1.001, eta=eta, P=P, B=B, c=c)
