@@ -25,7 +25,8 @@ Failure handling is JAX's coordination service: every process sends heartbeats
 to the coordinator; when a process dies, the others are aborted with an error
 after ``heartbeat_timeout_s`` (JAX's default is 100 s; set
 ``MFOPT_HEARTBEAT_TIMEOUT`` or the argument lower to fail faster), instead of
-hanging in a collective.
+hanging in a collective. A process whose peers never join waits ``initialization_timeout_s``
+(300 s; ``MFOPT_INIT_TIMEOUT``) and says first what it waits for.
 
 On CPU (tests, laptops) the cross-process collectives need gloo:
 :func:`initialize` selects it (``jax_cpu_collectives_implementation="gloo"``)
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import jax
 
@@ -46,6 +48,7 @@ ENV_PROCESS_ID = "MFOPT_PROCESS_ID"
 ENV_HEARTBEAT = "MFOPT_HEARTBEAT_TIMEOUT"
 ENV_NUM_CPU_DEVICES = "MFOPT_NUM_CPU_DEVICES"
 ENV_AUTO = "MFOPT_DISTRIBUTED"
+ENV_INIT_TIMEOUT = "MFOPT_INIT_TIMEOUT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +122,7 @@ def configure_cpu(num_cpu_devices: int | None = None, cpu_collectives: str | Non
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, heartbeat_timeout_s: int | None = None,
                num_cpu_devices: int | None = None, cpu_collectives: str | None = "gloo",
-               initialization_timeout_s: int = 300) -> DistributedConfig | None:
+               initialization_timeout_s: int | None = None) -> DistributedConfig | None:
   """Joins the multi-process job if one is configured; returns its settings (``None``: single process).
 
   Call before any other JAX call that touches devices. Idempotent.
@@ -132,7 +135,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       aborted (JAX's default 100 when ``None``).
     num_cpu_devices: fake CPU devices per process (CPU runs only).
     cpu_collectives: CPU cross-process collectives implementation ("gloo").
-    initialization_timeout_s: how long to wait for all processes to join.
+    initialization_timeout_s: how long to wait for all processes to join (``None``:
+      ``MFOPT_INIT_TIMEOUT``, else 300 s).
 
   Example:
     Every process, before building the mesh:
@@ -145,14 +149,28 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return None
   if jax.distributed.is_initialized():  # joined already (here or by the caller)
     return settings
-  kwargs = {"initialization_timeout": initialization_timeout_s}
+  timeout = _int_or_none("initialization_timeout_s", initialization_timeout_s
+                         if initialization_timeout_s is not None
+                         else os.environ.get(ENV_INIT_TIMEOUT))
+  timeout = 300 if timeout is None else timeout
+  if timeout <= 0:
+    raise ValueError(f"initialization_timeout_s must be positive, got {timeout!r}")
+  kwargs = {"initialization_timeout": timeout}
   if settings.heartbeat_timeout_s is not None:
     kwargs["heartbeat_timeout_seconds"] = settings.heartbeat_timeout_s
   if settings.process_id == 0:
     _check_port_free(settings.coordinator_address)
+  # (a process whose peers failed before joining waited 300 s in silence)
+  where = ("the cluster's coordinator (detected by JAX)" if settings.coordinator_address is None
+           else f"{settings.coordinator_address}")
+  pid = "?" if settings.process_id is None else settings.process_id
+  print(f"mfopt.distributed: process {pid} joining {settings.num_processes or 'the'} processes "
+        f"at {where} (waits up to {timeout} s, {ENV_INIT_TIMEOUT})", file=sys.stderr, flush=True)
   jax.distributed.initialize(settings.coordinator_address, settings.num_processes,
                              settings.process_id, **kwargs)
-  if jax.process_count() != settings.num_processes:  # the coordinator's count won
+  # the coordinator's count won; in auto-detect mode (SLURM, ...) there is no count to compare
+  # (comparing None failed every job that mode started)
+  if settings.num_processes is not None and jax.process_count() != settings.num_processes:
     raise ValueError(f"num_processes (--num-processes) is {settings.num_processes} here but the "
                      f"job that process 0 started has {jax.process_count()} processes; give "
                      "every process the same value")
@@ -165,6 +183,9 @@ def _check_port_free(address: str) -> None:
   import socket  # noqa: PLC0415
   port = int(address.rsplit(":", 1)[1])
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    # SO_REUSEADDR as gRPC binds it: the last job's TIME_WAIT connections on the port do not
+    # count (a rerun on a fixed port was refused for about a minute); a listener still does.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
       sock.bind(("", port))
     except OSError as e:

@@ -438,6 +438,42 @@ def test_distributed_settings_from_environment():
       None, None, None, None)
 
 
+def test_initialize_in_cluster_detection_mode_accepts_the_detected_job(monkeypatch, capsys):
+  """MFOPT_DISTRIBUTED=1 (the README's srun recipe) leaves the count to JAX's detection; the
+  count check compared the detected 2 with None and failed every job this mode started."""
+  calls = []
+  monkeypatch.setenv("MFOPT_DISTRIBUTED", "1")
+  monkeypatch.setenv("MFOPT_INIT_TIMEOUT", "17")
+  for name in ("MFOPT_COORDINATOR", "MFOPT_NUM_PROCESSES", "MFOPT_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  settings = distributed.initialize(cpu_collectives=None)
+  assert settings == distributed.DistributedConfig(None, None, None, None)
+  assert calls == [((None, None, None), {"initialization_timeout": 17})]
+  assert "joining the processes at the cluster's coordinator" in capsys.readouterr().err
+
+
+def test_port_check_ignores_time_wait_but_not_a_listener():
+  """A rerun on a fixed port was refused for about a minute: the probe bound without
+  SO_REUSEADDR, so the last job's TIME_WAIT connections counted (gRPC binds with it)."""
+  import socket
+  server = socket.socket()
+  server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  server.bind(("127.0.0.1", 0))
+  server.listen(1)
+  port = server.getsockname()[1]
+  client = socket.create_connection(("127.0.0.1", port))
+  conn, _ = server.accept()
+  with pytest.raises(ValueError, match=rf"coordinator port {port} .* is in use"):
+    distributed._check_port_free(f"127.0.0.1:{port}")  # a live listener
+  conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
+  server.close()
+  client.close()
+  distributed._check_port_free(f"127.0.0.1:{port}")  # free to bind again for gRPC
+
+
 def test_single_process_experiments_are_refused_in_a_multi_process_job(monkeypatch, tmp_path):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(runner.ConfigError,
