@@ -165,8 +165,8 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
       window, next_eval = [], next_eval + spe * w * b
       if samples >= total:
         result = _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_s)
-      if ckpt is not None and (result is not None or policy.min_interval_s is None
-                               or time.perf_counter() - last_save >= policy.min_interval_s):
+      if ckpt is not None and (result is not None  # (process 0's clock decides for all)
+                               or ckpt_lib.interval_elapsed(last_save, policy.min_interval_s)):
         ckpt.save(step, state, {"samples": samples, "step": step, "next_eval": next_eval,
                                 "history": history, "train_s": train_s,
                                 "rng": rng.bit_generator.state, "result": result})

@@ -578,6 +578,25 @@ def _plain_target(meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
   return {k: np.zeros(shape, np.dtype(dtype)) for k, (shape, dtype) in meta["arrays"].items()}
 
 
+def interval_elapsed(last_save: float, interval_s: float | None,
+                     clock=time.perf_counter) -> bool:
+  """Whether ``interval_s`` seconds passed since ``last_save`` (always, for ``None``), decided
+  by process 0 for every process of a multi-process job.
+
+  A save is collective (every process writes its shards and waits at orbax's barriers). Each
+  process deciding on its own clock hung the job when the interval ran out between two
+  processes' readings: one entered the save, the other the next train step, each waiting for
+  the other (the runner's default 60 s interval exposed every long multi-process run).
+  """
+  if interval_s is None:
+    return True
+  elapsed = clock() - last_save >= interval_s
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    elapsed = bool(multihost_utils.broadcast_one_to_all(np.asarray(elapsed)))
+  return elapsed
+
+
 ENGINE_LIMITS = ("max_samples", "max_server_steps", "max_time")  # (max_events: the chunking)
 
 
@@ -636,8 +655,7 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
       engine.run(max_events=chunk_events, **run_kwargs)
       finished = progress_mark() == before or _limits_reached(engine, limits)
       chunk += 1
-      if not finished and min_interval_s is not None and (
-          time.monotonic() - last_save < min_interval_s):
+      if not finished and not interval_elapsed(last_save, min_interval_s, time.monotonic):
         continue
       last_save = time.monotonic()
       arrays: dict[str, np.ndarray] = {}

@@ -1074,8 +1074,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
           on_log(last_row)
         window = []
         bar.set_postfix(loss=f"{last_row['train_loss']:.4f}")
-        due = done % checkpoint_every == 0 and (
-            checkpoint_interval_s is None or time.perf_counter() - last_save >= checkpoint_interval_s)
+        due = done % checkpoint_every == 0 and ckpt_lib.interval_elapsed(
+            last_save, checkpoint_interval_s)  # (process 0's clock decides for every process)
         if ckpt is not None and (due or done == num_steps):
           last_save = time.perf_counter()
           if done == num_steps:

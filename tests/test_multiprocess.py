@@ -318,6 +318,17 @@ def child_worker_mesh(out):
       {"layouts": layouts, "refused": refused, "rows": [rows.start, rows.stop], "read": read}))
 
 
+def child_interval_decision(out):
+  """Each process's clock says something else about the checkpoint interval; both must follow
+  process 0's (deciding apart, one process entered a collective save while the other went on
+  training: the job hung)."""
+  distributed.initialize()
+  mine = {0: 5.0, 1: 100.0}[jax.process_index()]  # seconds since the last save, per process
+  decided = [checkpoint.interval_elapsed(0.0, 10.0, clock=lambda: mine) for _ in range(2)]
+  flipped = checkpoint.interval_elapsed(0.0, 10.0, clock=lambda: 105.0 - mine)
+  print(f"DECIDED {decided} {flipped}", flush=True)
+
+
 def _run_child(function: str, out) -> subprocess.CompletedProcess:
   """Runs ``test_multiprocess.<function>(out)`` as a 2-process job and checks it succeeded."""
   job = _launch_job(f"{function}({str(out)!r})", grace=20)
@@ -341,6 +352,13 @@ def test_two_processes_agree_on_the_auto_lowering(tmp_path):
   fav = dict(re.findall(rf"\[p(\d)\] FAVOURITE {name}", proc.stdout))
   assert fav["0"] != fav["1"], proc.stdout  # the processes did measure differently
   assert got == {"0": fav["0"], "1": fav["0"]}, proc.stdout
+
+
+@pytest.mark.slow  # child processes
+def test_two_processes_take_process_0s_checkpoint_interval_decision(tmp_path):
+  proc = _run_child("child_interval_decision", tmp_path)
+  got = dict(re.findall(r"\[p(\d)\] DECIDED (.*)", proc.stdout))
+  assert got == {"0": "[False, False] True", "1": "[False, False] True"}, proc.stdout
 
 
 @pytest.mark.slow  # child processes
