@@ -566,6 +566,34 @@ def run_experiment(name: str, *, quick: bool = False, workdir: str | os.PathLike
                        allow_config_change=allow_config_change, restart=restart)
 
 
+def require_same_settings_on_every_process(settings: Mapping[str, Any]) -> None:
+  """Raises :class:`ConfigError` on every process of the job unless all were given the same
+  ``settings`` (JSON data) as process 0; the processes that differ name the fields.
+
+  Nothing compared them: with ``seed=1`` on one host and ``seed=0`` on the other the job ran
+  and reported seed 0 over a mixture, and with different step counts it hung in a collective.
+  """
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  mine = json.dumps(report._jsonable(settings), sort_keys=True).encode()
+  lengths = multihost_utils.process_allgather(np.asarray([len(mine)], np.int64))
+  padded = np.zeros(int(np.max(lengths)), np.uint8)
+  padded[:len(mine)] = np.frombuffer(mine, np.uint8)
+  first = np.asarray(multihost_utils.broadcast_one_to_all(padded), np.uint8)
+  theirs = json.loads(first[:int(np.asarray(lengths).reshape(-1)[0])].tobytes().decode())
+  diff = checkpoint.config_diff(theirs, json.loads(mine.decode()))
+  differs = np.asarray(multihost_utils.process_allgather(np.asarray([bool(diff)]))).reshape(-1)
+  if differs.any():
+    others = [int(i) for i in np.flatnonzero(differs)]
+    if diff:
+      raise ConfigError(f"process {jax.process_index()} was given other settings than process 0 "
+                        f"(process 0 -> here): {'; '.join(diff)}; every process must run the "
+                        "same command")
+    raise ConfigError(f"process(es) {others} were given other settings than process 0 (their "
+                      "errors name the fields); every process must run the same command")
+
+
 def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDict, *, quick: bool,
                   workdir: str | os.PathLike | None, checkpoint_every: int | None,
                   keep_checkpoints: int, allow_config_change: bool,
@@ -584,6 +612,10 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
     raise ConfigError(f"experiment {name!r} does not run as several processes yet "
                       f"({single_only}); run it as one process (with any number of devices)")
   record = {"experiment": name, "quick": quick, "config": config.to_dict()}
+  if jax.process_count() > 1:
+    require_same_settings_on_every_process({
+        **record, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
+        "allow_config_change": allow_config_change, "restart": restart})
   if restart and primary:
     removed = discard_run_data(workdir)
     if removed:

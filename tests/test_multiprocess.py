@@ -329,6 +329,18 @@ def child_interval_decision(out):
   print(f"DECIDED {decided} {flipped}", flush=True)
 
 
+def child_settings_agree(out):
+  """The same settings pass; a seed that differs on process 1 is refused on both processes,
+  and process 1 names the field (nothing compared them: the job ran a mixture of seeds)."""
+  distributed.initialize()
+  runner.require_same_settings_on_every_process({"config": {"seed": 0, "lr": 0.1}})
+  try:
+    runner.require_same_settings_on_every_process(
+        {"config": {"seed": jax.process_index(), "lr": 0.1}})
+  except runner.ConfigError as e:
+    print(f"REFUSED {e}", flush=True)
+
+
 def _run_child(function: str, out) -> subprocess.CompletedProcess:
   """Runs ``test_multiprocess.<function>(out)`` as a 2-process job and checks it succeeded."""
   job = _launch_job(f"{function}({str(out)!r})", grace=20)
@@ -359,6 +371,15 @@ def test_two_processes_take_process_0s_checkpoint_interval_decision(tmp_path):
   proc = _run_child("child_interval_decision", tmp_path)
   got = dict(re.findall(r"\[p(\d)\] DECIDED (.*)", proc.stdout))
   assert got == {"0": "[False, False] True", "1": "[False, False] True"}, proc.stdout
+
+
+@pytest.mark.slow  # child processes
+def test_processes_given_different_settings_are_refused_on_every_process(tmp_path):
+  proc = _run_child("child_settings_agree", tmp_path)
+  got = dict(re.findall(r"\[p(\d)\] REFUSED (.*)", proc.stdout))
+  assert got["1"].startswith("process 1 was given other settings than process 0 (process 0 -> "
+                             "here): config.seed: 0 -> 1"), proc.stdout
+  assert got["0"].startswith("process(es) [1] were given other settings"), proc.stdout
 
 
 @pytest.mark.slow  # child processes
@@ -512,6 +533,8 @@ def test_worker_counts_that_cannot_split_over_the_processes_stop_before_training
   """Every multi-process experiment names its worker field and the fix before anything
   trains (the README says so); without the check some failed in worker_mesh, unnamed."""
   monkeypatch.setattr(jax, "process_count", lambda: 5)  # no default worker count divides
+  # (one real process: the settings comparison's collectives would span 5 that do not exist)
+  monkeypatch.setattr(runner, "require_same_settings_on_every_process", lambda settings: None)
   monkeypatch.setattr(train, "fit", lambda *a, **k: pytest.fail("trained"))
   with pytest.raises(runner.ConfigError, match=rf"config field '{field}': worker counts .* not "
                                               r"multiples of the 5 processes"):
