@@ -182,7 +182,8 @@ def claim_verdict(diff: Mapping[str, Any], expected_sign: int) -> str:
   """SPEC.md rule: reproduced only if the paper's sign and |difference| > 2 std (>= 2 seeds)."""
   if diff["n"] == 0 or not math.isfinite(diff["mean"]):
     return "not testable (no finite pair)"
-  numbers = f"{diff['mean']:+.4f} ± {diff['std']:.4f} over {diff['n']} seed(s)"
+  numbers = (f"{diff['mean']:+.4f} ± {diff['std']:.4f} over {diff['n']} seeds" if diff["n"] > 1
+             else f"{diff['mean']:+.4f} (1 seed: no spread)")
   if diff.get("excluded"):  # as the seed 001/003/004 scripts: a diverged run voids the claim
     return f"not reproduced at this scale ({diff['excluded']} seed(s) diverged): {numbers}"
   if diff["n"] < 2:

@@ -345,6 +345,18 @@ def fmt_runs(runs: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], f
                 diverged=[is_diverged(r) for r in runs])
 
 
+def fmt_shared(runs: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], float | None],
+               digits: int = 4) -> str:
+  """A value computed from one timing shared by a build's seeds (:func:`add_efficiency`): one
+  number, said to be one timing, where the runs agree (to rounding); else :func:`fmt_runs`.
+  Through ``fmt_runs`` it read as a spread measured over seeds: ``7.532e+04 ± 0``."""
+  values = [value(r) for r in runs if not is_diverged(r)]
+  if len(values) > 1 and all(v is not None and math.isfinite(v) for v in values) and (
+      max(values) - min(values) <= 1e-9 * max(abs(v) for v in values)):
+    return f"{values[0]:.{digits}g} (one timing, all {len(values)} seeds)"
+  return fmt_runs(runs, value, digits)
+
+
 def censored_epochs(runs: Sequence[dict[str, Any]], epochs: int) -> list[float]:
   """Epochs to target per run; a run that never reached it counts as ``epochs + 1``.
 

@@ -3,7 +3,8 @@
 Command: ``python -m experiments async_convergence [--quick] [--workdir DIR] [key=value ...]``
 
 Every algorithm (ASP, BSP, SSP s=3, EASGD, DropWorker 50 %, ring all-reduce, and
-the seed's adaptive k-sync model in its ``faithful`` and ``working`` presets)
+the seed's adaptive k-sync model in its ``faithful`` and ``working`` presets, the latter also
+with ``stale_merge="reaverage"``: 9 in all)
 trains the same MLP on mnist1d from the same initialisation with the same
 per-worker data streams for the same number of samples, on 10 and 100 Gbit/s
 server links. Reported: final test accuracy, server steps / simulated time /

@@ -114,7 +114,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
     raw[key] = {"test_accuracy": accs, "final_train_loss": losses, "diverged": diverged,
                 "error": errors}
     v = common.verdict(accs["M-AVG"], accs["K-AVG"], expect_greater=True,
-                       what=f"Table I: M-AVG (mu={c.momentum}) beats K-AVG on {key}",
+                       what=f"Table I: M-AVG (mu={c.momentum}) beats K-AVG on {key} (test "
+                            "accuracy as a fraction: 0.01 = 1 point)",
                        diverged=np.logical_or(diverged["M-AVG"], diverged["K-AVG"]).tolist())
     verdicts.append(v)
     rows.append({"model": key,
@@ -147,7 +148,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       "seeds; difference = M-AVG - K-AVG paired by seed. Diverged runs are left out of means "
       "and differences (counted as 'k/n diverged').\n",
       report.markdown_table(rows, ["model", "kavg", "mavg", "diff", "kloss", "mloss", "verdict"],
-                            ["dataset/model", "KAVG acc %", "MAVG acc %", "MAVG - KAVG",
+                            ["dataset/model", "KAVG acc %", "MAVG acc %",
+                             "MAVG - KAVG (points)",
                              "KAVG final train loss", "MAVG final train loss", "verdict"]),
       *common.diverged_lines(runs, "every mean and difference"),
       "\n## Claims\n", *common.verdict_lines(verdicts),

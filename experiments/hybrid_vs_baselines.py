@@ -78,8 +78,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
             rs, lambda r: max(h.get("test_accuracy", 0.0) for h in r["history"])),
         "final_train": common.fmt_runs(rs, lambda r: r["summary"]["final_train_accuracy"]),
         "epochs": common.fmt_runs(rs, lambda r: r["efficiency"]["epochs_to_target"], 3),
-        "speed": common.fmt_runs(rs, lambda r: r["efficiency"]["single_device_speed"], 4),
-        "eff": common.fmt_runs(rs, lambda r: r["efficiency"]["scaling_efficiency"], 4),
+        "speed": common.fmt_shared(rs, lambda r: r["efficiency"]["single_device_speed"], 4),
+        "eff": common.fmt_shared(rs, lambda r: r["efficiency"]["scaling_efficiency"], 4),
         "single": common.fmt_runs(rs, lambda r: r["efficiency"]["actual_single_gpu_time_s"], 4),
         "all_reduces": ok["summary"]["all_reduces"] if ok else "n/a (diverged)",
     })

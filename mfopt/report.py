@@ -287,8 +287,10 @@ def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequ
   for ax, (panel, series) in zip(axes[0], panels.items()):
     for i, (name, (x, y)) in enumerate(series.items()):
       # 20 colours x 4 line styles: no two of up to 80 series look alike.
+      # a one-point series (a --quick run logged once) is a marker: a line of one point is
+      # not drawn, and the plot looked empty
       ax.plot(x, y, label=name, color=colors[i % 20], linestyle=styles[(i // 20) % 4]
-              if len(series) > 20 else styles[i % 2])
+              if len(series) > 20 else styles[i % 2], marker="o" if len(x) == 1 else None)
     ax.set_title(panel)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
