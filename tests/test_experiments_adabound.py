@@ -325,3 +325,15 @@ def test_precision_benchmark_takes_a_fractional_warmup():
       "warmup_epochs=0.5", "policies=('fp32',)", "bench_repeats=1", "bench_steps=1"])
   out = precision.throughput(c, common.load_dataset(c))
   assert list(out) == [("fp32", 16)] and out[("fp32", 16)] > 0
+
+
+def test_a_timing_shared_by_the_seeds_is_shown_once():
+  """add_efficiency times each build once and copies it into every seed: fmt_runs showed that
+  as a measured spread ('7.532e+04 ± 0'); fmt_shared says it is one timing. Values that do
+  differ over seeds keep mean ± std."""
+  from experiments import _seed004_common as common
+  runs = [{"summary": {"diverged": False}, "v": v} for v in (75320.0, 75320.0, 75320.0)]
+  assert common.fmt_shared(runs, lambda r: r["v"]) == "7.532e+04 (one timing, all 3 seeds)"
+  runs[1]["v"] = 80000.0
+  assert common.fmt_shared(runs, lambda r: r["v"]) == common.fmt_runs(runs, lambda r: r["v"])
+  assert "±" in common.fmt_shared(runs, lambda r: r["v"])
