@@ -154,7 +154,8 @@ def _verdict(rows) -> dict[str, Any]:
     supports = "correct"
     text = ("The data support the correct expectation E[S_t] = (M-1) s^2 for every P "
             "(all measurements within 5 standard errors) and reject the printed eq. 8 "
-            f"(best agreement, the smallest |z|, = {min(abs(r['z_printed']) for r in multi):.1f} for P > 1).")
+            f"(best agreement, the smallest |z|, = "
+            f"{min(abs(r['z_printed']) for r in multi):.1f} for P > 1).")
   elif printed_ok and not correct_ok:
     supports, text = "printed", "The data support the printed eq. 8."
   else:
@@ -203,7 +204,9 @@ def _write_report(c, workdir, dataset, act_rows, gauss_rows, noise_rows, verdict
       "(channel x position) per layer for eqs. 4-8; all channels for the BN noise",
       f"- Seeds: {tuple(c.seeds)} (training and sampling); values are means over seeds, "
       "SE = standard error over trials pooled over seeds",
-      f"- Computation time of this attempt: {wall:.1f} s measured ({env['backend']}; the attempt's whole time: summary.json's wall_time_s, earlier attempts: wall_time_all_attempts_s)\n",
+      f"- Computation time of this attempt: {wall:.1f} s measured ({env['backend']}; the "
+      "attempt's whole time: summary.json's wall_time_s, earlier attempts: "
+      "wall_time_all_attempts_s)\n",
       f"**Verdict: {verdict['text']}**\n",
       "## E[S_t] in units of s^2 (eq. 7), measured beside the printed eq. 8 and the correct "
       "value\n",

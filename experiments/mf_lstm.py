@@ -128,7 +128,9 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       f"- Steps: {steps} per run x global batch {c.global_batch} = {steps * c.global_batch:,} "
       f"sequences processed ({c.epochs} epochs = {samples:,}, to whole steps) for every MF",
       f"- Seeds: {tuple(c.seeds)}; mean ± std over seeds",
-      f"- Training time of this attempt: {wall:.1f} s measured on this machine (the runs' loops, compile included; data loading, report and the attempt's whole time: summary.json's wall_time_s, earlier attempts: wall_time_all_attempts_s)\n",
+      f"- Training time of this attempt: {wall:.1f} s measured on this machine (the runs' "
+      "loops, compile included; data loading, report and the attempt's whole time: "
+      "summary.json's wall_time_s, earlier attempts: wall_time_all_attempts_s)\n",
       report.markdown_table(table, ["mf", "train", "val"],
                             ["MF value", "train perplexity", "validation perplexity"]),
       f"\nTrain perplexity: exp of the mean train loss over the last logging window, its last "

@@ -187,7 +187,9 @@ def _write_report(c, workdir, dataset, rows, aggs, lrs, meshes, claims, samples,
           f"MF {m}: {lrs.get('sgd', next(iter(lrs.values()))) / (1 - m):.3g}" for m in c.mfs),
       f"- Seeds: {tuple(c.seeds)}; cells show mean ± std of test accuracy over seeds",
       "- Meshes: " + ", ".join(f"W={w}: {m}" for w, m in sorted(meshes.items())),
-      f"- Training time of this attempt: {wall:.1f} s measured on this machine (the runs' loops, compile included; data loading, report and the attempt's whole time: summary.json's wall_time_s, earlier attempts: wall_time_all_attempts_s)",
+      f"- Training time of this attempt: {wall:.1f} s measured on this machine (the runs' "
+      "loops, compile included; data loading, report and the attempt's whole time: "
+      "summary.json's wall_time_s, earlier attempts: wall_time_all_attempts_s)",
   ]
   for opt in c.optimizers:
     lines += [f"\n## {common.OPTIMIZER_LABELS[opt]}: test accuracy (rows: MF, columns: workers)\n",
