@@ -315,3 +315,15 @@ def test_help_with_a_name_describes_that_experiment(capsys):
   assert "unknown experiment 'nope'" in capsys.readouterr().err
   assert runner.main([]) == 2
   assert "error: name an experiment" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,want", [("true", True), ("1", True), ("YES", True),
+                                       ("false", False), ("0", False), ("no", False)])
+def test_bool_overrides(text, want):
+  assert runner._parse_value("progress", text, True) is want
+  assert runner._parse_value("progress", text, False) is want
+
+
+def test_bool_override_refuses_other_words():
+  with pytest.raises(runner.ConfigError, match="progress"):
+    runner._parse_value("progress", "maybe", True)

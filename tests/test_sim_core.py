@@ -378,6 +378,9 @@ def test_paired_claim_needs_every_seed_and_two_std_of_the_paired_differences():
   assert claim({0: 10, 1: 50, 2: 90}, {0: 12, 1: 52.5, 2: 91.5}) == "reproduced"
   # ... and a gain smaller than 2 std of the paired differences is not
   assert claim({0: 10, 1: 10, 2: 10}, {0: 11, 1: 9.5, 2: 12}).startswith("not reproduced")
+  # between 1 and 2 std: gains 1, 0.5, 2 (mean 1.17, sample std 0.76) are not reproduced
+  assert claim({0: 10, 1: 10, 2: 10}, {0: 11, 1: 10.5, 2: 12}).startswith("not reproduced")
+  assert claim({0: 10, 1: 10, 2: 10}, {0: 11, 1: 10.9, 2: 11.2}) == "reproduced"
   assert claim({0: 10, 1: 11}, {0: nan, 1: nan}).startswith("reproduced (ours reached")
   assert claim({0: 10, 1: 11, 2: 12}, {0: 20, 1: nan, 2: 22}) == (
       "reproduced (the baseline reached the target in 2/3 seeds)")

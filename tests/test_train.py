@@ -564,3 +564,22 @@ def test_fit_rows_equal_a_hand_written_loop():
   for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(res.state))):
     np.testing.assert_array_equal(a, b)
   assert res.summary["test_loss"] == evals[7]["test_loss"] and res.summary["steps"] == 7
+  assert res.summary["epochs"] == 7 * 8 / 128  # steps x global batch / train examples
+
+
+def test_evaluate_equals_one_full_batch_computation():
+  """evaluate() in batches of 32 over 40 examples (the last batch padded to 32) against one
+  full-batch softmax cross-entropy and argmax accuracy: counting the padding (in the sums or
+  in the count) gave 92.5 % where the truth was 32.5 %, and fit's test compares evaluate with
+  itself, so it could not see that."""
+  ds = data.load("synthetic", num_train=64, num_test=40, input_shape=(6,), num_classes=3)
+  model = models.get_model("mlp", hidden=(8,), num_classes=3)
+  params, model_state = models.init_model(model, jax.random.PRNGKey(3), ds.test.x[:1])
+  got = train.evaluate(train.make_eval_fn(model), params, model_state, ds.test, batch_size=32)
+  logits, _ = models.apply_model(model, params, model_state, jnp.asarray(ds.test.x), train=False)
+  y = np.asarray(ds.test.y)
+  want_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
+  want_acc = float((np.argmax(np.asarray(logits), -1) == y).mean())
+  np.testing.assert_allclose(got["test_loss"], want_loss, rtol=1e-5)
+  assert got["test_accuracy"] == pytest.approx(want_acc, abs=1e-7)
+  assert 0 < want_acc < 1  # (a model that gets everything right or wrong would hide a miscount)
