@@ -135,15 +135,12 @@ def program_collectives(closed_jaxpr, cross_axis: str) -> list[dict[str, Any]]:
                       "in_cond": in_cond})
       is_cond = eqn.primitive.name == "cond" or (  # or periodic averaging's sync loop
           eqn.primitive.name == "while" and _bench.in_gate_scope(str(eqn.source_info.name_stack)))
-      for value in eqn.params.values():
-        subs = value if isinstance(value, (list, tuple)) else [value]
-        for sub in subs:
-          if isinstance(sub, jax.extend.core.ClosedJaxpr):
-            walk(sub.jaxpr, in_cond or is_cond)
-          elif isinstance(sub, jax.extend.core.Jaxpr):
-            walk(sub, in_cond or is_cond)
+      # (open Jaxprs on JAX 0.10 and 0.11; 0.11 merged ClosedJaxpr into Jaxpr and keeps the
+      # old name and .jaxpr only as aliases it means to remove)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub, in_cond or is_cond)
 
-  walk(closed_jaxpr.jaxpr, False)
+  walk(closed_jaxpr, False)  # (.eqns: a ClosedJaxpr's on 0.10, the Jaxpr's own on 0.11)
   return out
 
 

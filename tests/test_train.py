@@ -412,7 +412,7 @@ def test_fused_tree_norm_equals_optax_and_is_one_reduction():
   assert float(train.tree_norm(tree, fused=True)) == pytest.approx(want, rel=1e-6)
   assert float(train.tree_norm(tree)) == pytest.approx(want, rel=1e-2)  # bf16 leaf sums
   jaxpr = jax.make_jaxpr(lambda t: train.tree_norm(t, fused=True))(tree)
-  prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+  prims = [e.primitive.name for e in jaxpr.eqns]  # (.jaxpr is an alias JAX 0.11 will remove)
   assert prims.count("reduce_sum") == 1 and "concatenate" in prims
   assert float(train.tree_norm({}, fused=True)) == 0.0
   # CPU meshes keep the per-leaf sums (XLA:CPU would materialise the concatenation)
