@@ -69,8 +69,10 @@ def test_every_notebook_is_tested():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=EXPECTED)
 def test_notebook_committed_without_outputs(path):
-  nb = nbformat.read(path, as_version=4)
-  nbformat.validate(nb)
+  with warnings.catch_warnings():  # a cell without an id: "will become a hard error" (nbformat)
+    warnings.simplefilter("error")
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
   code = [cell for cell in nb.cells if cell.cell_type == "code"]
   assert code, f"{path.name} has no code cells"
   for i, cell in enumerate(code):
