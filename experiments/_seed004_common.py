@@ -353,7 +353,9 @@ def fmt_shared(runs: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]],
   values = [value(r) for r in runs if not is_diverged(r)]
   if len(values) > 1 and all(v is not None and math.isfinite(v) for v in values) and (
       max(values) - min(values) <= 1e-9 * max(abs(v) for v in values)):
-    return f"{values[0]:.{digits}g} (one timing, all {len(values)} seeds)"
+    k = len(runs) - len(values)
+    diverged = f"; {k}/{len(runs)} diverged" if k else ""
+    return f"{values[0]:.{digits}g} (one timing, shared by {len(values)} seeds{diverged})"
   return fmt_runs(runs, value, digits)
 
 

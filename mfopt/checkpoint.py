@@ -69,7 +69,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mfopt import _checks
+from mfopt import _checks, report
 
 FORMAT_VERSION = 1
 
@@ -644,6 +644,9 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
       chunk = restored.step
       if restored.meta.get("finished"):
         return engine
+    # (for a metrics log under an allowed config change: the simulator's rows are positioned by
+    # server step and samples)
+    report.note_run_start(getattr(engine, "version", 0), getattr(engine, "samples", None))
 
     def progress_mark():  # changes whenever an event ran (the queue's sequence number grows)
       queue = engine.state_dict().get("queue")

@@ -81,7 +81,9 @@ def check_axis_name(axis_name: Any, *, name: str = "axis_name") -> AxisName:
 
 def comm_dtype_of(comm_dtype: Any) -> jnp.dtype | None:
   """``comm_dtype`` as a floating ``jnp.dtype`` (``None`` stays ``None``); accepts dtypes, their
-  names and the policy names ``"bf16"``/``"fp16"``/``"fp32"``; else ``ValueError`` naming it."""
+  names and the policy names ``"bf16"``/``"fp16"``/``"fp32"``; else ``ValueError`` naming it.
+  JAX's canonical dtype: ``float64`` without ``jax_enable_x64`` is ``float32`` (what is sent and
+  counted)."""
   if comm_dtype is None:
     return None
   try:

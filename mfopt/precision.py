@@ -239,7 +239,9 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
     inner: any optax transform, e.g. ``chain(sync_gradients(axes), opt)``.
     init_scale: initial loss scale (flax's default is 2**16; 2**15 leaves one halving of
       headroom below fp16's max 65504).
-    growth_factor, backoff_factor, growth_interval: flax ``DynamicScale`` hyperparameters.
+    growth_factor, backoff_factor, growth_interval: flax ``DynamicScale`` hyperparameters;
+      ``growth_factor >= 1`` (1: the scale never grows) and ``backoff_factor`` in (0, 1) (since
+      2026-11-25; flax accepts any, and a growth factor below 1 shrank the scale).
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`LossScaleState`.

@@ -85,18 +85,44 @@ _RECOMPUTED_ROWS_REPLACE = contextvars.ContextVar("mfopt_recomputed_rows_replace
                                                    default=False)
 
 
+_RUN_START: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar(
+    "mfopt_run_start", default=None)
+
+
+def note_run_start(position: float, samples: float | None = None) -> None:
+  """Says where the (sub-)run about to log starts: the position (``step``, or the simulator's
+  ``server_step`` and ``samples``) its state was restored at, 0 when it starts afresh.
+  :func:`mfopt.train.fit` and :func:`mfopt.checkpoint.run_resumable` call it; under
+  :func:`recomputed_rows_replace` a :class:`JsonlWriter` then drops the run's older rows past
+  that point."""
+  _RUN_START.set((position, samples))
+
+
 @contextlib.contextmanager
 def recomputed_rows_replace():
-  """Within it, a :class:`JsonlWriter` row at a position already in the file replaces the row
-  there instead of being dropped. The runner uses it when a run resumes under an allowed config
-  change (``--allow-config-change``): the recomputation after the checkpoint then follows the
-  new config, and the killed attempt's rows past the checkpoint belong to a trajectory that no
-  longer exists (its curve mixed the two)."""
-  token = _RECOMPUTED_ROWS_REPLACE.set(True)
+  """Within it, a resumed run's rows replace what an earlier attempt logged past the point the
+  run restarted from (:func:`note_run_start`): at the first row a run logs, its older rows
+  (same labels) past that point are dropped, and a row at a position already in the file
+  replaces that row. The runner uses it under an allowed config change
+  (``--allow-config-change``): the recomputation follows the new config, and the killed
+  attempt's rows past the checkpoint belong to a trajectory that no longer exists (its curve
+  mixed the two, also at steps the new config does not log or no longer reaches)."""
+  token, start = _RECOMPUTED_ROWS_REPLACE.set(True), _RUN_START.set(None)
   try:
     yield
   finally:
     _RECOMPUTED_ROWS_REPLACE.reset(token)
+    _RUN_START.reset(start)
+
+
+def _past(position: tuple[Any, Any], start: tuple[Any, Any]) -> bool:
+  """Whether a row at ``position`` = ``(step, samples)`` lies past a run's ``start`` =
+  ``(step, samples or None)``: a later step, or (the simulator: several evaluations per server
+  step) the same step with more samples. ``fit`` says no samples: its rows at the restored step
+  itself (which carry samples) are the checkpoint's, kept."""
+  if position[0] != start[0]:
+    return position[0] > start[0]
+  return start[1] is not None and position[1] > start[1]
 
 
 class JsonlWriter:
@@ -121,10 +147,22 @@ class JsonlWriter:
     self.measured_fields = frozenset(measured_fields)
     self._seen: dict[str, str] | None = None
     self._warned = False
+    self._cut: set[str] = set()  # label groups whose stale rows were dropped (replace mode)
 
   def _content(self, row: Mapping[str, Any]) -> str:
     return json.dumps({k: v for k, v in row.items() if k not in self.measured_fields},
                       sort_keys=True)
+
+  def _group_position(self, row: Mapping[str, Any]) -> tuple[str | None, tuple[Any, Any]]:
+    """The row's labels (its fields before the position field) and ``(position, samples)``;
+    ``(None, ())`` for a row without a position field."""
+    labels = []
+    for k, v in row.items():
+      if k in POSITION_FIELDS:
+        samples = row.get("samples")
+        return json.dumps(labels), (v, -1 if samples is None else samples)
+      labels.append((k, v))
+    return None, ()
 
   def _identity(self, row: Mapping[str, Any]) -> str:
     key = []
@@ -144,6 +182,13 @@ class JsonlWriter:
         r = _jsonable(r)
         self._seen.setdefault(self._identity(r), self._content(r))
     row = _jsonable(row)
+    if _RECOMPUTED_ROWS_REPLACE.get():
+      group, position = self._group_position(row)
+      if group is not None and group not in self._cut:
+        self._cut.add(group)
+        start = _RUN_START.get()
+        self._drop_group(group, (lambda p: _past(p, start)) if start is not None
+                         else (lambda p: p >= position))
     key = self._identity(row)
     if key in self._seen:
       if self._seen[key] != self._content(row) and _RECOMPUTED_ROWS_REPLACE.get():
@@ -159,6 +204,20 @@ class JsonlWriter:
     self._seen[key] = self._content(row)
     with self.path.open("a") as f:
       f.write(json.dumps(row, allow_nan=False) + "\n")
+
+  def _drop_group(self, group: str, stale) -> None:
+    """Rewrites the file without the rows of ``group`` whose position is ``stale``."""
+    rows = [_jsonable(r) for r in read_jsonl(self.path)]
+    kept = [r for r in rows if not (self._group_position(r)[0] == group
+                                    and stale(self._group_position(r)[1]))]
+    if len(kept) == len(rows):
+      return
+    tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
+    os.replace(tmp, self.path)
+    self._seen = {}
+    for r in kept:
+      self._seen.setdefault(self._identity(r), self._content(r))
 
   def _replace(self, key: str, row: Mapping[str, Any]) -> None:
     """Rewrites the file with ``row`` in place of the row at its position (atomically)."""

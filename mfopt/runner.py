@@ -649,7 +649,9 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
       allow_mismatch=allow_config_change,
       min_interval_s=CHECKPOINT_INTERVAL_S if checkpoint_every is None else None):
     try:
-      with (report.recomputed_rows_replace() if resumed and allow_config_change
+      # (whenever a change is allowed: a rerun that found no checkpoint recomputes everything
+      # with the new config, and dropped every recomputed row as already logged)
+      with (report.recomputed_rows_replace() if allow_config_change
             else contextlib.nullcontext()):
         summary = module.run(config, files_dir)
     except BaseException as e:  # (KeyboardInterrupt too) the attempt's time and why it ended

@@ -142,7 +142,7 @@ def optimal_period(mu: float, *, samples: float, eta: float, P: float, B: float,
                    c: ProblemConstants, k_max: int = 256) -> int:
   """Bound-optimal integer ``K`` for momentum ``mu`` with ``S = N K = samples`` fixed (Lemmas 5, 7).
 
-  Minimises ``g(mu, S/K, eta; P, B, K)`` over ``K = 1..k_max`` where Theorem 1's
+  Minimises ``g(mu, S/K, eta; P, B, K)`` over ``K = 1..k_max`` (a positive int) where Theorem 1's
   conditions hold; returns 0 if none does.
   """
   _checks.positive_int("k_max", k_max)  # (0 returned 0, "no K holds"; 2.7 was read as 2)

@@ -37,6 +37,7 @@ from mfopt import data as data_lib
 from mfopt import models as models_lib
 from mfopt import parallel
 from mfopt import precision as precision_lib
+from mfopt import report as report_lib
 
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -992,6 +993,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         return FitResult(history=history, summary=restored.meta["summary"], state=state)
       # (a finished run resumed with a larger num_steps, allow_mismatch=True: trains on)
 
+  report_lib.note_run_start(start)  # (for a metrics log under an allowed config change)
   train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn,
                                lowering=lowering, host_gates=host_gates)
   if isinstance(train_step, AutoLoweredStep) and saved_lowering in train_step.steps:

@@ -333,8 +333,11 @@ def test_a_timing_shared_by_the_seeds_is_shown_once():
   as a measured spread ('7.532e+04 ± 0'); fmt_shared says it is one timing. Values that do
   differ over seeds keep mean ± std."""
   from experiments import _seed004_common as common
-  runs = [{"summary": {"diverged": False}, "v": v} for v in (75320.0, 75320.0, 75320.0)]
-  assert common.fmt_shared(runs, lambda r: r["v"]) == "7.532e+04 (one timing, all 3 seeds)"
+  runs = [{"diverged": False, "v": v} for v in (75320.0, 75320.0, 75320.0)]
+  assert common.fmt_shared(runs, lambda r: r["v"]) == "7.532e+04 (one timing, shared by 3 seeds)"
+  four = runs + [{"diverged": True}]  # (the diverged run was left unsaid)
+  assert common.fmt_shared(four, lambda r: r["v"]) == (
+      "7.532e+04 (one timing, shared by 3 seeds; 1/4 diverged)")
   runs[1]["v"] = 80000.0
   assert common.fmt_shared(runs, lambda r: r["v"]) == common.fmt_runs(runs, lambda r: r["v"])
   assert "±" in common.fmt_shared(runs, lambda r: r["v"])

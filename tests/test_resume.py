@@ -410,10 +410,34 @@ def test_metrics_rows_recomputed_under_an_allowed_config_change_replace_the_old_
   assert [r["loss"] for r in report.read_jsonl(path)] == [2.3, 2.1, 1.94]  # keeps the first
   with report.recomputed_rows_replace():
     resumed = report.JsonlWriter(path)
-    resumed({"algorithm": "a", "step": 18, "loss": 1.95})
+    resumed({"algorithm": "a", "step": 18, "loss": 1.95})  # no restore point said: from 18 on
     resumed({"algorithm": "a", "step": 24, "loss": 1.9})
   assert report.read_jsonl(path) == [{"algorithm": "a", "step": s, "loss": v}
                                      for s, v in ((6, 2.3), (12, 2.1), (18, 1.95), (24, 1.9))]
+  # The change shortened the logging interval (or the run): the old rows past the checkpoint
+  # (12) go even where the new run logs nothing (18, 24), and the new rows follow in order.
+  report.JsonlWriter(path)({"algorithm": "b", "step": 6, "loss": 3.0})
+  with report.recomputed_rows_replace():
+    resumed = report.JsonlWriter(path)
+    report.note_run_start(12)  # what fit says after restoring step 12
+    resumed({"algorithm": "a", "step": 15, "samples": 120, "loss": 1.97})
+    resumed({"algorithm": "a", "step": 20, "samples": 160, "loss": 1.96})
+  assert [(r["algorithm"], r["step"]) for r in report.read_jsonl(path)] == [
+      ("a", 6), ("a", 12), ("b", 6), ("a", 15), ("a", 20)]  # b's rows are another run's
+  # fit's rows carry samples; fit's restore point does not: the row at the checkpoint's own
+  # step stays (it was dropped as "(12, 96) past (12, -1)"). The simulator's does.
+  path.write_text("".join(json.dumps({"run": "f", "step": s, "samples": 8 * s}) + "\n"
+                          for s in (6, 12, 18)))
+  with report.recomputed_rows_replace():
+    report.note_run_start(12)
+    report.JsonlWriter(path)({"run": "f", "step": 18, "samples": 144, "loss": 1.0})
+  assert [r["step"] for r in report.read_jsonl(path)] == [6, 12, 18]
+  path.write_text("".join(json.dumps({"run": "s", "server_step": 4, "samples": n}) + "\n"
+                          for n in (30, 60, 90)))
+  with report.recomputed_rows_replace():
+    report.note_run_start(4, 60)  # restored after the 60th sample of server step 4
+    report.JsonlWriter(path)({"run": "s", "server_step": 5, "samples": 100})
+  assert [r["samples"] for r in report.read_jsonl(path)] == [30, 60, 100]
 
 
 def test_metrics_log_resumes_after_a_torn_last_line(tmp_path, capsys):

@@ -170,7 +170,8 @@ class Simulator:
     network: a :mod:`mfopt.costmodel` preset name or Link, or None (zero time).
     duplex: full-duplex server link (separate push and pull queues).
     payload_bytes: bytes of one push or pull; default the float32 parameters.
-    eval_every_samples: evaluate the server model every this many samples processed.
+    eval_every_samples: evaluate the server model every this many samples processed (a
+      positive int; a float such as ``1000.0`` is refused since 2026-11-25).
     init_params: optional flat initial parameters (default: the model initialised from ``seed``).
     loss_fn: ``(logits, labels) -> (loss, aux)``, default classification loss.
   """

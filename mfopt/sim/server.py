@@ -427,7 +427,8 @@ class KSyncConfig:
       spec §1.2 option; needs one stored slot mean per version within the cutoff) or ``"drop"`` [A].
     stale_cutoff: drop stale gradients once ``γ^τ < stale_cutoff`` (None = never, default) [A].
     bb: per-worker BB config, or None to use ``lr_fallback`` (``BaseSGD`` schedule) for every α_i.
-    lr_fallback: the schedule used when ``bb`` is None.
+    lr_fallback: the schedule used when ``bb`` is None: a :class:`BaseSGD` (``None`` is
+      refused, also with ``bb`` set, since 2026-11-25: it crashed a run with ``bb=None``).
     r0: the noise ratio broadcast before the first update (0) [A].
   Not implemented (optional in spec §1.2/§2.3): OrMo catch-up, the predictive k rule.
   With ``stale_merge="reaverage"`` and no ``stale_cutoff``, slot means are kept for
