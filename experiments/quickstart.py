@@ -282,7 +282,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
 
   report.plot_curves(workdir / "loss_curves.png", curves, xlabel="step",
                      ylabel="train loss (mean over workers, log scale)", logy=True,
-                     title=f"quickstart: {c.num_workers} workers, cosine-decayed lr")
+                     title=f"quickstart: {c.num_workers} workers, train.fit rows only")
   _write_report(c, workdir, rows, sizes)
   return {"rows": rows, "dataset_sizes": sizes}
 
@@ -322,4 +322,8 @@ def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
                  "is the virtual clock (compute 0.01 s/step, 10 Gbit/s), 'train time' is measured "
                  "with the simulator's compilation included (the other rows exclude theirs).")
   lines.append("\n![loss curves](loss_curves.png)\n")
+  lines.append("The plot holds the `train.fit` rows (cosine-decayed lr, except where a note says "
+               "otherwise)" + ("; the simulated rows are not plotted (their losses are logged "
+                              "per server evaluation, in `metrics.jsonl`)." if c.sim_runs else
+                              ".") + "\n")
   (workdir / "report.md").write_text("\n".join(lines) + "\n")
