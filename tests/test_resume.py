@@ -687,3 +687,35 @@ def test_an_attempt_killed_before_its_first_checkpoint_is_counted(tmp_path):
   totals = runner.end_attempt(tmp_path, attempts, 3.0)
   assert totals == {"attempts": 2, "wall_time_all_attempts_s": pytest.approx(28, abs=1e-3),
                     "wall_time_all_attempts_is_lower_bound": True}
+
+
+def test_runner_allowed_config_change_after_a_kill_keeps_one_trajectory(tmp_path, monkeypatch):
+  """Killed after logging step 15 (last checkpoint: step 10), rerun with seed=1 and
+  --allow-config-change: the metrics log holds the new run's steps 15 and 20, not the killed
+  attempt's step 15 (the curve mixed the two trajectories)."""
+  workdir = tmp_path / "run"
+  args = [a for a in QUICK if not a.startswith("algorithms")] + [
+      "algorithms=('sync SGD m=0.9 (optax)',)"]
+  plain = report.JsonlWriter.__call__
+  logged = []
+
+  def dying(self, row):
+    plain(self, row)
+    logged.append(dict(row))
+    if len(logged) == 3:
+      raise KeyboardInterrupt  # (as a kill after the row reached the file)
+
+  monkeypatch.setattr(report.JsonlWriter, "__call__", dying)
+  with pytest.raises(KeyboardInterrupt):
+    runner.run_experiment("quickstart", quick=True, workdir=workdir, overrides=args,
+                          checkpoint_every=10)
+  monkeypatch.setattr(report.JsonlWriter, "__call__", plain)
+  assert [r["step"] for r in logged] == [5, 10, 15]
+  again = runner.run_experiment("quickstart", quick=True, workdir=workdir,
+                                overrides=args + ["seed=1"], checkpoint_every=10,
+                                allow_config_change=True)
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [5, 10, 15, 20]
+  assert rows[1]["train_loss"] == logged[1]["train_loss"]  # before the checkpoint: kept
+  assert rows[2]["train_loss"] != logged[2]["train_loss"]  # the new trajectory's step 15
+  assert rows[3]["train_loss"] == again["rows"][0]["final_train_loss"]
