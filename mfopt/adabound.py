@@ -200,7 +200,10 @@ def scale_by_adabound(learning_rate: optax.ScalarOrSchedule, final_lr: float = 0
     t = _float_count(count, mu)
     step_size = lr * jnp.sqrt(_bias_correction(b2, t)) / _bias_correction(b1, t)
     lower = final * (1.0 - 1.0 / (gamma * t + 1.0))
-    upper = final * (1.0 + 1.0 / (gamma * t))
+    # gamma = 0 (plain Adam: no upper bound) with a final lr of 0 (final_lr=0, or a schedule
+    # decayed to 0) was 0 x inf = NaN; it is +inf, and any gamma > 0 is the formula unchanged
+    gt = gamma * t
+    upper = jnp.where(gt > 0, final * (1.0 + 1.0 / jnp.where(gt > 0, gt, 1.0)), jnp.inf)
     out = _clipped_step(step_size, lower, upper, eps, mu, nu_max if amsbound else nu)
     return out, AdaBoundState(count=count, mu=mu, nu=nu, nu_max=nu_max, base_lr=state.base_lr)
 
@@ -581,8 +584,11 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
       if not ws:  # no parameters (an empty tree): an empty table, as optax's transforms do
         return jnp.zeros((0, 2), table_dtype)
       return jnp.stack([
-          jnp.stack([jnp.sqrt(jnp.sum(jnp.square(w))).astype(table_dtype),
-                     jnp.sqrt(jnp.sum(jnp.square(g + weight_decay * w))).astype(table_dtype)])
+          # squared in the table's (float32 or wider) dtype: a float16 tensor of norm > 256
+          # overflowed to inf (optax.lars does), and LARS stepped inf/NaN
+          jnp.stack([jnp.sqrt(jnp.sum(jnp.square(w.astype(table_dtype)))),
+                     jnp.sqrt(jnp.sum(jnp.square(g.astype(table_dtype)
+                                                 + weight_decay * w.astype(table_dtype))))])
           for w, g in zip(ws, gs)])
 
     # warmup: the trust ratio is not used; skip the two reads (zeros: never read). A carry of

@@ -131,11 +131,16 @@ def _init_period_state(p: int) -> PeriodState:
                      c2_count=jnp.zeros([], jnp.int32))
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _advance_with(state: PeriodState, period: jax.Array) -> tuple[PeriodState, jax.Array]:
   cnt = state.cnt + 1
   # ``>=`` rather than Alg. 2's ``==``: identical while p only changes at a sync
   # (cnt is 0 then), and safe if a user edits ``period`` in a restored state.
-  return state._replace(count=state.count + 1, cnt=cnt), cnt >= period
+  # (safe_increment, as optax's counts: a plain + 1 wrapped to -2**31 after 2**31 - 1 steps,
+  # and warm-up and scheduled periods started over)
+  return state._replace(count=optax.safe_increment(state.count), cnt=cnt), cnt >= period
 
 
 def _restart_round(state, k, s_k):
@@ -238,7 +243,8 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
   those syncs are *not* sampled for ``C2`` (the paper runs the warm-up epoch
   before starting Alg. 2), nor is a sync at ``lr_k = 0`` (``S_k / lr_k`` is undefined); ``k`` and ``K_s`` count global iterations, warm-up
   included; ``C2`` is held as ``c2_sum / c2_count`` (float32), and the tests
-  are evaluated as ``S_k < (low * lr_k) * C2``.
+  are evaluated as ``S_k < (low * lr_k) * C2``. Until ``C2`` has a sample (every sampled
+  sync at ``lr_k = 0``) the period stays as it is.
 
   Args:
     learning_rate: the *same* float or schedule the inner optimizer uses; it
@@ -289,6 +295,9 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
     c2_sum = jnp.where(sampling, state.c2_sum + s_k / jnp.where(lr > 0, lr, 1.0), state.c2_sum)
     c2_count = jnp.where(sampling, state.c2_count + 1, state.c2_count)
     c2 = c2_sum / jnp.maximum(c2_count, 1).astype(jnp.float32)
+    # No C2 sample yet (every sampled sync at lr = 0, e.g. a delayed warm-up): C2 = 0 made
+    # every later sync a "shrink", and the period fell to 1 unsaid; it waits for a sample.
+    adapting = jnp.logical_and(adapting, c2_count > 0)
     grow = s_k < (low32 * lr) * c2
     shrink = s_k > (high32 * lr) * c2
     period = jnp.where(grow, state.period + 1,
@@ -618,7 +627,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     carry = gated(due, sync_body, carry, owner=schedule)
     new_params, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
     return new_params, PeriodicAveragingState(
-        count=k + 1, inner_state=inner_state, outer_state=outer_state, anchor=anchor,
+        count=optax.safe_increment(k), inner_state=inner_state, outer_state=outer_state, anchor=anchor,
         controller=ctl, param_comm=param_comm, scalar_comm=scalar_comm, diagnostics=diag), norm
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -648,7 +657,7 @@ def _host_schedule(controller: PeriodController) -> HostSchedule:
     now, period = controller.host_period(count, period)
     cnt += 1
     due = cnt >= now
-    return due, (count + 1, 0 if due else cnt, period)
+    return due, (min(count + 1, _INT32_MAX), 0 if due else cnt, period)  # as safe_increment
 
   return HostSchedule(read, next_, reread_after_open=controller.uses_variance)
 

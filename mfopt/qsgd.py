@@ -171,7 +171,8 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
     require_bound(axis_name, "qsgd")
     flat, unravel = ravel_pytree(updates)
     if flat.size == 0:  # no parameters (an empty optax.masked / multi_transform group)
-      return updates, QSGDState(count=state.count + 1, comm=state.comm)  # nothing exchanged
+      return updates, QSGDState(count=optax.safe_increment(state.count),
+                                comm=state.comm)  # nothing exchanged
     dtype = flat.dtype
     key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
     if axis_name is not None:
@@ -185,6 +186,7 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
       deq = jax.vmap(lambda a, b: dequantize(a, b, bits, bucket_size))(all_q, all_norms)
       mean = jnp.mean(deq, axis=0)
       comm = state.comm._replace(count=state.comm.count + 1)
-    return unravel(mean.astype(dtype)), QSGDState(count=state.count + 1, comm=comm)
+    return unravel(mean.astype(dtype)), QSGDState(count=optax.safe_increment(state.count),
+                                                  comm=comm)
 
   return optax.GradientTransformation(init_fn, update_fn)

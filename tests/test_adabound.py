@@ -608,3 +608,37 @@ def test_the_hybrid_under_multisteps_equals_the_hybrid_on_mean_micro_gradients()
       np.testing.assert_allclose(np.asarray(pm[k]), np.asarray(pp[k]), rtol=1e-5, atol=1e-6,
                                  err_msg=f"update {i // 2 + 1}, {k}")
   assert float(jnp.abs(pp["w"] - params["w"]).max()) > 1e-3  # 8 updates: both phases ran
+
+
+def test_gamma_zero_with_a_zero_final_lr_is_adam_not_nan():
+  """gamma = 0 has no upper bound (+inf); with a final lr of 0 (final_lr=0, or a schedule
+  decayed to 0) the bound was 0 x inf = NaN and so was every update."""
+  p = {"w": jnp.ones(3)}
+  g = {"w": jnp.array([1.0, -2.0, 0.5])}
+  outs = []
+  for final_lr in (0.0, 0.1):
+    tx = mfopt.adabound(1e-3, final_lr=final_lr, gamma=0.0)
+    u, _ = tx.update(g, tx.init(p), p)
+    outs.append(np.asarray(u["w"]))
+  assert np.isfinite(outs[0]).all()
+  np.testing.assert_array_equal(outs[0], outs[1])  # bounds [0, inf) either way: Adam's step
+  sched = optax.cosine_decay_schedule(1e-3, decay_steps=3)  # reaches exactly 0 at step 3
+  tx = mfopt.adabound(sched, gamma=0.0)
+  s = tx.init(p)
+  for _ in range(5):
+    u, s = tx.update(g, s, p)
+    assert np.isfinite(np.asarray(u["w"])).all()
+
+
+def test_hybrid_lars_norms_of_float16_parameters_do_not_overflow():
+  """||w|| > 256 overflowed float16 before the float32 norms table saw it: inf/NaN steps."""
+  tx = mfopt.hybrid_adabound_lars(num_workers=1, steps_per_epoch=1, warmup_epochs=1)
+  for dtype in (jnp.float16, jnp.float32):
+    p = {"w": jnp.full((3,), 200.0, dtype)}
+    s = tx.init(p)
+    for _ in range(2):  # step 0: AdaBound warm-up; step 1: LARS
+      u, s = tx.update({"w": jnp.full((3,), 0.5, dtype)}, s, p)
+    assert np.isfinite(np.asarray(u["w"], np.float32)).all(), dtype
+    if dtype == jnp.float16:
+      half = np.asarray(u["w"], np.float32)
+  np.testing.assert_allclose(half, np.asarray(u["w"]), rtol=2e-3)

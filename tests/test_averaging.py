@@ -756,3 +756,32 @@ def test_adpsgd_period_never_falls_below_one():
     periods.append(int(averaging.find_averaging_state(s).controller.period[0]))
   assert min(periods) == 1 and periods[-10:] == [1] * 10, periods
   assert min(averaging.sync_trace(s)["period"]) >= 1
+
+
+def test_adpsgd_without_a_c2_sample_keeps_its_period():
+  """lr = 0 through the sampling phase (a delayed warm-up): no valid C2 sample, C2 = 0, and
+  every later sync read as a shrink; the period fell to 1 unsaid. It now waits for a sample."""
+  sched = lambda k: jnp.where(k < 16, 0.0, 0.1)  # noqa: E731
+  ctl = mfopt.adpsgd_period(learning_rate=sched, sampling_steps=12, p_init=4)
+  tx = mfopt.periodic_averaging(optax.sgd(sched), "w", ctl, trace_length=64)
+  p = {"w": jnp.zeros((2, 3))}
+  s = jax.vmap(tx.init)(p)
+  step = jax.jit(jax.vmap(tx.update, axis_name="w"))
+  for _ in range(40):
+    u, s = step({"w": jnp.asarray([[1.0], [-1.0]]) * jnp.ones((2, 3))}, s, p)
+    p = optax.apply_updates(p, u)
+  ctl_state = averaging.find_averaging_state(s).controller
+  assert int(ctl_state.c2_count[0]) == 0 and int(ctl_state.period[0]) == 4
+
+
+def test_averaging_and_qsgd_counts_saturate_like_optax():
+  """A plain + 1 wrapped to -2**31 after 2**31 - 1 steps: warm-up and scheduled periods
+  started over. The counts now stop at the int32 maximum, as optax.safe_increment's do."""
+  big = jnp.asarray(2**31 - 1, jnp.int32)
+  ctl = mfopt.scheduled_period((20, 2), (1000,))
+  state, _ = ctl.advance(ctl.init()._replace(count=big))
+  assert int(state.count) == 2**31 - 1
+  tx = mfopt.qsgd(None)
+  qs = tx.init({"w": jnp.ones(3)})._replace(count=big)
+  _, qs = tx.update({"w": jnp.ones(3)}, qs)
+  assert int(qs.count) == 2**31 - 1
