@@ -1,4 +1,10 @@
-"""quickstart: every mfopt algorithm on main, 8 workers, two embedded datasets, one table.
+"""quickstart: one row per mfopt optimizer and baseline, 8 workers, two embedded datasets.
+
+Rows: optax SGD/Adam baselines; seed 000's MF-SGD, MF-Nesterov and MF-Adam; seed 001's QSGD,
+CPSGD and ADPSGD; seed 003's K-AVG and M-AVG; seed 004's AdaBound and its linear-scaling
+warm-up into LARS; seed 002's adaptive k-sync with the BSP, ASP and SSP parameter servers
+(simulated). Not in the table: ``linear_scaling_adabound`` alone (the hybrid's first phase),
+and the simulator's EASGD, DropWorker and ``faithful`` k-sync (``async_convergence`` has them).
 
 Command: ``python -m experiments quickstart [--quick] [--workdir DIR] [key=value ...]``
 
@@ -81,9 +87,19 @@ ALGORITHMS: dict[str, Algorithm] = {
     "sync MF-SGD mf=0.99 (Alg. 1, lr in buffer)": Algorithm(
         _sync(lambda s: mfopt.mf_sgd(s, mf=0.99)), 0.1,
         "as above with mf=0.99: the buffer remembers ~100 steps of larger early lrs"),
+    "sync MF-Nesterov mf=0.9 (Alg. 1 Nesterov form)": Algorithm(
+        _sync(lambda s: mfopt.mf_nesterov(s, mf=0.9)), 0.1,
+        "seed 000's momentum-like factor in Nesterov form (lr inside the buffer)"),
     "sync MF-Adam (Alg. 2, phi=adam)": Algorithm(
         _sync(lambda s: mfopt.mf_adam(s, mf1=0.9, mf2=0.999)), 1e-3,
         "seed 000 Alg. 2 with phi=adam: identical to optax.adam (lr outside the moments)"),
+    # Seed 001's quantized baseline: int8 levels + bucket norms, one all-gather per step.
+    "QSGD 8-bit (SGD m=0.9)": Algorithm(
+        lambda ctx, lr: optax.chain(mfopt.qsgd(ctx.axis_name, bits=8),
+                                    optax.sgd(ctx.schedule(lr), momentum=0.9)),
+        0.1, "seed 001's QSGD-8bit baseline: stochastic int8 gradients + float32 bucket norms, "
+             "exchanged with one all-gather per step (about 1/4 of the float32 bytes per "
+             "worker; an all-gather's wire bytes grow with the workers, mfopt.costmodel)"),
     # Seeds 001 and 003: periodic averaging and block momentum.
     "CPSGD p=8 (local SGD m=0.9)": Algorithm(
         lambda ctx, lr: mfopt.periodic_averaging(
@@ -105,6 +121,11 @@ ALGORITHMS: dict[str, Algorithm] = {
             optax.sgd(ctx.schedule(lr), momentum=0.9), ctx.axis_name, 8, momentum=0.5),
         0.1, "seed 003 Alg. 1: block momentum 0.5 on the averaged delta, learner momentum 0.9"),
     # Seed 002: see SIM_RUNS below (a simulated cluster, not train.fit).
+    # Seed 004: AdaBound itself, then the linear-scaling warm-up into LARS SGD.
+    "sync AdaBound (Luo et al.)": Algorithm(
+        _sync(lambda s: mfopt.adabound(s, final_lr=0.1)), 1e-3,
+        "AdaBound (reference semantics): Adam steps clipped into bounds converging to "
+        "final_lr x lr_t/lr_0 (so the bounds follow the cosine schedule)"),
     # Seed 004: linear-scaling AdaBound warm-up into LARS SGD.
     "sync hybrid AdaBound->LARS SGD (seed 004)": Algorithm(
         lambda ctx, lr: mfopt.chain(  # (keeps the hybrid's host schedule for host gates)
@@ -131,6 +152,7 @@ SIM_RUNS: dict[str, Callable[[], Any]] = {
         lambda: mfopt.sim.ksync_preset("working", alpha0=0.1),
     "BSP parameter server (simulated)": lambda: mfopt.sim.BSP(mfopt.sim.BaseSGD(0.1)),
     "ASP parameter server (simulated)": lambda: mfopt.sim.ASP(mfopt.sim.BaseSGD(0.1)),
+    "SSP s=3 parameter server (simulated)": lambda: mfopt.sim.SSP(3, mfopt.sim.BaseSGD(0.1)),
 }
 
 
@@ -151,7 +173,7 @@ def _simulated_rows(c, dataset_name, model_name, model, dataset, metrics_log) ->
                  "test_accuracy": s["test_accuracy"], "final_train_loss": s["final_train_loss"],
                  # pushes (each answered by a pull) and the payload they sent: what the
                  # all-reduce rows count (bytes_per_worker adds the pulled bytes)
-                 "all_reduces": s["pushes_per_worker"],
+                 "all_reduces": s["pushes_per_worker"], "collectives": s["pushes_per_worker"],
                  "payload_bytes": int(round(s["bytes_sent_per_worker"])),
                  "train_s": time.perf_counter() - t0, "sim_time_s": s["sim_time_s"],
                  "samples": s["samples"]})
@@ -167,7 +189,10 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   Hardware: any; sized for 2 CPU cores (budget 5 min). Measured 2026-11-22 on an idle 2-core
   VM, JAX 0.10.2: 90 s for the default preset (28 rows), 28 s for ``--quick`` with a warm
   compilation cache (89 s cold); re-measured 2026-11-23 (``bash scripts/quickstart.sh``,
-  quiet VM, warm cache): 69.5 s, the same accuracies.
+  quiet VM, warm cache): 69.5 s, the same accuracies. 2026-11-25, 36 rows (QSGD, MF-Nesterov,
+  AdaBound and SSP added), ``python -m experiments quickstart --workdir /tmp/s18/qs_full
+  progress=false`` on the 2-core VM at load average 3 (a second job running): 131.3 s, sync
+  SGD m=0.9 again 0.9167 / 0.9180.
   Expected (same run): sync SGD m=0.9 reaches test accuracy 0.917 on digits and 0.918 on
   mnist1d; every row's figures are in its report.
   """
@@ -277,7 +302,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       curves[label][algo_name] = ([r["step"] for r in result.history],
                                          [r["train_loss"] for r in result.history])
       print(f"{label:8s} {algo_name:32s} test acc {s['test_accuracy']:.4f}  "
-            f"train loss {s['final_train_loss']:.4f}  all-reduces {s['all_reduces']}")
+            f"train loss {s['final_train_loss']:.4f}  exchanges {s['collectives']}")
     rows += _simulated_rows(c, dataset_name, model_name, model, dataset, metrics_log)
 
   report.plot_curves(workdir / "loss_curves.png", curves, xlabel="step",
@@ -301,14 +326,15 @@ def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
           f"{k}: {v['train']:,} train / {v['test']:,} test examples" for k, v in sizes.items()),
       "- Models: " + ", ".join(f"{d} -> {m}" for d, m in zip(c.datasets, c.models))
       + f" (BatchNorm {'on' if c.use_bn else 'off'}), the same for every row of a dataset",
-      "- Times are measured on this machine (compile excluded). All-reduces and bytes are "
+      "- Times are measured on this machine (compile excluded). Exchanges (all-reduces; "
+      "QSGD's all-gathers) and bytes are "
       "per worker, counted by the transforms (payload in the exchanged dtype).\n",
       report.markdown_table(
           rows,
           ["dataset", "model", "algorithm", "peak_lr", "test_accuracy", "final_train_loss",
-           "all_reduces", "payload_bytes", "train_s", "sim_time_s"],
+           "collectives", "payload_bytes", "train_s", "sim_time_s"],
           ["dataset", "model", "algorithm", "peak lr", "test acc", "final train loss",
-           "all-reduces/worker", "bytes sent/worker", "train time (s)", "simulated time (s)"]),
+           "exchanges/worker", "bytes sent/worker", "train time (s)", "simulated time (s)"]),
       "\n## Notes\n",
   ]
   for name in c.algorithms:
@@ -317,7 +343,7 @@ def _write_report(c, workdir: pathlib.Path, rows, sizes) -> None:
   if c.sim_runs:
     lines.append("- **(simulated) rows**: mfopt.sim parameter-server cluster, same model and "
                  "same number of samples as the other rows, lr 0.1 x 0.99^epoch (its own schedule); "
-                 "'all-reduces/worker' is the pushes per worker there (each answered by a pull), "
+                 "'exchanges/worker' is the pushes per worker there (each answered by a pull), "
                  "'bytes sent/worker' the payload they pushed, 'simulated time' "
                  "is the virtual clock (compute 0.01 s/step, 10 Gbit/s), 'train time' is measured "
                  "with the simulator's compilation included (the other rows exclude theirs).")

@@ -340,6 +340,12 @@ def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequ
   import matplotlib.pyplot as plt
 
   n = max(len(panels), 1)
+  most = max((len(series) for series in panels.values()), default=0)
+  # More than 6 series: the legend goes below the panels (inside, 11 entries covered the
+  # curves), one for the figure when every panel has the same series (same colours), else one
+  # column under each panel
+  below = most > 6
+  shared = below and len({tuple(series) for series in panels.values()}) == 1
   fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
   colors = plt.get_cmap("tab20").colors
   styles = ("-", "--", ":", "-.")
@@ -356,9 +362,16 @@ def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequ
     if logy:
       ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if below and not shared:
+      ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
+    elif not below:
+      ax.legend(fontsize=7)
+  if shared:
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=min(3, n + 1))
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)

@@ -197,6 +197,11 @@ def test_quickstart_quick_writes_report_table_and_plot(tmp_path):
               and r["dataset"] == "digits")
   cpsgd = next(r for r in rows if r["algorithm"].startswith("CPSGD") and r["dataset"] == "digits")
   assert cpsgd["payload_bytes"] * 10 == sync["payload_bytes"]  # same payload, 2 vs 20 exchanges
+  # QSGD: one all-gather per step of n int8 levels + a float32 norm per 512 values
+  q = next(r for r in rows if r["algorithm"].startswith("QSGD") and r["dataset"] == "digits")
+  n = sync["payload_bytes"] // 20 // 4  # float32 parameters
+  assert q["all_gathers"] == q["collectives"] == 20 and q["all_reduces"] == 0
+  assert q["payload_bytes"] == 20 * (n + 4 * -(-n // 512))
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   fit_rows = [r for r in rows if "sim_time_s" not in r]
   assert sum(1 for l in lines if l["algorithm"] in ALGORITHMS) == 2 * len(fit_rows)  # steps 10, 20
