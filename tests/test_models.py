@@ -134,6 +134,14 @@ def test_resnet_architecture_details():
       {"params": p, **s}, x, train=False, mutable=["intermediates"],
       capture_intermediates=lambda mdl, _: mdl.name == "stage4_block2"))(p, s, x)
   assert inter["intermediates"]["stage4_block2"]["__call__"][0].shape == (2, 1, 128)
+  # v1.5: a downsampling bottleneck strides in its 3x3 conv2, not in conv1 (v1): conv1 keeps
+  # the input's length (8 into stage 2), conv2 halves it (the shapes of v1 are the same).
+  _, inter = jax.jit(lambda p, s, x: m.apply(
+      {"params": p, **s}, x, train=False, mutable=["intermediates"],
+      capture_intermediates=lambda mdl, _: mdl.name in ("conv1", "conv2")))(p, s, x)
+  block = inter["intermediates"]["stage2_block0"]
+  assert block["conv1"]["__call__"][0].shape[1] == 8
+  assert block["conv2"]["__call__"][0].shape[1] == 4
 
 
 # ----------------------------------------------------------------------------- dtypes

@@ -552,3 +552,69 @@ def test_a_simulated_run_resumes_only_its_own_checkpoints(tmp_path):
   ksync = [sim.ksync_preset("working", alpha0=a) for a in (0.05, 0.1)]
   assert ksync[0].settings() != ksync[1].settings()  # nested dataclass fields (config.bb.alpha0)
   assert ksync[0].settings()["config"]["bb"]["alpha0"] == 0.05
+
+
+def _spy_pushes(strategy):
+  """Records (server version, message version, gradient) of every push the server sees."""
+  received, on_push = [], strategy.on_push
+
+  def spy(sim_, w):
+    m = sim_.msg[w]
+    received.append((sim_.version, m.version, m.grad.astype(np.float64).copy()))
+    on_push(sim_, w)
+
+  strategy.on_push = spy
+  return received
+
+
+def test_dropworker_steps_with_the_mean_of_its_first_k_fresh_gradients(ds, linear):
+  """DropWorker's update replayed in NumPy from the pushes: the first k = ceil(M/2) fresh
+  gradients of each version averaged (dividing by M instead of k passed every test), stale
+  ones dropped. M = 5 gives k = 3, where ceil and round differ."""
+  strat = sim.DropWorker(base=sim.BaseSGD(0.1, decay_rate=1.0))
+  s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=5, per_worker_batch=4,
+                    network=None, compute=sim.ComputeModel(0.01, speed_spread=1.0))
+  theta0 = s.theta.astype(np.float64).copy()
+  received = _spy_pushes(strat)
+  s.run(max_server_steps=12)
+  assert strat.k == 3
+  theta, fresh, t, dropped = theta0, [], 0, 0
+  for version, v, g in received:
+    assert version == t
+    if v != t:
+      dropped += 1
+      continue
+    fresh.append(g)
+    if len(fresh) == 3:
+      theta, fresh, t = theta - 0.1 * np.mean(fresh, axis=0), [], t + 1
+  assert t == 12 and dropped == s.dropped > 0
+  np.testing.assert_allclose(s.theta, theta, rtol=0, atol=2e-6)
+
+
+def test_sim_epochs_and_mean_staleness_are_what_they_say(ds, linear):
+  """The summary's epochs are samples / N for M > 1 (server steps x b / N passed every test),
+  and the mean staleness is the staleness histogram's mean (dividing by the number of distinct
+  staleness values did too)."""
+  strat = sim.ASP(sim.BaseSGD(0.05, decay_rate=1.0))
+  s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=4, per_worker_batch=8,
+                    network=None, compute=sim.ComputeModel(0.01, speed_spread=0.5),
+                    eval_every_samples=96)
+  s.run(max_samples=8 * 60)
+  res = s.result()
+  summary = res.summary
+  assert summary["samples"] >= 8 * 60
+  assert summary["epochs"] == pytest.approx(summary["samples"] / len(ds.train))
+  assert [r["epoch"] for r in res.history] == pytest.approx(
+      [r["samples"] / len(ds.train) for r in res.history])
+  pairs = [(int(t), int(n)) for t, n in res.staleness.items()]
+  assert len(pairs) > 2  # (several staleness values: a mean over them would differ)
+  assert summary["mean_staleness"] == pytest.approx(
+      sum(t * n for t, n in pairs) / sum(n for _, n in pairs))
+
+
+def test_base_sgd_decays_once_per_epoch():
+  """lr = LR x DR^floor(epoch), a staircase (DR^epoch, smooth, passed every test)."""
+  base = sim.BaseSGD(0.1, decay_rate=0.99)
+  assert base.lr(0.0) == base.lr(0.5) == base.lr(0.999) == pytest.approx(0.1)
+  assert base.lr(1.0) == base.lr(1.7) == pytest.approx(0.099)
+  assert base.lr(2.0) == pytest.approx(0.1 * 0.99 ** 2)
