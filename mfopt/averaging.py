@@ -627,8 +627,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     carry = gated(due, sync_body, carry, owner=schedule)
     new_params, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry
     return new_params, PeriodicAveragingState(
-        count=optax.safe_increment(k), inner_state=inner_state, outer_state=outer_state, anchor=anchor,
-        controller=ctl, param_comm=param_comm, scalar_comm=scalar_comm, diagnostics=diag), norm
+        count=optax.safe_increment(k), inner_state=inner_state, outer_state=outer_state,
+        anchor=anchor, controller=ctl, param_comm=param_comm, scalar_comm=scalar_comm,
+        diagnostics=diag), norm
 
   def update_fn(updates, state, params=None, **extra_args):
     new_params, state, _ = params_step(updates, state, params, **extra_args)
