@@ -102,8 +102,7 @@ def note_run_start(position: float, samples: float | None = None) -> None:
 def recomputed_rows_replace():
   """Within it, a resumed run's rows replace what an earlier attempt logged past the point the
   run restarted from (:func:`note_run_start`): at the first row a run logs, its older rows
-  (same labels) past that point are dropped, and a row at a position already in the file
-  replaces that row. The runner uses it under an allowed config change
+  (same labels) past that point are dropped. The runner uses it under an allowed config change
   (``--allow-config-change``): the recomputation follows the new config, and the killed
   attempt's rows past the checkpoint belong to a trajectory that no longer exists (its curve
   mixed the two, also at steps the new config does not log or no longer reaches)."""
@@ -154,23 +153,19 @@ class JsonlWriter:
                       sort_keys=True)
 
   def _group_position(self, row: Mapping[str, Any]) -> tuple[str | None, tuple[Any, Any]]:
-    """The row's labels (its fields before the position field) and ``(position, samples)``;
-    ``(None, ())`` for a row without a position field."""
+    """The row's run (its fields before the position field, and that field's name) and
+    ``(position, samples)``; ``(None, ())`` for a row without a position field."""
     labels = []
     for k, v in row.items():
       if k in POSITION_FIELDS:
         samples = row.get("samples")
-        return json.dumps(labels), (v, -1 if samples is None else samples)
+        return json.dumps(labels + [k]), (v, -1 if samples is None else samples)
       labels.append((k, v))
     return None, ()
 
   def _identity(self, row: Mapping[str, Any]) -> str:
-    key = []
-    for k, v in row.items():
-      key.append((k, v))
-      if k in POSITION_FIELDS:
-        return json.dumps(key + [("samples", row.get("samples"))])
-    return self._content(row)
+    group, position = self._group_position(row)
+    return self._content(row) if group is None else json.dumps([group, list(position)])
 
   def __call__(self, row: Mapping[str, Any]) -> None:
     if self._seen is None:
@@ -191,9 +186,6 @@ class JsonlWriter:
                          else (lambda p: p >= position))
     key = self._identity(row)
     if key in self._seen:
-      if self._seen[key] != self._content(row) and _RECOMPUTED_ROWS_REPLACE.get():
-        self._replace(key, row)
-        return
       if self._seen[key] != self._content(row) and not self._warned:
         self._warned = True
         print(f"{self.path}: a row differs from one already logged with the same labels and "
@@ -218,15 +210,6 @@ class JsonlWriter:
     self._seen = {}
     for r in kept:
       self._seen.setdefault(self._identity(r), self._content(r))
-
-  def _replace(self, key: str, row: Mapping[str, Any]) -> None:
-    """Rewrites the file with ``row`` in place of the row at its position (atomically)."""
-    lines = [json.dumps(row, allow_nan=False) if self._identity(_jsonable(r)) == key
-             else json.dumps(_jsonable(r), allow_nan=False) for r in read_jsonl(self.path)]
-    tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, self.path)
-    self._seen[key] = self._content(row)
 
 
 def _torn_tail(raw: bytes) -> int | None:

@@ -1076,9 +1076,10 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
           on_log(last_row)
         window = []
         bar.set_postfix(loss=f"{last_row['train_loss']:.4f}")
-        due = done % checkpoint_every == 0 and ckpt_lib.interval_elapsed(
-            last_save, checkpoint_interval_s)  # (process 0's clock decides for every process)
-        if ckpt is not None and (due or done == num_steps):
+        # (process 0's clock decides for every process; no checkpointer: no collective)
+        if ckpt is not None and (done == num_steps or (
+            done % checkpoint_every == 0
+            and ckpt_lib.interval_elapsed(last_save, checkpoint_interval_s))):
           last_save = time.perf_counter()
           if done == num_steps:
             summary = summarize(state)
