@@ -124,6 +124,9 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
       samples, step, next_eval = meta["samples"], meta["step"], meta["next_eval"]
       history, train_s = meta["history"], meta["train_s"]
       rng.bit_generator.state = meta["rng"]
+  # its own loop, not fit's: say where it starts, or an allowed config change cut its rows at
+  # the start of whichever fit ran before it
+  report.note_run_start(step)
   step_fn = train.make_train_step(model, tx, mesh=mesh, num_workers=w)
   eval_fn = train.make_eval_fn(model)
   full = batcher.batch(0)
