@@ -785,3 +785,12 @@ def test_averaging_and_qsgd_counts_saturate_like_optax():
   qs = tx.init({"w": jnp.ones(3)})._replace(count=big)
   _, qs = tx.update({"w": jnp.ones(3)}, qs)
   assert int(qs.count) == 2**31 - 1
+  # the transform's own count (it feeds the controller's K_s, warm-up and learning rate) and
+  # the host schedule's replay of it
+  pa = mfopt.periodic_averaging(optax.sgd(0.1), None, ctl)
+  ps = pa.init({"w": jnp.ones(3)})
+  ps = ps._replace(count=big, controller=ps.controller._replace(count=big))
+  _, ps = pa.update({"w": jnp.ones(3)}, ps, {"w": jnp.ones(3)})
+  assert int(ps.count) == int(ps.controller.count) == 2**31 - 1
+  _, (count, _, _) = pa.update.host_schedule.next((2**31 - 1, 0, 2))
+  assert count == 2**31 - 1
