@@ -237,7 +237,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                  "best_test": common.fmt_runs(
                      rs, lambda r: max(h["test_accuracy"] for h in r["history"])),
                  "epochs": common.fmt_runs(rs, lambda r: r["efficiency"]["epochs_to_target"], 3),
-                 "eff": common.fmt_runs(rs, lambda r: r["efficiency"]["scaling_efficiency"], 4),
+                 "eff": common.fmt_shared(rs, lambda r: r["efficiency"]["scaling_efficiency"], 4),
                  "all_reduces": ok["summary"]["all_reduces"] if ok else "n/a (diverged)"})
   verdicts = []
   if {"independent_last", "independent_ma"} <= set(runs):
