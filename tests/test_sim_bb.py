@@ -7,6 +7,7 @@ import pytest
 
 from mfopt import data, models, sim
 from mfopt.sim import bb as bb_lib
+from mfopt.sim.run import COMPUTING
 
 
 def quad_loss(theta, x, y):
@@ -159,3 +160,51 @@ def test_bb_options_by_hand(option, want):
   out = step(inp, jnp.full(3, 2.0), None)
   assert bool(out.bb_applied) and int(out.num_backtracks) == 0
   np.testing.assert_allclose(float(out.alpha), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dampening", [False, True])
+def test_simulator_bias_correction_uses_the_step_pushed_with_g_prev(dampening):
+  """c_a (spec caution 2) is g_prev's coefficient inside s = theta - theta_prev: the server
+  summed alpha_pushed x g_prev and divided by k (x (1 - gamma) when dampened). With a floor the
+  carried step differs from the pushed one (Armijo cut it below the floor), and c_a built from
+  the carried step over-corrected nu."""
+  ds = data.load("mnist1d")
+  model = models.get_model("mlp", hidden=(), num_classes=10)
+  bb = sim.BBConfig(alpha0=50.0, clamp=False, nu_bias_correction=True, alpha_floor_factor=0.5)
+  cfg = sim.KSyncConfig(bb=bb, gamma=0.9, dampening=dampening)
+  s = sim.Simulator(sim.KSync(cfg), model=model, dataset=ds, num_workers=3, per_worker_batch=16,
+                    network=None, compute=sim.ComputeModel(0.01, speed_spread=0.3))
+  seen = []
+  bb_fn, flush = s._bb, s._flush
+
+  def spy_flush():
+    pending = [w for w in range(s.num_workers) if s.w_phase[w] == COMPUTING
+               and not s.w_computed[w]]
+    pushed = [s.lr_traces[w][-1][1] if s.lr_traces[w] else np.nan for w in pending]
+
+    def spy_bb(inputs, x, y):
+      for i, w in enumerate(pending):
+        if bool(inputs.has_prev[i]):
+          seen.append((float(inputs.c_a[i]), pushed[i], float(inputs.k[i]),
+                       float(s.alpha_carry[w])))
+      return bb_fn(inputs, x, y)
+
+    s._bb = spy_bb
+    try:
+      flush()
+    finally:
+      s._bb = bb_fn
+
+  s._flush = spy_flush
+  s.run(max_samples=16 * 30)
+  damp = 0.1 if dampening else 1.0
+  assert len(seen) >= 20
+  for c_a, pushed, k, _ in seen:
+    np.testing.assert_allclose(c_a, pushed * damp / max(k, 1.0), rtol=1e-6)
+  # the case that tells the two apart happened: the floor lifted the carried step
+  assert any(carry > pushed * (1 + 1e-6) for _, pushed, _, carry in seen)
+  # a checkpoint written before alpha_pushed existed restores c_a's old input, the carried step
+  d = s.state_dict()
+  del d["alpha_pushed"]
+  s.load_state_dict(d)
+  np.testing.assert_array_equal(s.alpha_pushed, s.alpha_carry)

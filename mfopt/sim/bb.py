@@ -21,8 +21,8 @@ One worker step (jitted, vmappable over workers) on flat parameter vectors:
 
 ``k``, ``r = Ê/‖ḡ‖²`` and ``V̂`` come from the server's last update (broadcast
 with θ, spec assumption 7). ``c_a`` is the coefficient of the worker's own
-previous gradient inside ``s`` (``α_prev/k``, times ``1-γ`` when momentum is
-dampened), the bias correction of spec caution 2.
+previous gradient inside ``s`` (the step it pushed with that gradient over k,
+times ``1-γ`` when momentum is dampened), the bias correction of spec caution 2.
 
 Choices where the spec leaves room (each a named option of :class:`BBConfig`):
 the floor ``alpha_floor_factor * α_0`` is applied to the step size *carried to

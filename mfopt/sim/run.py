@@ -247,6 +247,9 @@ class Simulator:
     self.msg: list[Msg | None] = [None] * m
     bb = strategy.bb
     self.alpha_carry = np.full(m, bb.alpha0 if bb else np.nan, np.float32)
+    # the step each worker last pushed (its g_prev's coefficient in the server's sum; differs
+    # from alpha_carry where the floor lifted the carried step)
+    self.alpha_pushed = np.full(m, bb.alpha0 if bb else np.nan, np.float32)
     self.has_prev = np.zeros(m, bool)
     self.g_prev = np.zeros((m, self.dim), np.float32) if bb else None
     self.broadcast = {"k": 1.0, "r": 0.0, "v_hat": 0.0}
@@ -414,7 +417,8 @@ class Simulator:
           has_prev=self.has_prev[rows] & (self.w_prev_version[rows] >= 0),
           k=k.astype(np.float32), k_grew=self.w_k_grew[rows],
           r=self.w_bcast[rows, 1].astype(np.float32), v_hat=self.w_bcast[rows, 2].astype(np.float32),
-          c_a=(self.alpha_carry[rows] * damp / np.maximum(k, 1.0)).astype(np.float32))
+          # g_prev entered s through the server's update scaled by the step pushed with it
+          c_a=(self.alpha_pushed[rows] * damp / np.maximum(k, 1.0)).astype(np.float32))
       o = jax.device_get(self._bb(inputs, x, y))
       for i, w in enumerate(pending):
         self.out[w] = WorkerOut(float(o.loss[i]), np.asarray(o.grad[i]), float(o.alpha[i]),
@@ -455,6 +459,7 @@ class Simulator:
       self.g_prev[w] = o.grad
       self.has_prev[w] = True
       self.alpha_carry[w] = o.alpha_carry
+      self.alpha_pushed[w] = o.alpha
       self.bb_stats["steps"] += 1
       self.bb_stats["extra_compute_s"] += float(extra)
       self.bb_stats["backtracks"] += o.num_backtracks
@@ -614,7 +619,8 @@ class Simulator:
         "w_incoming_bcast": self.w_incoming_bcast.copy(),
         "w_extra_s": self.w_extra_s.copy(), "compute_busy": self.compute_busy.copy(),
         "out": [as_dict(o) for o in self.out], "msg": [as_dict(m) for m in self.msg],
-        "alpha_carry": self.alpha_carry.copy(), "has_prev": self.has_prev.copy(),
+        "alpha_carry": self.alpha_carry.copy(), "alpha_pushed": self.alpha_pushed.copy(),
+        "has_prev": self.has_prev.copy(),
         "g_prev": None if self.g_prev is None else self.g_prev.copy(),
         "broadcast": dict(self.broadcast), "pushes": self.pushes.copy(), "pulls": self.pulls.copy(),
         "dropped": self.dropped, "collectives": self.collectives, "bb_stats": dict(self.bb_stats),
@@ -642,6 +648,8 @@ class Simulator:
                 for o in d["out"]]
     self.msg = [None if m is None else Msg(**{**m, "grad": np.array(m["grad"], np.float32)})
                 for m in d["msg"]]
+    # (checkpoints written before alpha_pushed existed: the carried step, what c_a used then)
+    self.alpha_pushed = np.array(d.get("alpha_pushed", d["alpha_carry"]), np.float32)
     self.g_prev = None if d["g_prev"] is None else np.array(d["g_prev"], np.float32)
     self.broadcast = dict(d["broadcast"])
     self.dropped, self.collectives = int(d["dropped"]), int(d["collectives"])
