@@ -1,5 +1,6 @@
 """mfopt.sim: clock, link contention, timing, determinism, checkpointing, memory, progressive momentum."""
 
+import dataclasses
 import pickle
 import re
 
@@ -618,3 +619,97 @@ def test_base_sgd_decays_once_per_epoch():
   assert base.lr(0.0) == base.lr(0.5) == base.lr(0.999) == pytest.approx(0.1)
   assert base.lr(1.0) == base.lr(1.7) == pytest.approx(0.099)
   assert base.lr(2.0) == pytest.approx(0.1 * 0.99 ** 2)
+
+
+def test_half_duplex_link_reports_the_shared_lanes_busy_fraction_for_both_directions():
+  """A half-duplex link carries pushes and pulls on one lane, so each direction's utilisation
+  is that lane's busy time over the simulated time (0.3 s of 4 s here), not a share of it."""
+  net = costmodel.Link("test", bandwidth=1000.0, latency=0.5)
+  half = sim.ServerLink(net, duplex=False)
+  half.transfer(0.0, 100.0, 0)
+  half.transfer(0.0, 100.0, 1)
+  half.transfer(1.0, 100.0, 0)  # busy 0.1 s each: 0.3 s on the one lane
+  u = half.utilisation(4.0)
+  assert u == {"push": pytest.approx(0.3 / 4.0), "pull": pytest.approx(0.3 / 4.0)}
+
+
+def _logged_asp_run(ds, linear, eval_every, max_samples):
+  """ASP on 2 equal workers (b = 8): the history, and (samples, loss) of every finished step."""
+  steps = []
+
+  class Recorded(sim.ASP):
+    def on_compute_done(self, s, w):
+      steps.append((s.samples, s.out[w].loss))
+      super().on_compute_done(s, w)
+
+  s = sim.Simulator(Recorded(sim.BaseSGD(0.05, decay_rate=1.0)), model=linear, dataset=ds,
+                    num_workers=2, per_worker_batch=8, network=None,
+                    compute=sim.ComputeModel(0.01), eval_every_samples=eval_every)
+  s.run(max_samples=max_samples)
+  return s.result().history, steps
+
+
+def test_evaluations_land_at_the_first_sample_count_past_each_multiple(ds, linear):
+  """Rows are due at multiples of eval_every_samples (20, 40, 60, 80): each is logged at the
+  first sample count (a multiple of b = 8) that reaches it, so 24, 40, 64, 80. Rescheduling
+  from the sample count of the last row (48, 72) or waiting to pass a due count exactly
+  reached (48 instead of 40) drifts off that grid."""
+  history, _ = _logged_asp_run(ds, linear, eval_every=20, max_samples=80)
+  want = [int(np.ceil(20 * i / 8)) * 8 for i in range(1, 5)]
+  assert want == [24, 40, 64, 80]
+  assert [r["samples"] for r in history] == want
+
+
+def test_train_loss_of_a_row_is_the_mean_over_the_steps_since_the_previous_row(ds, linear):
+  """A row's train_loss averages the losses of every step finished since the last row (3, 2,
+  3 and 2 steps here), so it is not the noisy loss of the step that happened to trigger it."""
+  history, steps = _logged_asp_run(ds, linear, eval_every=20, max_samples=80)
+  bounds = [0] + [r["samples"] for r in history]
+  for lo, hi, row in zip(bounds, bounds[1:], history):
+    losses = [loss for n, loss in steps if lo < n <= hi]
+    assert len(losses) == (hi - lo) // 8 >= 2
+    assert np.ptp(losses) > 1e-4  # distinct losses: the last one alone is not their mean
+    assert row["train_loss"] == pytest.approx(np.mean(losses), rel=1e-9)
+
+
+def test_easgd_exchanges_after_every_interval_th_local_step(ds, linear):
+  """Spec §5 (TF ElasticAverageOptimizer): a worker pushes its local copy after its local
+  steps number tau_c, 2 tau_c, ...; exchanging after step 1, tau_c + 1, ... would make the
+  first exchange before any local progress and one exchange too many."""
+  interval = 3
+  strat = sim.EASGD(interval, sim.BaseSGD(0.1, decay_rate=1.0))
+  s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=2, per_worker_batch=8,
+                    network=None, compute=sim.ComputeModel(0.01, speeds=[1.0, 1.7]))
+  at = [[], []]  # local step count at each push, per worker
+  push = s.push
+
+  def spy(w):
+    at[w].append(int(strat.local_steps[w]))
+    push(w)
+
+  s.push = spy
+  s.run(max_samples=8 * 20)
+  for w in range(2):
+    n = int(strat.local_steps[w])
+    assert n >= 2 * interval + 1 and n % interval != 0  # (n = 3q would not tell 0 from 1)
+    assert at[w] == list(range(interval, n + 1, interval))
+    assert s.pushes[w] == n // interval
+
+
+def test_a_bb_step_is_not_doubled_when_the_broadcast_k_did_not_grow(ds, linear):
+  """ensmallen's double_on_k_increase doubles α only when the k adopted with a pull exceeds the
+  previous one. With a fixed k = 2 it never grows, so turning the rule on must change
+  nothing; treating an equal k as grown would double α at every step after the first."""
+  def run(double):
+    cfg = sim.ksync_config("working", alpha0=0.05, k_rule=2)  # (the bb of an earlier test)
+    cfg = dataclasses.replace(cfg, bb=dataclasses.replace(cfg.bb, double_on_k_increase=double))
+    s = sim.Simulator(sim.KSync(cfg), model=linear, dataset=ds, num_workers=2, per_worker_batch=8,
+                      network=None, compute=sim.ComputeModel(0.01))
+    s.run(max_server_steps=8)
+    return s
+
+  off, on = run(False), run(True)
+  assert on.bb_stats["bb_applied"] > 0  # steps with a previous version, where it could fire
+  assert on.lr_traces == off.lr_traces
+  assert on.bb_stats == off.bb_stats
+  np.testing.assert_array_equal(on.theta, off.theta)
