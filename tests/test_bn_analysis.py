@@ -135,3 +135,29 @@ def test_bn_channel_noise_with_spatially_correlated_activations():
     assert m["predicted_mean_noise"] == pytest.approx((0.5 + 0.5 / L) / K, rel=0.05)
     assert abs(m["mean_noise"] - m["predicted_mean_noise"]) < 5 * m["mean_noise_se"], m
     assert m["mean_noise"] > 3 / (K * L)  # the naive K*L-sample law is far too small
+
+
+def test_standard_error_is_the_trial_spread_over_sqrt_trials():
+  """Three hand-made trials (M = 2, P = 1, one feature, sigma^2 = 1) with S_t = 0, 2, 8: the
+  standard error of the mean is sd(ddof=1) / sqrt(3), not sd / sqrt(trials - 1), which would
+  overstate the uncertainty (and understate every z-score) of small runs."""
+  batches = np.array([[[0.0], [0.0]], [[0.0], [2.0]], [[0.0], [4.0]]])  # (trials, M, F)
+  m = bn.measure_split_statistics(batches, 1, np.ones(1), mu=np.zeros(1))
+  s_t = np.array([0.0, 2.0, 8.0])  # sum of squares about each pair's mean: d^2 / 2
+  assert m["S_t"] == pytest.approx(10 / 3)
+  assert m["S_t_se"] == pytest.approx(s_t.std(ddof=1) / math.sqrt(3), rel=1e-12)
+  assert m["delta2_B_se"] == pytest.approx((s_t / 2).std(ddof=1) / math.sqrt(3), rel=1e-12)
+  assert m["z_correct"] == pytest.approx((10 / 3 - 1) / m["S_t_se"], rel=1e-12)
+
+
+def test_bn_channel_noise_uses_the_biased_variance_batchnorm_normalises_with():
+  """BatchNorm divides by the biased (ddof=0) variance over a worker's examples and positions.
+  When every example is the same +-1 pattern, each worker's biased variance equals the
+  population's, so both noises are 0; an unbiased variance would be K L / (K L - 1) times
+  larger (var_noise (1 / (K L - 1))^2 = 1/9 at K = L = 2)."""
+  pattern = np.array([[1.0, -1.0], [-1.0, 1.0]])  # (positions L=2, channels C=2)
+  acts = np.broadcast_to(pattern, (5, 2, 2))
+  m = bn.measure_bn_channel_noise(acts, 4, 2, 3, np.random.default_rng(0))
+  assert (m["P"], m["K"], m["channels"]) == (2, 2, 2)
+  assert m["mean_noise"] == pytest.approx(0.0, abs=1e-24)
+  assert m["var_noise"] == pytest.approx(0.0, abs=1e-24)

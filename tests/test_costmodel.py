@@ -53,3 +53,15 @@ def test_link_validation(kwargs, match):
 def test_unknown_preset():
   with pytest.raises(ValueError, match="unknown link 'wifi'"):
     costmodel.link("wifi")
+
+
+def test_projected_time_adds_compute_and_communication():
+  """SPEC: projected wall-clock = measured compute + modeled communication (no overlap), and
+  efficiency 1 / (1 + comm/compute); overlapping them (the max of the two) would give 1.0 s."""
+  net = costmodel.Link("x", bandwidth=1e9, latency=0.0)
+  totals = {"all_reduces": 1, "all_reduce_bytes": 4e8}
+  comm_s = 2 * (2 - 1) / 2 * 4e8 / 1e9  # ring all-reduce of 4e8 bytes over 2 workers: 0.4 s
+  p = costmodel.projected_time(1.0, totals, 2, net)
+  assert math.isclose(p["comm_s"], comm_s) and p["compute_s"] == 1.0
+  assert math.isclose(p["projected_s"], 1.4)
+  assert math.isclose(p["scaling_efficiency"], 1.0 / 1.4)

@@ -694,3 +694,66 @@ def test_normalize_matches_the_expression_and_broadcasts():
     got = data._normalize(image, data.IMAGENET_MEAN, data.IMAGENET_STD)
     assert got.dtype == np.float32 and got.shape == (5, 7, 3)
     np.testing.assert_array_equal(got, want)
+
+
+def test_tfds_cifar100_mock_uses_its_own_channel_statistics():
+  """CIFAR-100 is normalised with its own per-channel mean/std (0.5071, 0.4865, 0.4409 /
+  0.2673, 0.2564, 0.2762), not CIFAR-10's, which move normalised inputs by up to ~0.2."""
+  with _mock(4):
+    ds = data.load("cifar100", data_dir="/nonexistent", augment=False)
+    raw = np.asarray(ds.test._source[1]["image"])
+    ev = ds.test.get(np.array([1]), None)["x"][0]
+  assert (ds.num_classes, ds.input_shape) == (100, (32, 32, 3))
+  mean, std = np.array([0.5071, 0.4865, 0.4409]), np.array([0.2673, 0.2564, 0.2762])
+  np.testing.assert_allclose(ev, (raw / 255.0 - mean) / std, rtol=1e-5, atol=1e-5)
+
+
+def test_random_crop_flip_offsets_cover_both_edges():
+  """torchvision's RandomCrop(padding=p) draws each offset uniformly from 0..2p inclusive, so
+  the crop can sit flush against either padded edge; a half-open range would never shift the
+  image by p towards the top or left. With p = 1 over 60 seeds every offset 0, 1, 2 shows up
+  (the chance that one is missed is below 6 (2/3)^60 ~ 2e-10)."""
+  image = np.arange(1, 4 * 5 * 1 + 1, dtype=np.uint8).reshape(4, 5, 1)
+  padded = np.pad(image, ((1, 1), (1, 1), (0, 0)))
+  tops, lefts = set(), set()
+  for seed in range(60):
+    out = data.random_crop_flip(image, np.random.default_rng(seed), padding=1)
+    found = [(t, l) for t in range(3) for l in range(3)
+             if np.array_equal(out, padded[t:t + 4, l:l + 5])
+             or np.array_equal(out[:, ::-1], padded[t:t + 4, l:l + 5])]
+    assert len(found) == 1, seed
+    tops.add(found[0][0])
+    lefts.add(found[0][1])
+  assert tops == lefts == {0, 1, 2}
+
+
+@pytest.mark.parametrize("ratio", [2.0, 0.5])
+def test_random_resized_crop_aspect_ratio_is_width_over_height(ratio):
+  """torchvision: a crop of area A and ratio r is sqrt(A r) wide and sqrt(A / r) tall. On a
+  100x100 ramp with A = 5000, r = 2 takes all 100 columns and 50 rows (r = 1/2 the reverse),
+  so one colour ramp spans the full range and the other about half; a square crop (both sides
+  sqrt(A r)) or swapped sides would not."""
+  image = _ramp(100, 100)
+  out = data.random_resized_crop(image, np.random.default_rng(0), size=20, scale=(0.5, 0.5),
+                                 ratio=(ratio, ratio)).astype(float)
+  red = out[:, :, 0].mean(axis=0)    # column ramp across the output
+  green = out[:, :, 1].mean(axis=1)  # row ramp down the output
+  wide, narrow = (red, green) if ratio > 1 else (green, red)
+  assert wide[-1] - wide[0] > 0.9 * 255 * 19 / 20        # 100 source pixels: the whole ramp
+  assert 0.4 * 255 < narrow[-1] - narrow[0] < 0.6 * 255  # 50 source pixels: ~48% of it
+
+
+def test_imagenet_train_preprocess_flips_horizontally_half_the_time():
+  """The ImageNet training transform is a random-resized crop then a horizontal flip with
+  probability 1/2 (and never a vertical one): on a ramp whose red channel grows with the column,
+  about half of 20 seeds' crops have red falling left to right; the green row ramp never
+  falls."""
+  preprocess = data.make_imagenet_preprocess(size=16, resize_size=18)
+  example = {"image": _ramp(40, 40), "label": np.int64(3)}
+  flipped = 0
+  for seed in range(20):
+    x = preprocess(example, np.random.default_rng(seed))["x"]
+    assert x[-1, 8, 1] > x[0, 8, 1]  # rows keep their order
+    assert x[8, -1, 0] != x[8, 0, 0]
+    flipped += bool(x[8, -1, 0] < x[8, 0, 0])
+  assert 3 <= flipped <= 17  # Binomial(20, 1/2): outside [3, 17] has probability 4e-4

@@ -623,3 +623,21 @@ def test_bn_groups_validation():
   model = models.get_model("cnn", features=(4,), num_classes=3, bn_groups=3)
   with pytest.raises(ValueError, match=r"multiple of groups=3, got input shape \(4, 8, 8, 4\)"):
     models.init_model(model, jax.random.PRNGKey(0), jnp.zeros((4, 8, 8, 1)))
+
+
+def test_batchnorm_epsilon_is_the_flax_and_pytorch_default():
+  """Every model's BatchNorm adds epsilon = 1e-5 (flax's and PyTorch's default, as the papers'
+  models use) to the variance: with a running variance of 1e-4 in evaluation mode bn0 scales
+  its input by 1 / sqrt(1.1e-4) ~ 95; epsilon 1e-3 would give ~30, and a near-constant
+  channel would be normalised differently in training too."""
+  model, params, state, x = _initialized("cnn_2d")
+  stats = {"bn0": {"mean": jnp.zeros(8), "var": jnp.full(8, 1e-4)}}
+  state = {"batch_stats": {**state["batch_stats"], **stats}}
+  _, inter = jax.jit(lambda p, s, x: model.apply(
+      {"params": p, **s}, x, train=False, mutable=["intermediates"],
+      capture_intermediates=lambda mdl, _: mdl.name in ("conv0", "bn0")))(params, state, x[:1])
+  conv0 = np.asarray(inter["intermediates"]["conv0"]["__call__"][0], np.float64)
+  bn0 = np.asarray(inter["intermediates"]["bn0"]["__call__"][0], np.float64)
+  bn = params["bn0"]
+  want = conv0 / np.sqrt(1e-4 + 1e-5) * np.asarray(bn["scale"]) + np.asarray(bn["bias"])
+  np.testing.assert_allclose(bn0, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -389,3 +389,13 @@ def test_skip_nonfinite_wraps_a_one_worker_transform():
   with pytest.raises(ValueError, match=r"must wrap a local optimizer"):
     jax.jit(precision.skip_nonfinite(
         optax.chain(mfopt.sync_gradients("w"), optax.sgd(0.1))).init)({"w": jnp.zeros(3)})
+
+
+def test_half_is_ieee_float16_with_loss_scaling():
+  """The dtype name "half" is IEEE binary16 (NumPy's ``np.half``), as "fp16" is: mapping it to
+  bfloat16 would silently drop the dynamic loss scale float16's narrow range needs."""
+  half = np.dtype(np.half)
+  p = precision.get_policy("half")
+  assert jnp.dtype(p.compute) == half == jnp.dtype(precision.get_policy("fp16").compute)
+  assert p.needs_loss_scaling
+  assert jnp.dtype(precision.get_policy("compute=half").compute) == half

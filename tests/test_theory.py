@@ -66,7 +66,9 @@ def test_lemmas_5_and_7_optimal_period():
 
 
 def test_estimate_constants_on_a_quadratic_with_known_answers():
-  """f_i(w) = 0.5 sum h (w - x_i)^2: L = max h, sigma2 = sum h^2 Var(x), grad F = h (w - mean x)."""
+  """f_i(w) = 0.5 sum h (w - x_i)^2: L = max h, sigma2 = sum h^2 Var(x), grad F = h (w - mean x),
+  and f_gap = F(w) - f_star (seed 003's F(w_1) - F*; adding the lower bound would loosen every
+  Theorem 1 term f_gap enters)."""
   rng = np.random.default_rng(0)
   h = np.array([3.0, 1.0, 0.5], np.float32)
   x = rng.normal(size=(400, 3)).astype(np.float32)
@@ -75,10 +77,14 @@ def test_estimate_constants_on_a_quadratic_with_known_answers():
   def loss(params, batch):
     return jnp.mean(0.5 * jnp.sum(h * (params["w"] - batch["x"]) ** 2, axis=1))
 
-  est = theory.estimate_constants(loss, {"w": jnp.asarray(w)}, {"x": jnp.asarray(x)}, iters=30)
+  f_star = 0.25
+  est = theory.estimate_constants(loss, {"w": jnp.asarray(w)}, {"x": jnp.asarray(x)}, iters=30,
+                                  f_star=f_star)
   assert est.L == pytest.approx(3.0, rel=1e-3)
   assert est.sigma2 == pytest.approx(float(np.sum(h**2 * x.var(0))), rel=1e-4)
   assert est.M == pytest.approx(float(np.sum((h * (w - x.mean(0))) ** 2)), rel=1e-4)
+  f_w = float(np.mean(0.5 * np.sum(h * (w - x.astype(np.float64)) ** 2, axis=1)))
+  assert est.f_gap == pytest.approx(f_w - f_star, rel=1e-5)
 
 
 def test_estimate_constants_finds_max_abs_eigenvalue_at_a_saddle():
