@@ -20,7 +20,6 @@ left out of the means, and the policy comparison involving it is not reproduced
 
 from __future__ import annotations
 
-import math
 import pathlib
 import time
 from typing import Any
@@ -82,13 +81,12 @@ def throughput(c, dataset) -> dict[tuple[str, int], float]:
   """
   import jax
 
-  from mfopt import data as data_lib, parallel, precision, train
+  from mfopt import data as data_lib, hybrid_switch_step, parallel, precision, train
   steps: dict[tuple[str, int, str], Any] = {}
   # steps per epoch of the two benchmark builds: the warm-up never switches (S = T x 10^6);
-  # the SGD build switches at S = floor(T x spe) >= 1 (a fractional T needs spe > 1)
-  sgd_spe = max(1, math.ceil(1 / c.warmup_epochs))
-  phase_spe = {"warmup": 10 ** 6, "sgd": sgd_spe}
-  switch = math.floor(c.warmup_epochs * sgd_spe + 1e-9)
+  # the SGD build switches at S = ceil(T) >= 1
+  phase_spe = {"warmup": 10 ** 6, "sgd": 1}
+  switch = hybrid_switch_step(c.warmup_epochs, phase_spe["sgd"])
   for b in c.batch_sizes:
     batcher = data_lib.WorkerBatcher(dataset.train, num_workers=c.num_workers,
                                      per_worker_batch=b, seed=0)

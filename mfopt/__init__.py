@@ -35,8 +35,8 @@ from mfopt import sim
 # (``mfopt.adabound`` is the transform; the module is ``mfopt._adabound_module``.)
 from mfopt import adabound as _adabound_module
 from mfopt.adabound import (adabound, hybrid_adabound_lars, hybrid_lars_learning_rate,
-                            linear_scaling_adabound, linear_scaling_bounds, scale_by_adabound,
-                            scale_by_linear_scaling_adabound)
+                            hybrid_switch_step, linear_scaling_adabound, linear_scaling_bounds,
+                            scale_by_adabound, scale_by_linear_scaling_adabound)
 from mfopt import batchnorm, metrics, precision
 
 # Performance: synchronous workers as one replica with per-worker-group BatchNorm.

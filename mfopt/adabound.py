@@ -48,6 +48,7 @@ __all__ = [
     "linear_scaling_bounds",
     "hybrid_adabound_lars",
     "hybrid_lars_learning_rate",
+    "hybrid_switch_step",
 ]
 
 
@@ -430,8 +431,24 @@ class HybridState(NamedTuple):
   nu: optax.Updates
 
 
-def _warmup_steps(warmup_epochs: float, steps_per_epoch: int) -> int:
-  return int(math.floor(warmup_epochs * steps_per_epoch + 1e-9))
+def hybrid_switch_step(warmup_epochs: float, steps_per_epoch: int) -> int:
+  """The update count ``S = ceil(T * steps_per_epoch)`` (at least 1) at which
+  :func:`hybrid_adabound_lars` switches to LARS SGD: updates ``0 .. S-1`` are the warm-up.
+
+  The warm-up's last update is the first one whose epoch ``t = S / steps_per_epoch`` reaches
+  ``T``, where both bounds equal ``lr N`` (SPEC.md: "at t = T both bounds equal lr*N, then
+  SGD"). Rounding down, as this did before, switched to SGD before ``T`` when ``T *
+  steps_per_epoch`` is not a whole number, after a step whose bounds had not met
+  (``warmup_epochs=2.5`` with 11 steps per epoch switched at epoch 2.45, where the
+  coordinates' 1%-99% rates were still 19.9x apart: ``notebooks/adabound_hybrid.ipynb``).
+  The 1e-9 absorbs float rounding of a whole product (``0.3 * 10``).
+
+  >>> hybrid_switch_step(2.5, 11), hybrid_switch_step(0.3, 10), hybrid_switch_step(10, 4)
+  (28, 3, 40)
+  """
+  _checks.positive_number("warmup_epochs", warmup_epochs)
+  _checks.positive_int("steps_per_epoch", steps_per_epoch)
+  return max(1, int(math.ceil(warmup_epochs * steps_per_epoch - 1e-9)))
 
 
 def hybrid_lars_learning_rate(*, num_workers: int, steps_per_epoch: int, base_lr: float = 0.1,
@@ -464,7 +481,7 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
                          axis_name: AxisName = None) -> optax.GradientTransformation:
   r"""AdaBound warmup + linear-scaling SGD with LARS (seed 004 §2.2.1, "the hybrid").
 
-  For the first ``S = floor(T * steps_per_epoch)`` updates: :func:`linear_scaling_adabound`
+  For the first ``S = ceil(T * steps_per_epoch)`` updates (:func:`hybrid_switch_step`): :func:`linear_scaling_adabound`
   (no weight decay: the seed adopts weight decay "in SGD"). From update ``S`` on:
   ``optax.lars(lr_c, weight_decay, trust_coefficient=..., momentum=...)`` with
   :func:`hybrid_lars_learning_rate`, i.e.
@@ -548,10 +565,7 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
                                 steps_per_epoch=steps_per_epoch, alpha=alpha,
                                 warmup_epochs=warmup_epochs, b1=b1, b2=b2, eps=eps,
                                 bias_correction=bias_correction)
-  switch = _warmup_steps(warmup_epochs, steps_per_epoch)
-  if switch < 1:
-    raise ValueError(f"warmup_epochs * steps_per_epoch must be >= 1 (one warmup step), got "
-                     f"warmup_epochs={warmup_epochs!r}, steps_per_epoch={steps_per_epoch!r}")
+  switch = hybrid_switch_step(warmup_epochs, steps_per_epoch)
   lars_lr = hybrid_lars_learning_rate(num_workers=num_workers, steps_per_epoch=steps_per_epoch,
                                       base_lr=base_lr, decay=decay)
   # The LARS-norm gate opens at the switch for good; the host replays that from the count

@@ -127,11 +127,12 @@ def np_hybrid(p0, grad_fn, steps, *, base_lr, num_workers, steps_per_epoch, alph
   buf = {k: np.zeros_like(v) for k, v in p.items()}
   lrn = base_lr * num_workers
   big_t = warmup_epochs
-  n_warm = int(math.floor(warmup_epochs * steps_per_epoch + 1e-9)) if switch else steps + 1
+  n_warm = 0  # warm-up updates done; update i starts at epoch i / steps_per_epoch
   traj, rates = [], []
   for i in range(steps):
     g = grad_fn(p)
-    if i < n_warm:
+    if not switch or i / steps_per_epoch < warmup_epochs - 1e-9:  # the epoch has not reached T
+      n_warm += 1
       k_ = i + 1
       t = min(k_ / steps_per_epoch, big_t)  # fractional epoch, clamped at T
       b_u = lrn + 1 / ((1 - b2) * t) - 1 / ((1 - b2) * big_t)
@@ -293,6 +294,24 @@ def test_hybrid_matches_seed_equations_across_the_switch_float64(problem, bias_c
   assert np.abs(no_switch[-1][k] - want[-1][k]).max() > 1e-4
 
 
+def test_hybrid_switches_after_the_first_step_that_reaches_T():
+  """With T x steps_per_epoch not whole (2.45 x 10), the warm-up runs until an update's epoch
+  reaches T (25 updates, the last at t = 2.5 >= T, where both bounds equal lr N), then SGD.
+  Rounding the switch down started SGD one update early, after a step at t = 2.4 whose bounds
+  had not met (B_l = 0.98 lr N)."""
+  p0, np_grad, jax_loss = PROBLEMS[sorted(PROBLEMS)[0]]()
+  kw = dict(HYBRID, warmup_epochs=2.45, decay=0.7, weight_decay=1e-3)
+  assert mfopt.hybrid_switch_step(2.45, 10) == 25 == mfopt.hybrid_switch_step(2.5, 10)
+  assert mfopt.hybrid_switch_step(0.3, 10) == 3 and mfopt.hybrid_switch_step(1e-6, 1) == 1
+  want, rates = np_hybrid(p0, np_grad, 40, trust=0.5, **kw)
+  lrn = HYBRID["base_lr"] * HYBRID["num_workers"]
+  assert len(rates) == 25 and np.allclose(rates[-1], lrn) and rates[-2][0] < 0.99 * lrn
+  with jax.enable_x64(True):
+    got = _run(mfopt.hybrid_adabound_lars(trust_coefficient=0.5, **kw), p0, jax_loss, 40,
+               jnp.float64)
+  _assert_traj(got, want, 1e-10)
+
+
 def test_hybrid_switch_is_in_graph_one_trace():
   traces = []
   tx = mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=2, warmup_epochs=1)
@@ -442,7 +461,7 @@ def test_lars_learning_rate_counts_decay_from_the_switch():
     (lambda v: mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=3, momentum=v),
      "momentum", 1.0),
     (lambda v: mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=3, warmup_epochs=v),
-     "warmup_epochs", 0.1),
+     "warmup_epochs", 0.0),
 ])
 def test_bad_arguments_are_named(make, arg, value):
   with pytest.raises(ValueError, match=arg):
