@@ -481,8 +481,9 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
                          axis_name: AxisName = None) -> optax.GradientTransformation:
   r"""AdaBound warmup + linear-scaling SGD with LARS (seed 004 §2.2.1, "the hybrid").
 
-  For the first ``S = ceil(T * steps_per_epoch)`` updates (:func:`hybrid_switch_step`): :func:`linear_scaling_adabound`
-  (no weight decay: the seed adopts weight decay "in SGD"). From update ``S`` on:
+  For the first ``S = ceil(T * steps_per_epoch)`` updates (:func:`hybrid_switch_step`):
+  :func:`linear_scaling_adabound` (no weight decay: the seed adopts weight decay "in SGD").
+  From update ``S`` on:
   ``optax.lars(lr_c, weight_decay, trust_coefficient=..., momentum=...)`` with
   :func:`hybrid_lars_learning_rate`, i.e.
 
