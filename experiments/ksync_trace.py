@@ -105,15 +105,20 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   table = suite.aggregate(rows, ("variant",), fields)
   by = {r["variant"]: r for r in table}
   claims = []
+  # k <= M: with fewer than 5 workers "k < 5" holds by construction and tests nothing
+  below_5_testable = c.num_workers >= 5
   for p in c.presets:
     a = by[f"adaptive k [{p}]"]
-    claims.append({"claim": f"adaptive k [{p}] is non-monotone and mostly < 5 (Fig. 13)",
+    claims.append({"claim": f"adaptive k [{p}] is non-monotone and mostly < 5 (Fig. 13)"
+                            + ("" if below_5_testable else
+                               f"; 'mostly < 5' not testable with {c.num_workers} workers "
+                               f"(k <= M < 5 by construction): non-monotone only"),
                    "ours": f"median k {a['k_p50_mean']:.3g}, p90 {a['k_p90_mean']:.3g}, "
                            f"{100 * a['frac_k_below_5_mean']:.0f}% of steps k<5, "
                            f"{a['direction_changes_per_100_mean']:.3g} direction changes / 100 steps",
                    "baseline": "seed: k in a small range, usually < 5",
                    "verdict": suite.holds_in_every_seed({
-                       seed: frac > 0.5 and suite.per_seed(
+                       seed: (frac > 0.5 or not below_5_testable) and suite.per_seed(
                            rows, "direction_changes_per_100", variant=f"adaptive k [{p}]")[seed] > 0
                        for seed, frac in suite.per_seed(
                            rows, "frac_k_below_5", variant=f"adaptive k [{p}]").items()})})

@@ -64,6 +64,9 @@ def test_ksync_trace_quick(tmp_path):
   a = rows["adaptive k [working]"]
   assert 2 <= a["k_p10_mean"] <= a["k_p90_mean"] <= 4  # quick preset: 4 workers
   assert (tmp_path / "k_trace.png").exists()
+  # with 4 workers k < 5 always: the Fig. 13 claim tests non-monotonicity only, and says so
+  fig13, = [c for c in res["claims"] if "Fig. 13" in c["claim"]]
+  assert "'mostly < 5' not testable with 4 workers" in fig13["claim"]
 
 
 def test_bb_lr_quick(tmp_path):
