@@ -60,6 +60,20 @@ def step_decay(peak: float, num_steps: int) -> optax.Schedule:
       peak, {int(num_steps * 0.5): 0.1, int(num_steps * 0.75): 0.1})
 
 
+def adpsgd_warmup_steps(c, steps_per_epoch: int) -> int:
+  """ADPSGD's warm-up in steps (``round(c.warmup_epochs x steps_per_epoch)``), refused where it
+  covers the whole run: ADPSGD then averages every step throughout, the FULLSGD row, and its
+  comparisons were judged anyway (``warmup_epochs=2`` on digits: 44 steps of a 20-step run)."""
+  from mfopt import runner  # noqa: PLC0415
+  warmup = int(round(c.warmup_epochs * steps_per_epoch))
+  if warmup >= c.num_steps:
+    raise runner.ConfigError(
+        f"config field 'warmup_epochs' = {c.warmup_epochs!r} is {warmup} steps "
+        f"({steps_per_epoch} per epoch) of a num_steps={c.num_steps} run: ADPSGD would average "
+        f"every step (FULLSGD); use warmup_epochs < {c.num_steps / steps_per_epoch:.4g}")
+  return warmup
+
+
 def mesh_for(num_workers: int):
   """The largest mesh whose size divides ``num_workers`` (P = 6 on 8 devices: 6; on 2 processes
   x 4 devices: 3 + 3), as :func:`mfopt.parallel.worker_mesh`."""

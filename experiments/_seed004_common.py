@@ -88,6 +88,12 @@ def validate_common(c) -> None:
     raise runner.ConfigError(f"config field 'decay' must be in (0, 1], got {c.decay!r}")
   if not c.seeds:
     raise runner.ConfigError("config field 'seeds' must not be empty")
+  # (hybrid_warmup_T has warmup_values instead, checked the same way)
+  if "warmup_epochs" in c and not 0 < c.warmup_epochs <= c.epochs:
+    # longer than the run, the hybrid never left its AdaBound warm-up and was judged as the
+    # hybrid anyway
+    raise runner.ConfigError(f"config field 'warmup_epochs' must be in (0, epochs={c.epochs}], "
+                             f"got {c.warmup_epochs!r}")
 
 
 def load_dataset(c) -> data_lib.Dataset:
@@ -450,18 +456,38 @@ def diverged_lines(runs: Mapping[Any, Sequence[dict[str, Any]]],
       "before diverging are in `metrics.jsonl`.")
 
 
-def setup_lines(c, dataset, *, extra: str = "") -> list[str]:
+def setup_lines(c, dataset, *, extra: str = "", batches: Sequence[int] | None = None,
+                bn: str | None = None) -> list[str]:
+  """The report's setup section. ``batches``: the per-worker batches the rows run at (default
+  ``c.per_worker_batch``); with several, each one's steps and samples (an epoch is
+  ``floor(N / global batch)`` steps, so the samples differ by each batch's dropped remainder).
+  ``bn``: the BN text, where the rows do not all use ``c.bn``."""
   from mfopt import report
   env = report.environment()
-  b = c.per_worker_batch
-  spe = max(len(dataset.train) // (c.num_workers * b), 1)
+  batches = tuple(batches or (c.per_worker_batch,))
+  devices = f"{c.num_workers} (virtual, on {min(env['device_count'], c.num_workers)} device(s))"
+  per_batch = []
+  for b in batches:
+    spe = max(len(dataset.train) // (c.num_workers * b), 1)
+    per_batch.append((b, spe, c.epochs * spe, c.epochs * spe * c.num_workers * b))
+  if len(per_batch) == 1:
+    b, spe, steps, _ = per_batch[0]
+    workers = (f"- Workers: {devices}, per-worker batch {b}, global batch {c.num_workers * b}; "
+               f"{c.epochs} epochs = {steps} steps ({spe} steps/epoch) for every algorithm "
+               "(equal samples)")
+  else:
+    workers = (f"- Workers: {devices}; {c.epochs} epochs of floor(N / global batch) steps at "
+               "each per-worker batch: " + "; ".join(
+                   f"{b}: global batch {c.num_workers * b}, {steps} steps, {samples:,} samples"
+                   for b, _, steps, samples in per_batch)
+               + ". Rows compared in a claim share a batch (equal samples); across batches the "
+               "samples differ by each batch's dropped remainder")
   return [
       report.environment_markdown(env),
       f"- Dataset: {dataset.name}, {len(dataset.train):,} train / {len(dataset.test):,} test "
-      f"examples; model {c.model} (features {tuple(c.features)}), BN strategy {c.bn}",
-      f"- Workers: {c.num_workers} (virtual, on {min(env['device_count'], c.num_workers)} "
-      f"device(s)), per-worker batch {b}, global batch {c.num_workers * b}; {c.epochs} epochs = "
-      f"{c.epochs * spe} steps ({spe} steps/epoch) for every algorithm (equal samples)",
+      f"examples; model {c.model} (features {tuple(c.features)}), "
+      f"{bn or f'BN strategy {c.bn}'}",
+      workers,
       f"- Seeds: {tuple(c.seeds)}; base lr {c.base_lr} per worker (x{c.num_workers} linear "
       f"scaling), alpha {c.alpha}, T = {_warmup_text(c)} epochs, decay {c.decay}, momentum "
       f"{c.momentum}, weight decay {c.weight_decay}, LARS trust coefficient {c.trust_coefficient}",

@@ -205,7 +205,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   dataset = data_lib.load(c.dataset)
   w, b, n = c.num_workers, c.per_worker_batch, c.num_steps
   steps_per_epoch = max(1, len(dataset.train) // (w * b))
-  warmup = int(round(c.warmup_epochs * steps_per_epoch))
+  warmup = common.adpsgd_warmup_steps(c, steps_per_epoch)
   k_s = max(int(c.sampling_fraction * n), warmup + c.p_init)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
 

@@ -106,7 +106,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   w, b, n = c.num_workers, c.per_worker_batch, c.num_steps
   steps_per_epoch = max(1, len(dataset.train) // (w * b))
   schedule = common.step_decay(c.learning_rate, n)
-  warmup = int(round(c.warmup_epochs * steps_per_epoch))
+  warmup = common.adpsgd_warmup_steps(c, steps_per_epoch)
   k_s = max(int(c.sampling_fraction * n), warmup + c.p_init)
 
   def inner():

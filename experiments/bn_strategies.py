@@ -67,8 +67,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   common.validate_common(c)
   from mfopt import runner
   runner.require_choice(c, "rows", ROWS)
-  if c.per_worker_batch < 2:
-    raise runner.ConfigError(f"config field 'per_worker_batch' must be >= 2, got {c.per_worker_batch}")
+  if c.per_worker_batch < 2 or c.per_worker_batch % 2:
+    # (row 1 draws B/2, B, 3B/2: an odd B gave 2, 5, 7 for B = 5, a mean batch of 4.67)
+    raise runner.ConfigError(f"config field 'per_worker_batch' must be an even number >= 2 (row 1 "
+                             f"draws B/2, B and 3B/2), got {c.per_worker_batch}")
 
 
 def _bn_sync_totals(model_state, steps: int) -> dict[str, int]:
@@ -260,11 +262,17 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                      title=f"Table 3.4 strategies (seed {c.seeds[0]})")
   report.write_json(workdir / "runs.json",
                     {k: [common.run_record(r) for r in rs] for k, rs in runs.items()})
+  samples = {name: common.first_ok(rs)["summary"]["samples"] for name, rs in runs.items()
+             if common.first_ok(rs)}
+  varying = samples.pop("varying_sync_ma", None)
+  budget = ("" if varying is None or not samples else
+            f" (it stops at the first step that reaches the others' budget: {varying:,} vs "
+            f"{next(iter(samples.values())):,} samples)")
   lines = ["# bn_strategies: seed 004 Table 3.4 at small scale\n",
-           *common.setup_lines(c, dataset),
+           *common.setup_lines(c, dataset, bn="BN strategy per row (the table's columns)"),
            "- Row 1 draws the per-worker batch from {B/2, B, 3B/2} at every step (same on all "
-           "workers), equal samples; synchronised-BN rows add BN's all-reduces (forward and "
-           "backward, per layer per step) to the projection. Target test accuracy "
+           f"workers), equal samples{budget}; synchronised-BN rows add BN's all-reduces "
+           "(forward and backward, per layer per step) to the projection. Target test accuracy "
            f"{common.fmt_target(target)}.\n",
            report.markdown_table(rows, ["fixed", "indep", "no_ma", "final_test", "best_test",
                                         "epochs", "eff", "all_reduces"],

@@ -200,13 +200,12 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   report.write_json(workdir / "runs.json", {f"{p}@{b}": [common.run_record(r) for r in rs]
                                             for (p, b), rs in runs.items()})
   lines = ["# precision: seed 004 Fig. 3.3 and Table 3.2 at small scale\n",
-           *common.setup_lines(c, dataset, extra=(
+           *common.setup_lines(c, dataset, batches=c.batch_sizes, extra=(
                f" Throughput is measured on **{device}** (whole device, all virtual workers); the "
                "W = 1 timing above feeds only the projected scaling efficiency. "
                "Gradient all-reduce in the compute dtype (payload bytes per worker below).")),
            f"- Algorithm: {c.algorithm}; policies {tuple(c.policies)} (fp16 with dynamic loss "
-           f"scaling, initial scale 2^15); per-worker batches {tuple(c.batch_sizes)}; at the "
-           "larger batch the same epochs take half the steps.\n",
+           f"scaling, initial scale 2^15); per-worker batches {tuple(c.batch_sizes)}.\n",
            report.markdown_table(rows, ["policy", "batch", "final_test", "epochs", "bench",
                                         "speedup", "speed", "eff", "bytes", "overflow_logs"],
                                  ["data type", "per-worker batch", "final test acc",

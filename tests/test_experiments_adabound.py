@@ -371,3 +371,22 @@ def test_efficiency_report_on_several_devices():
                                   device="CPU")
   assert rep["compute_s"] == pytest.approx(1.0 * 4 / 8)
   assert rep["actual_training_time_s"] == pytest.approx(rep["actual_single_gpu_time_s"] / 8)
+
+
+def test_setup_lines_give_each_batch_its_steps_and_samples():
+  """precision's rows run at several per-worker batches; an epoch is floor(N / global batch)
+  steps, so the samples differ across batches. Its report said "(equal samples)" from the
+  config's one batch and "half the steps" at the larger one (an off-default review: 4 vs 16
+  steps at batches 48 and 16). By hand, N = 1000, 8 workers, 2 epochs: batch 16 -> 7 steps an
+  epoch, 14 x 128 = 1,792 samples; batch 48 -> 2 steps, 4 x 384 = 1,536."""
+  import types
+  from experiments import _seed004_common as common
+  c = common.base_config(True)
+  c.num_workers, c.epochs = 8, 2
+  ds = types.SimpleNamespace(name="toy", train=range(1000), test=range(10))
+  text = "\n".join(common.setup_lines(c, ds, batches=(16, 48), bn="BN per row"))
+  assert "16: global batch 128, 14 steps, 1,792 samples" in text
+  assert "48: global batch 384, 4 steps, 1,536 samples" in text
+  assert "BN per row" in text and "BN strategy" not in text
+  one = "\n".join(common.setup_lines(c, ds, batches=(16,)))
+  assert "2 epochs = 14 steps (7 steps/epoch) for every algorithm (equal samples)" in one
