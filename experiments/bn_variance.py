@@ -234,9 +234,10 @@ def _write_report(c, workdir, dataset, act_rows, gauss_rows, noise_rows, verdict
       ["data", "P", "K", "measured S_t/s^2", "correct (M-1)", "printed eq. 8",
        "z vs correct", "z vs printed", "S_e/s^2", "S_a/s^2"], digits=4))
   d2 = [r for r in act_rows + gauss_rows if r["P"] == 1]
+  measured_d2 = f"{np.mean([r['delta2_B'] for r in d2]):.4f}" if d2 else "n/a (P = 1 not run)"
   lines += [
       f"\nEq. 4 vs eq. 6 (P = 1): measured E[delta_B^2]/s^2 = "
-      f"{np.mean([r['delta2_B'] for r in d2]):.4f}; correct (M-1)/M = {(M - 1) / M:.4f}; "
+      f"{measured_d2}; correct (M-1)/M = {(M - 1) / M:.4f}; "
       f"printed eq. 6 = M-1 = {M - 1} (the expectation of the *sum* of squares).\n",
       "## What per-worker BN changes: noise of each worker's channel statistics\n",
       "Mean over channels of E[(mu_j - mu)^2]/s^2 and E[(delta_j^2 - s^2)^2]/s^4 for each "
@@ -244,19 +245,20 @@ def _write_report(c, workdir, dataset, act_rows, gauss_rows, noise_rows, verdict
       "statistics; the prediction for the mean is exact for i.i.d. examples.\n",
   ]
   noise = []
+  base_p = min(c.workers)  # the ratio's base: P = 1 where it ran (the first P listed was used)
   for layer in sorted({r["layer"] for r in noise_rows}):
     base = None
-    for P in c.workers:
+    for P in sorted(c.workers):
       rs = [r for r in noise_rows if r["layer"] == layer and r["P"] == P]
       mn, mse = _mean_se(rs, "mean_noise")
       vn, vse = _mean_se(rs, "var_noise")
-      base = mn if base is None else base
+      base = mn if P == base_p else base
       noise.append({"layer": layer, "P": P, "K": M // P, "mean": f"{mn:.4g} ± {mse:.2g}",
                     "pred": float(np.mean([r["predicted_mean_noise"] for r in rs])),
                     "var": f"{vn:.4g} ± {vse:.2g}", "ratio": mn / base})
   lines.append(report.markdown_table(
       noise, ["layer", "P", "K", "mean", "pred", "ratio", "var"],
       ["layer", "P", "K", "mean noise (measured)", "mean noise (predicted)",
-       "mean noise / P=1", "variance noise (measured)"]))
+       f"mean noise / P={base_p}", "variance noise (measured)"]))
   lines.append("\n![measured vs formulas](bn_variance.png)\n")
   (workdir / "report.md").write_text("\n".join(lines) + "\n")

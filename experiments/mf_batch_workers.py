@@ -224,7 +224,7 @@ def _plot(c, aggs, workdir: pathlib.Path) -> None:
   common.plot_accuracy_vs_workers(
       aggs, c.optimizers, "global_batch", c.batches, lambda b: f"batch {b}",
       workdir / "accuracy_vs_workers.png",
-      "seed 000 Tables 2/3 at small scale (CNN + per-worker BN, MNIST-1D)")
+      f"seed 000 Tables 2/3 at small scale (CNN + per-worker BN, {c.dataset})")
 
 
 def _processed_range(c, samples: int) -> str:
@@ -247,9 +247,11 @@ def _write_report(c, workdir, dataset, rows, aggs, rule, skipped, meshes, claims
       "running averages)",
       f"- Model: CNN features {tuple(c.features)}, BatchNorm per worker (statistics of each "
       "worker's own batch, the models' default under the worker vmap)",
-      f"- Optimizers: synchronous all-reduce + mfopt.mf_sgd (MF {c.mf}) / mfopt.mf_adam "
-      f"(MF1 {c.mf}, MF2 {c.mf2}); lr by the linear scaling rule {c.base_lr} @ {c.base_batch} "
-      "(Table 1), the same rule for Adam as in the paper",
+      "- Optimizers: synchronous all-reduce + " + " / ".join(
+          {"sgd": f"mfopt.mf_sgd (MF {c.mf})", "nag": f"mfopt.mf_nesterov (MF {c.mf})",
+           "adam": f"mfopt.mf_adam (MF1 {c.mf}, MF2 {c.mf2})"}[o] for o in c.optimizers)
+      + f"; lr by the linear scaling rule {c.base_lr} @ {c.base_batch} (Table 1)"
+      + (", the same rule for Adam as in the paper" if "adam" in c.optimizers else ""),
       f"- Samples per run: {samples:,} ({c.epochs} epochs) nominal; steps = round(samples / "
       "global batch), so a cell processes "
       + _processed_range(c, samples) + "; per-worker batch = global batch / workers",

@@ -99,7 +99,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       "# mf_mlp: seed 000 Fig. 8 (MLP, MF sweep) at small scale\n",
       report.environment_markdown(env),
       f"- Dataset: {dataset.name}, {len(dataset.train):,} train / {len(dataset.test):,} test",
-      f"- Model: MLP hidden {tuple(c.hidden)} (3 dense layers, ReLU), no BatchNorm",
+      f"- Model: MLP hidden {tuple(c.hidden)} ({len(c.hidden) + 1} dense layers, ReLU), no "
+      "BatchNorm",
       f"- Workers: {c.num_workers} (virtual); global batch {c.global_batch}, per-worker "
       f"{c.global_batch // c.num_workers}; synchronous all-reduce + mfopt.mf_sgd, constant lr "
       f"{c.learning_rate}",

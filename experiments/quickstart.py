@@ -133,9 +133,11 @@ ALGORITHMS: dict[str, Algorithm] = {
             mfopt.hybrid_adabound_lars(
                 num_workers=ctx.num_workers, steps_per_epoch=ctx.steps_per_epoch,
                 base_lr=lr / ctx.num_workers,
-                warmup_epochs=max(1, round(ctx.num_steps / ctx.steps_per_epoch / 9)),
+                # (fractional: forced to >= 1 epoch, the switch came at 52% of the quick run)
+                warmup_epochs=ctx.num_steps / ctx.steps_per_epoch / 9,
                 axis_name=ctx.axis_name)),
-        0.8, "linear-scaling AdaBound for the first 1/9 of the epochs (seed: T=10 of 90), then "
+        0.8, "linear-scaling AdaBound for the first 1/9 of the steps (rounded up to a whole step; "
+             "seed: T=10 of 90 epochs), then "
              "LARS SGD at the peak lr (per-worker lr x workers) decaying 0.9 per epoch; its own "
              "schedule, not the "
              "cosine one"),
@@ -271,8 +273,14 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   per_worker_batch = train.split_batch(c.global_batch, c.num_workers)
   metrics_log = report.JsonlWriter(workdir / "metrics.jsonl")
   rows, curves, sizes = [], {}, {}
+  datasets = {name: data_lib.load(name) for name in dict.fromkeys(c.datasets)}
+  for name, dataset in datasets.items():  # (before anything trains)
+    if len(dataset.train) < c.global_batch:
+      raise runner.ConfigError(
+          f"config field 'global_batch' = {c.global_batch} exceeds dataset {name!r}'s "
+          f"{len(dataset.train)} training examples (an epoch would be 0 steps)")
   for dataset_name, model_name in zip(c.datasets, c.models):
-    dataset = data_lib.load(dataset_name)
+    dataset = datasets[dataset_name]
     sizes[dataset_name] = {"train": len(dataset.train), "test": len(dataset.test)}
     model = _model_for(model_name, dataset, c.use_bn)
     steps_per_epoch = len(dataset.train) // c.global_batch

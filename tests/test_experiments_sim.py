@@ -124,3 +124,19 @@ def test_async_scaling_speedup_undefined_where_a_one_worker_reference_missed_the
   # a kept seed whose M-worker baseline run missed the target is still a miss of the baseline
   assert speedup_verdict(rows((10.0,) * 3, asp=(1.0, 1.1, nan)), "speedup_time", 4) == (
       "reproduced (the baseline reached the target in 2/3 seeds)")
+
+
+def test_setup_text_names_the_k_sync_presets_that_ran():
+  """The setup section listed both presets whatever ran (an off-default review): now the
+  config's presets, or those its strategies name."""
+  from mfopt.sim import suite
+
+  def text(name, *overrides, quick=True):
+    return suite._presets_text(runner.prepare(name, quick=quick, overrides=list(overrides))[1])
+
+  assert text("bb_lr", "presets=('faithful',)") == "preset `faithful` (spec defaults)."
+  assert text("async_scaling", "strategies=('SSP','KSync[working,reaverage]')").startswith(
+      "preset `working`")
+  assert text("async_convergence", quick=False).startswith("presets `faithful` (spec defaults) "
+                                                           "and `working`")
+  assert text("async_scaling", "strategies=('SSP','ASP')") == "no k-sync preset ran."

@@ -57,6 +57,16 @@ def test_settings_that_void_a_comparison_are_refused():
   assert _averaging_common.adpsgd_warmup_steps(c, 4) == 8  # 2 epochs of 4 steps: < 16
 
 
+def test_quickstart_refuses_a_global_batch_larger_than_a_dataset(tmp_path):
+  """An epoch of 0 steps: the hybrid row divided by it (ZeroDivisionError) after the rows
+  before it had trained. Refused before anything trains, naming the field and the size."""
+  with pytest.raises(runner.ConfigError,
+                     match=r"'global_batch' = 1600 exceeds dataset 'digits'.s 1437 training"):
+    runner.run_experiment("quickstart", quick=True, workdir=tmp_path, overrides=[
+        "global_batch=1600", "datasets=(digits,)", "models=(mlp,)", "sim_runs=()"])
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_tuple_items_and_real_fields_are_typed():
   """A review's findings: a float tuple took True and '0.2' (as 1.0 and 0.2), and fields that
   take fractions had int defaults (warmup_epochs = 1, warmup_values = (1, 2)) and refused 0.5;

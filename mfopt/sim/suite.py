@@ -275,6 +275,25 @@ def holds_in_every_seed(values: Mapping[int, bool]) -> str:
   return "reproduced" if k == n else f"not reproduced at this scale (holds in {k}/{n} seeds)"
 
 
+_PRESET_TEXT = {"faithful": "`faithful` (spec defaults)",
+                "working": "`working` (dampened momentum, exact ν, k_max = 8, α floor)"}
+
+
+def _presets_text(c) -> str:
+  """The k-sync presets this run used: its ``presets`` field, or those its ``strategies`` name
+  (``KSync[working,reaverage]``); it listed both whatever ran."""
+  if "presets" in c:
+    names = tuple(c.presets)
+  else:
+    tags = [t.split(",")[0] for name in c.get("strategies", ()) if "[" in name
+            for t in [name.split("[", 1)[1].rstrip("]")]]
+    names = tuple(dict.fromkeys(t for t in tags if t in _PRESET_TEXT))
+  if not names:
+    return "no k-sync preset ran."
+  return ("presets " if len(names) > 1 else "preset ") + " and ".join(
+      _PRESET_TEXT.get(n, f"`{n}`") for n in names) + "."
+
+
 def setup_lines(c, ds, model_desc: str, networks: Sequence[Any], extra: str = "") -> list[str]:
   """Report header lines every simulator experiment shares."""
   env = report.environment()
@@ -300,7 +319,7 @@ def setup_lines(c, ds, model_desc: str, networks: Sequence[Any], extra: str = ""
       f"- Baselines: SGD lr {c.learning_rate:g} x {c.decay_rate:g}^epoch"
       + (f", momentum {c.momentum:g}" if c.momentum else ", no momentum")
       + f"; SSP s={c.ssp_staleness}; EASGD interval {c.easgd_interval}; DropWorker drop "
-      f"{c.drop_rate:g}. Seed's model: α_0 = {c.learning_rate:g}; presets `faithful` "
-      "(spec defaults) and `working` (dampened momentum, exact ν, k_max = 8, α floor).",
+      f"{c.drop_rate:g}. Seed's model: α_0 = {c.learning_rate:g}; "
+      + _presets_text(c),
       extra,
   ]
