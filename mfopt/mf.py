@@ -408,10 +408,9 @@ def mf_adam(learning_rate: ScalarOrSchedule, mf1: ScalarOrSchedule = 0.9, mf2: f
   is the printed §3.2 function (see :func:`scale_by_mf_adam` for both and for
   how the printed one differs). Here the learning rate sits outside the moments,
   as in Algorithm 2 line 7, so optax's ``scale_by_learning_rate`` is reused.
-  With float16 parameters (and so float16 moments) the two differ: the bias correction is
-  float32 here, so a ``v`` that underflowed to 0 gives a finite ``m / eps`` step (1e4 x too
-  large for g = 1e-4) where optax gives inf. Keep the state float32, as
-  :mod:`mfopt.precision`'s policies do (float32 master weights).
+  With float16 parameters (and so float16 moments) it steps ``-inf`` where ``v`` underflowed
+  to 0, as ``optax.adam`` does (``eps=1e-8`` is 0 in float16: g = 1e-4 steps -inf in both).
+  Keep the state float32, as :mod:`mfopt.precision`'s policies do (float32 master weights).
 
   Args:
     learning_rate: ``xi_t``, constant >= 0 or schedule.

@@ -361,8 +361,11 @@ def with_policy(tx: optax.GradientTransformation, policy: str | Policy,
 
   For a local algorithm, wrap its local optimizer in :func:`skip_nonfinite` first
   (``periodic_averaging(skip_nonfinite(inner), ...)``); ``init`` refuses it otherwise.
+  ``loss_scale_kwargs`` are checked whatever the policy (a misspelt or invalid one passed
+  silently until the policy became fp16).
   """
-  return dynamic_loss_scale(tx, **loss_scale_kwargs) if get_policy(policy).needs_loss_scaling else tx
+  scaled = dynamic_loss_scale(tx, **loss_scale_kwargs)  # (validates; builds nothing to compile)
+  return scaled if get_policy(policy).needs_loss_scaling else tx
 
 
 # ----------------------------------------------------------------------------- train-step hooks

@@ -444,3 +444,18 @@ def test_check_mf_conditions_report_is_readable():
                       (([0.9, 0.9], 0.1, 3), "mf as a sequence must have num_steps=3 values, got 2")]:
     with pytest.raises(ValueError, match=re.escape(match)):
       mfopt.check_mf_conditions(*args)
+
+
+def test_mf_adam_float16_state_steps_as_optax_adam_does():
+  """Its docstring said a float16 v that underflowed to 0 gave a finite m / eps step here
+  where optax.adam gave inf; both step -inf (eps = 1e-8 is 0 in float16), and equal
+  optax.adam bitwise over gradients from underflow to large (a review)."""
+  p = jnp.zeros(3, jnp.float16)
+  g = jnp.array([1e-4, 3e-2, 30.0], jnp.float16)
+  mine, ref = mfopt.mf_adam(1e-3), optax.adam(1e-3)
+  sm, sr = mine.init(p), ref.init(p)
+  for _ in range(3):
+    um, sm = mine.update(g, sm, p)
+    ur, sr = ref.update(g, sr, p)
+    np.testing.assert_array_equal(np.asarray(um), np.asarray(ur))
+  assert np.isneginf(np.asarray(um)[0]) and np.isfinite(np.asarray(um)[1:]).all()

@@ -399,3 +399,17 @@ def test_half_is_ieee_float16_with_loss_scaling():
   assert jnp.dtype(p.compute) == half == jnp.dtype(precision.get_policy("fp16").compute)
   assert p.needs_loss_scaling
   assert jnp.dtype(precision.get_policy("compute=half").compute) == half
+
+
+def test_with_policy_checks_loss_scale_arguments_whatever_the_policy():
+  """A misspelt or invalid loss-scale argument passed silently for bf16 / fp32 policies and
+  failed only once the config switched to fp16 (a review)."""
+  for policy in ("fp32", "bf16", "fp16"):
+    with pytest.raises(TypeError, match="init_scal"):
+      precision.with_policy(optax.sgd(0.1), policy, init_scal=5.0)
+    with pytest.raises(ValueError, match="growth_factor"):
+      precision.with_policy(optax.sgd(0.1), policy, growth_factor=-3)
+  tx = optax.sgd(0.1)
+  assert precision.with_policy(tx, "bf16", init_scale=8.0) is tx  # valid: unchanged
+  scaled = precision.with_policy(tx, "fp16", init_scale=8.0)
+  assert float(precision.loss_scale_of(scaled.init(jnp.zeros(2))).scale) == 8.0
