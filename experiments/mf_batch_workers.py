@@ -178,8 +178,10 @@ def _claims(c, rows) -> dict[str, str]:
   Adam's Table 3 rises with GPUs in every row except batch 32 at 32 GPUs.
   """
   out = {}
-  wmin = min(c.workers)
   bmin, bmax = min(c.batches), max(c.batches)
+
+  def ran(batch):  # the worker counts whose cell at this batch ran (the others are skipped)
+    return [w for w in c.workers if batch >= w and batch % w == 0]
 
   def claim(opt, paper, prose, a_sel, b_sel, a, b, where, bigger, smaller):
     """``acc(a) - acc(b) where``, with the sign of the paper's table cells ``paper`` (``(sign,
@@ -203,15 +205,17 @@ def _claims(c, rows) -> dict[str, str]:
 
   for opt in c.optimizers:
     for batch in c.batches:
-      run_ws = [w for w in c.workers if batch >= w and batch % w == 0]
-      wmax = max(run_ws, default=wmin)
-      if wmax == wmin:
+      run_ws = ran(batch)  # (the fewest and most workers that ran: a skipped cell has no runs)
+      if len(run_ws) < 2:
         continue
+      wmin, wmax = min(run_ws), max(run_ws)
       claim(opt, _paper_sign(opt, batch, wmin, wmax), (1, "prose: accuracy declines with workers"),
             {"optimizer": opt, "global_batch": batch, "workers": wmin},
             {"optimizer": opt, "global_batch": batch, "workers": wmax},
             f"W={wmin}", f"W={wmax}", f"at batch {batch}", "more workers hurt", "more workers help")
-    if bmin != bmax:  # its sign from the table too (it was always "larger batch hurts")
+    both = sorted(set(ran(bmin)) & set(ran(bmax)))  # the fewest workers that ran both batches
+    if bmin != bmax and both:  # its sign from the table too (it was always "larger batch hurts")
+      wmin = both[0]
       claim(opt, _paper_batch_sign(opt, wmin, bmin, bmax), (1, "prose: larger batch hurts"),
             {"optimizer": opt, "global_batch": bmin, "workers": wmin},
             {"optimizer": opt, "global_batch": bmax, "workers": wmin},

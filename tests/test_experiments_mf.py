@@ -134,6 +134,19 @@ def test_mf_lstm_claims_take_their_direction_from_table_4():
   assert mf_lstm._claims(ml_collections.ConfigDict({"mfs": (0.9, 0.999)}), rows) == {}
 
 
+def test_mf_batch_workers_claims_compare_cells_that_ran():
+  """Workers (2, 3), batches (6, 9): W = 2 cannot run batch 9 (skipped). The claims compared
+  W=2 with W=3 at batch 9 and batch 6 with 9 at W=2, both against the skipped cell, and said
+  "not testable (no finite pair)" (an off-default review); they use the cells that ran."""
+  import ml_collections
+  from experiments import mf_batch_workers
+  c = ml_collections.ConfigDict({"workers": (2, 3), "batches": (6, 9), "optimizers": ("nag",)})
+  keys = list(mf_batch_workers._claims(c, []))
+  assert len(keys) == 2, keys
+  assert keys[0].startswith("nag: acc(W=2) - acc(W=3) at batch 6 > 0")
+  assert keys[1].startswith("nag: acc(batch 6) - acc(batch 9) at W=3 > 0")
+
+
 def test_mf_batch_workers_claim_where_the_paper_ties_is_not_testable():
   """Table 2 ties at batch 32 (0.917 at 4 and 16 GPUs): that cell was tested as "more workers
   help" (the sign of a tie fell to -1)."""
