@@ -149,10 +149,10 @@ CONSTRUCTORS = {
         "momentum": unit(), "weight_decay": nonneg(), "trust_coefficient": positive(),
         "bias_correction": FLAG,
         "axis_name": choice([None, "data", ("data", "local")], [3, ("data", 3), ()])},
-        # at least one warm-up step (docstring): warmup_epochs * steps_per_epoch >= 1
-        lambda k, bad: ({"warmup_epochs": k["warmup_epochs"]}
-                        if not {"warmup_epochs", "steps_per_epoch"} & set(bad)
-                        and k["warmup_epochs"] * k["steps_per_epoch"] < 1 else {})),
+        # (any T > 0 is one warm-up step at least: hybrid_switch_step rounds up)
+        None),
+    "hybrid_switch_step": (mfopt.hybrid_switch_step, {
+        "warmup_epochs": positive(), "steps_per_epoch": pos_int(1000)}, None),
 }
 
 
