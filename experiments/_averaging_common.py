@@ -70,7 +70,8 @@ def adpsgd_warmup_steps(c, steps_per_epoch: int) -> int:
     raise runner.ConfigError(
         f"config field 'warmup_epochs' = {c.warmup_epochs!r} is {warmup} steps "
         f"({steps_per_epoch} per epoch) of a num_steps={c.num_steps} run: ADPSGD would average "
-        f"every step (FULLSGD); use warmup_epochs < {c.num_steps / steps_per_epoch:.4g}")
+        f"every step (FULLSGD); use warmup_epochs < "
+        f"{(c.num_steps - 0.5) / steps_per_epoch:.4g}")  # (round(T x spe) < num_steps)
   return warmup
 
 

@@ -39,7 +39,7 @@ import mfopt
 from experiments import _bench
 from experiments._averaging_common import mesh_for  # noqa: F401 (also used by seed-004 scripts)
 from mfopt import batchnorm, costmodel, data as data_lib, metrics, parallel, precision, runner
-from mfopt import train
+from mfopt import hybrid_switch_step, train
 from mfopt import models as models_lib
 
 ALGORITHMS = ("hybrid", "adabound", "warmup_sgd")
@@ -89,11 +89,11 @@ def validate_common(c) -> None:
   if not c.seeds:
     raise runner.ConfigError("config field 'seeds' must not be empty")
   # (hybrid_warmup_T has warmup_values instead, checked the same way)
-  if "warmup_epochs" in c and not 0 < c.warmup_epochs <= c.epochs:
-    # longer than the run, the hybrid never left its AdaBound warm-up and was judged as the
-    # hybrid anyway
-    raise runner.ConfigError(f"config field 'warmup_epochs' must be in (0, epochs={c.epochs}], "
-                             f"got {c.warmup_epochs!r}")
+  if "warmup_epochs" in c and not 0 < c.warmup_epochs < c.epochs:
+    # as long as the run (or longer), the hybrid never left its AdaBound warm-up and was
+    # judged as the hybrid anyway
+    raise runner.ConfigError(f"config field 'warmup_epochs' must be in (0, epochs={c.epochs}) "
+                             f"(the hybrid must reach its SGD phase), got {c.warmup_epochs!r}")
 
 
 def load_dataset(c) -> data_lib.Dataset:
@@ -172,6 +172,13 @@ def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
   global_batch = c.num_workers * b
   spe = max(len(dataset.train) // global_batch, 1)
   num_steps = c.epochs * spe
+  if algo == "hybrid":  # (T < epochs, checked by the config, can still round up to the end)
+    t = c.warmup_epochs if warmup_epochs is None else warmup_epochs
+    if hybrid_switch_step(t, spe) >= num_steps:
+      raise runner.ConfigError(
+          f"the hybrid's warm-up T = {t!r} epochs is {hybrid_switch_step(t, spe)} steps ({spe} "
+          f"per epoch) of a {num_steps}-step run: it never reaches its SGD phase; use a smaller "
+          "T")
   model = build_model(c, dataset, policy=policy, bn=bn)
   tx = precision.with_policy(
       make_tx(algo, c, num_workers=c.num_workers, steps_per_epoch=spe,

@@ -37,7 +37,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   coefficient 1e-3 makes the SGD phase slow at this scale).
   """
   c = common.base_config(quick)
-  c.warmup_values = (1.0, 2.0) if quick else (1.0, 3.0, 6.0, 10.0)  # (floats: T may be fractional)
+  c.warmup_values = (0.5, 1.0) if quick else (1.0, 3.0, 6.0, 10.0)  # (floats: T may be fractional)
   del c.warmup_epochs  # every run takes its T from warmup_values (an override of it did nothing)
   return c
 
@@ -45,9 +45,9 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 def validate(c: ml_collections.ConfigDict) -> None:
   common.validate_common(c)
   for t in c.warmup_values:
-    if not (isinstance(t, (int, float)) and 0 < t <= c.epochs):
+    if not (isinstance(t, (int, float)) and 0 < t < c.epochs):  # (the SGD phase is reached)
       raise runner.ConfigError(
-          f"config field 'warmup_values' must hold T in (0, epochs={c.epochs}], got {t!r}")
+          f"config field 'warmup_values' must hold T in (0, epochs={c.epochs}), got {t!r}")
 
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:

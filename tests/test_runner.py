@@ -42,17 +42,19 @@ def test_settings_that_void_a_comparison_are_refused():
   """An off-default review: a warm-up longer than the run left the hybrid in AdaBound (judged
   as the hybrid) and ADPSGD averaging every step (judged against FULLSGD as if adaptive); an
   odd B gave bn_strategies' row 1 batches of mean 14/3 instead of B = 5."""
-  _raises(r"'warmup_epochs' must be in \(0, epochs=2\], got 5.0", "hybrid_vs_baselines",
+  _raises(r"'warmup_epochs' must be in \(0, epochs=2\) .*, got 5.0", "hybrid_vs_baselines",
           "warmup_epochs=5", "epochs=2")
   _raises(r"'warmup_epochs'", "precision", "warmup_epochs=2.5")  # quick: 2 epochs
   _raises(r"'per_worker_batch' must be an even number >= 2 .* got 5", "bn_strategies",
           "per_worker_batch=5")
-  runner.prepare("hybrid_vs_baselines", quick=True, overrides=["warmup_epochs=2"])  # T = epochs
+  _raises(r"'warmup_epochs' must be in \(0, epochs=2\) \(the hybrid must reach its SGD "
+          r"phase\), got 2.0", "hybrid_vs_baselines", "warmup_epochs=2")  # T = epochs
+  runner.prepare("hybrid_vs_baselines", quick=True, overrides=["warmup_epochs=1.5"])
   from experiments import _averaging_common
   _, c = runner.prepare("adpsgd_table", quick=True, overrides=["warmup_epochs=2"])
   with pytest.raises(runner.ConfigError,
                      match=r"'warmup_epochs' = 2.0 is 22 steps \(11 per epoch\) of a "
-                           r"num_steps=16 run: .*use warmup_epochs < 1.455"):
+                           r"num_steps=16 run: .*use warmup_epochs < 1.409"):
     _averaging_common.adpsgd_warmup_steps(c, 11)
   assert _averaging_common.adpsgd_warmup_steps(c, 4) == 8  # 2 epochs of 4 steps: < 16
 
