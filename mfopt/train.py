@@ -285,7 +285,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, mesh, num_worker
   With one worker per device (``num_workers == len(mesh.devices)``, e.g. one per GPU) and a
   model whose BatchNorm does not communicate, there is nothing to map: the forward/backward is
   the plain single-replica program on the device's slice and only the update is ``vmap``-ed
-  (size 1), whatever ``lowering`` says.
+  (size 1), whatever ``lowering`` says, except ``"gemm"``, which still swaps the convolutions
+  for patches x matmul (and needs a model with ``conv_impl``).
 
   All lowerings compute the same step (``tests/test_train.py`` compares them); the float
   rounding of the convolutions may differ.
@@ -672,8 +673,12 @@ def _replicate_fn(mesh, first_worker_only: bool):
   """Jitted copy of a tree onto every device of ``mesh`` (optionally only worker 0's row)."""
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   if first_worker_only:
-    return jax.jit(lambda t: jax.tree.map(lambda x: x[:1], t), out_shardings=replicated)
+    return jax.jit(lambda t: jax.tree.map(_first_row, t), out_shardings=replicated)
   return jax.jit(lambda t: t, out_shardings=replicated)
+
+
+def _first_row(x):
+  return x[:1] if np.ndim(x) else x
 
 
 def to_host(tree: Any, mesh, first_worker_only: bool = False) -> Any:
@@ -681,11 +686,14 @@ def to_host(tree: Any, mesh, first_worker_only: bool = False) -> Any:
 
   In a multi-process run the tree is first replicated over ``mesh`` (one program: every
   process must call this), so every process gets every worker's rows (only worker 0's with
-  ``first_worker_only``, e.g. for counters every worker holds alike). Loops of one's own
+  ``first_worker_only``, e.g. for counters every worker holds alike; in a single-process run
+  too: the shape does not depend on the process count). Loops of one's own
   (``experiments/bn_strategies.py``) read their step metrics with it, as ``fit`` does.
   """
   if jax.process_count() > 1:
     tree = _replicate_fn(mesh, first_worker_only)(tree)
+  elif first_worker_only:
+    tree = jax.tree.map(_first_row, tree)
   return jax.device_get(tree)
 
 
@@ -841,7 +849,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
         desc: str | None = None, on_log: Callable[[dict[str, Any]], None] | None = None,
         extra_metrics: Mapping[str, Callable[[TrainState], Any]] | None = None,
         checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-        keep_checkpoints: int = 2, run_info: Mapping[str, Any] | None = None,
+        keep_checkpoints: int | None = None, run_info: Mapping[str, Any] | None = None,
         allow_mismatch: bool = False, checkpoint_interval_s: float | None = None,
         lowering: str | None = None, host_gates: bool | None = None) -> FitResult:
   """Trains ``model`` with ``tx`` on ``num_workers`` workers and returns history and summary.
@@ -851,7 +859,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   batch is ``num_workers * per_worker_batch``. Metrics are fetched every
   ``log_every`` steps and at the end; the test set is evaluated every
   ``eval_every`` steps (if given; a multiple of ``log_every``) and at the end, on the
-  worker-averaged model.
+  worker-averaged model. A row's ``epoch`` is ``samples / len(train)`` (SPEC.md's samples
+  processed, in epochs), not the batcher's passes: each pass drops its last
+  ``len(train) % global batch`` examples, so the passes run ahead of it.
 
   Checkpointing (``mfopt.checkpoint``): with ``checkpoint_dir`` (or inside
   ``mfopt.checkpoint.auto_checkpoint``, which the runner sets up for
@@ -870,6 +880,10 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   overwritten with non-finite state (saves happen only after the check).
 
   Args:
+    mesh: the device mesh of the workers (``mfopt.parallel.make_mesh``); default
+      ``mfopt.parallel.worker_mesh(num_workers)``: every device where ``num_workers`` is a
+      multiple of the device count, else the largest mesh they split over evenly (6 workers
+      on 8 devices: 6 devices).
     learning_rate: optional ``step -> lr`` (the schedule the transform uses), logged
       beside the metrics as ``learning_rate``: its value at the optimizer's own count of
       the last step. Steps that fp16 loss scaling skips do not advance that count, so
@@ -883,7 +897,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       ``auto_checkpoint`` policy's next sub-directory, or no checkpointing).
     checkpoint_every: steps between checkpoints, a multiple of ``log_every``
       (default: every ``log_every`` steps).
-    keep_checkpoints: checkpoints kept (>= 2 allows falling back past a corrupt one).
+    keep_checkpoints: checkpoints kept (>= 2 allows falling back past a corrupt one;
+      default: the ``auto_checkpoint`` policy's ``keep``, else 2).
     run_info: extra JSON fields for the run's fingerprint (e.g. the algorithm
       name and its hyperparameters): a checkpoint with a different fingerprint
       is refused, naming the differing fields. ``tx`` itself is not in the fingerprint (an
@@ -919,7 +934,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     mfopt.checkpoint.ConfigMismatchError: the checkpoint belongs to another run.
   """
   _check_fit_objects(model, tx, dataset, mesh, learning_rate, loss_fn, extra_metrics, host_gates)
-  _checks.positive_int("keep_checkpoints", keep_checkpoints)
+  if keep_checkpoints is not None:
+    _checks.positive_int("keep_checkpoints", keep_checkpoints)
   for name, value in (("num_workers", num_workers), ("per_worker_batch", per_worker_batch),
                       ("num_steps", num_steps), ("log_every", log_every)):
     _checks.positive_int(name, value)
@@ -935,7 +951,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       # an experiment's sub-runs log at their own intervals: the policy's "every N steps"
       # becomes the first logging step at or after each N (explicit values stay strict)
       checkpoint_every = -(-policy.every // log_every) * log_every
-    keep_checkpoints, allow_mismatch = policy.keep, policy.allow_mismatch or allow_mismatch
+    allow_mismatch = policy.allow_mismatch or allow_mismatch
+    if keep_checkpoints is None:  # (an explicit value wins, as checkpoint_every's does)
+      keep_checkpoints = policy.keep
     if checkpoint_interval_s is None:
       checkpoint_interval_s = policy.min_interval_s
   if checkpoint_every is None:
@@ -949,7 +967,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       _parse_lowering(lowering)
     except ValueError as e:
       raise ValueError(f"environment variable MFOPT_LOWERING: {e}") from None
-  mesh = parallel.make_mesh() if mesh is None else mesh
+  # (worker_mesh: all devices where num_workers is a multiple of their count, as make_mesh()
+  # was; else the largest mesh the workers split over evenly, where make_mesh() raised)
+  mesh = parallel.worker_mesh(num_workers) if mesh is None else mesh
   batcher = data_lib.WorkerBatcher(dataset.train, num_workers=num_workers,
                                    per_worker_batch=per_worker_batch, seed=seed)
   rows = parallel.process_worker_slice(num_workers, mesh)
@@ -976,7 +996,7 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
                    "per_worker_batch": per_worker_batch, "num_steps": num_steps, "seed": seed,
                    "log_every": log_every, "eval_every": eval_every, "desc": desc,
                    **dict(run_info or {})}
-    ckpt = ckpt_lib.RunCheckpointer(checkpoint_dir, keep=keep_checkpoints,
+    ckpt = ckpt_lib.RunCheckpointer(checkpoint_dir, keep=keep_checkpoints or 2,
                                     fingerprint=fingerprint, allow_mismatch=allow_mismatch)
     restored = ckpt.restore_latest(state)
     if restored is not None:
@@ -1059,6 +1079,14 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   last_save = time.perf_counter()
   tick = time.perf_counter()
   try:
+    if start == num_steps and "test_loss" not in last_row:
+      # a mid-run save resumed with num_steps = its step (allow_mismatch): nothing to train,
+      # but the final row's evaluation was never done (the summary raised KeyError); not
+      # logged again (on_log had the row) and not saved (the next rerun repeats it)
+      params, model_state = averaged_model(state)
+      last_row = {**last_row, **evaluate(eval_fn, params, model_state, dataset.test,
+                                         EVAL_BATCH_SIZE)}
+      history[-1] = last_row
     for step in range(start, num_steps):
       next_batch = device_batch(step + 1) if step + 1 < num_steps else None
       state, metrics = compiled(state, batch)

@@ -270,6 +270,35 @@ def test_finished_run_extended_with_allow_mismatch_trains_on(tmp_path):
     _small_fit(4, checkpoint_dir=tmp_path, allow_mismatch=True)
 
 
+def test_interrupted_run_shortened_to_its_last_save_evaluates_it(tmp_path):
+  """Killed after its step-4 save, rerun with num_steps=4 (allow_mismatch): nothing to train,
+  but the summary read the final evaluation the step-4 row never had (KeyError 'test_loss',
+  an off-default review). It evaluates the restored state: an uninterrupted 4-step run's
+  result. An explicit keep_checkpoints beats the auto_checkpoint policy's keep (it was
+  silently replaced by it), as an explicit checkpoint_every does."""
+
+  class Stop(Exception):
+    pass
+
+  def stop_at(step):
+    def on_log(row):
+      if row["step"] == step:
+        raise Stop
+    return on_log
+
+  with pytest.raises(Stop):
+    _small_fit(10, checkpoint_dir=tmp_path / "a", checkpoint_every=4, on_log=stop_at(6))
+  short = _small_fit(4, checkpoint_dir=tmp_path / "a", allow_mismatch=True)
+  straight = _small_fit(4)
+  assert short.summary["steps"] == 4 and short.history[-1]["step"] == 4
+  assert short.summary["test_loss"] == straight.summary["test_loss"]
+  assert short.history[-1]["test_accuracy"] == straight.history[-1]["test_accuracy"]
+  with checkpoint.auto_checkpoint(tmp_path / "b", every=2, keep=2):
+    _small_fit(8, keep_checkpoints=3)
+  (run,) = list((tmp_path / "b").iterdir())
+  assert sorted(int(p.name) for p in run.iterdir() if p.name.isdigit()) == [4, 6, 8]
+
+
 def test_diverged_summary_has_a_finished_runs_keys():
   """The row experiments record for a diverged cell has exactly a finished fit's summary keys
   (plus the divergence), so tables and runs.json mix the two; no value comes from the bad run."""

@@ -373,6 +373,25 @@ def test_fit_auto_with_nothing_to_choose_records_vmap():
   assert res.summary["lowering"] == "vmap"
 
 
+def test_fit_default_mesh_takes_worker_counts_that_do_not_divide_the_devices():
+  """6 workers on 8 devices: the default mesh was all 8 and fit raised ("a multiple of the
+  device count"); it is worker_mesh(6), the mesh the experiments pass, and computes what an
+  explicit one does. to_host(first_worker_only=True) returns one row in a single-process run
+  as in a multi-process one (it returned all 6 here: the shape hung on the process count)."""
+  dataset = mfopt.data.load("digits")
+  model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
+  kw = dict(model=model, tx=optax.sgd(0.1), dataset=dataset, num_workers=6, per_worker_batch=4,
+            num_steps=2, log_every=2, progress=False)
+  default = train.fit(**kw)
+  explicit = train.fit(mesh=parallel.worker_mesh(6), **kw)
+  assert default.history == [{**r, "train_time_s": d["train_time_s"]}
+                             for r, d in zip(explicit.history, default.history)]
+  rows = train.to_host(default.state.params, parallel.worker_mesh(6), first_worker_only=True)
+  assert {np.shape(x)[0] for x in jax.tree.leaves(rows)} == {1}
+  np.testing.assert_array_equal(jax.tree.leaves(rows)[0][0],
+                                np.asarray(jax.tree.leaves(default.state.params)[0])[0])
+
+
 def test_fit_reads_lowering_from_the_environment(monkeypatch):
   dataset = mfopt.data.load("digits")
   model = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes)
