@@ -505,12 +505,16 @@ def load_mnist1d(num_train: int = 4000, num_test: int = 1000, seed: int = 42,
   Args:
     num_train: training examples.
     num_test: test examples.
-    seed: generator seed (the paper's is 42).
+    seed: generator seed (the paper's is 42), in ``[0, 2**32)`` (NumPy's legacy seeding,
+      which the mnist1d package uses).
     cache: read and write the ``.npz`` cache.
   """
   num_train = _checks.positive_int("num_train", num_train)
   num_test = _checks.positive_int("num_test", num_test)
   seed = _checks.nonnegative_int("seed", seed)
+  if seed >= 2 ** 32:  # (else NumPy's error inside mnist1d, naming neither)
+    raise ValueError(f"seed must be < 2**32 for mnist1d (its generator's NumPy seeding), got "
+                     f"{seed!r}")
   total = num_train + num_test
   num_samples = 10 * math.ceil(total / 10)
   # `train_split` only moves the split point inside make_dataset; we split the
@@ -885,6 +889,9 @@ def make_imagenet_preprocess(size: int = 224, resize_size: int = 256) -> Preproc
   ``resize_size``, center ``size`` crop; ``size <= resize_size``). Both normalise with the
   ImageNet channel mean and standard deviation.
   """
+  # (0, a float or True went through: empty images, a PIL error naming neither argument)
+  size = _checks.positive_int("image_size", size)
+  resize_size = _checks.positive_int("resize_size", resize_size)
   _check_crop(size, resize_size)  # (before any training, not at the first evaluation)
 
   def preprocess(example: Mapping[str, Any], rng: np.random.Generator | None = None) -> Batch:
@@ -957,7 +964,7 @@ def load_imagenet2012(data_dir: str | None = None, image_size: int = 224,
   examples (``WorkerBatcher.batch(step, workers)``; each example's augmentation has
   its own seed), so the work per step is split over the processes.
   """
-  preprocess = make_imagenet_preprocess(image_size, resize_size)
+  preprocess = make_imagenet_preprocess(image_size, resize_size)  # (validates both)
   threads = default_data_threads(decode_heavy=True)  # JPEG decodes release the GIL
   train = TFDSSource("imagenet2012", split="train", preprocess=preprocess, data_dir=data_dir,
                      num_threads=threads)

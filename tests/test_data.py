@@ -124,10 +124,23 @@ def test_mnist1d_custom_sizes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kwargs, field", [({"num_train": 0}, "num_train"),
                                            ({"num_test": -5}, "num_test"),
-                                           ({"seed": -1}, "seed")])
+                                           ({"seed": -1}, "seed"),
+                                           # (NumPy's own error, inside mnist1d, named neither)
+                                           ({"seed": 2 ** 32}, "seed must be < 2..32 for")])
 def test_mnist1d_bad_arguments(kwargs, field):
   with pytest.raises(ValueError, match=field):
     data.load("mnist1d", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"size": 0}, "image_size must be a positive integer, got 0"),
+    ({"size": True}, "image_size"), ({"size": 64.0}, "image_size"),
+    ({"resize_size": -8}, "resize_size")])
+def test_imagenet_sizes_are_checked_where_they_are_given(kwargs, message):
+  """0 built (0, 0, 3) inputs that failed in PIL at the first batch, True 1x1 images, 64.0 a
+  TypeError about slice indices (a data review)."""
+  with pytest.raises(ValueError, match=message):
+    data.make_imagenet_preprocess(**kwargs)
 
 
 # --- synthetic ----------------------------------------------------------------
