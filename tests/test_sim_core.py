@@ -713,3 +713,73 @@ def test_a_bb_step_is_not_doubled_when_the_broadcast_k_did_not_grow(ds, linear):
   assert on.lr_traces == off.lr_traces
   assert on.bb_stats == off.bb_stats
   np.testing.assert_array_equal(on.theta, off.theta)
+
+
+def test_easgd_workers_use_their_base_momentum(ds, linear):
+  """EASGD(base=BaseSGD(momentum=0.9)) ran plain SGD (the momentum was ignored; a review). With
+  one worker that never exchanges (interval past the run) and a negligible elastic rate, its
+  local copy follows heavy-ball SGD on its own gradients: ASP with the same base on 1 worker."""
+  base = sim.BaseSGD(0.1, decay_rate=1.0, momentum=0.9)
+  common = dict(model=linear, dataset=ds, num_workers=1, per_worker_batch=8, network=None)
+  e = sim.Simulator(sim.EASGD(10 ** 6, base, moving_rate=1e-12), **common)
+  e.run(max_events=12)
+  steps = int(e.w_step[0])
+  a = sim.Simulator(sim.ASP(base), **common)
+  a.run(max_server_steps=steps)
+  assert steps >= 5
+  np.testing.assert_allclose(e.strategy.local[0], a.theta, rtol=1e-5, atol=1e-6)
+  plain = sim.Simulator(sim.ASP(sim.BaseSGD(0.1, decay_rate=1.0)), **common)
+  plain.run(max_server_steps=steps)
+  assert np.abs(plain.theta - a.theta).max() > 1e-3  # momentum matters on this path
+  # a checkpoint round trip keeps each worker's momentum
+  d = e.state_dict()
+  e2 = sim.Simulator(sim.EASGD(10 ** 6, base, moving_rate=1e-12), **common)
+  e2.load_state_dict(d)
+  e.run(max_events=4)
+  e2.run(max_events=4)
+  np.testing.assert_array_equal(e.strategy.local, e2.strategy.local)
+
+
+def test_link_utilisation_counts_only_elapsed_busy_time(ds, linear):
+  """Transfers queued past the current time counted as busy already: half duplex, BSP, 4
+  workers, 1 s per message reported 1.116 (a review). Transfers run back to back from their
+  request, so the busy time still ahead of sim_time is free_at - sim_time."""
+  slow = costmodel.Link("slow", 2600.0, 0.5)  # 1,640 B messages (410 float32): 0.63 s each
+  for duplex in (False, True):
+    s = sim.Simulator(sim.BSP(sim.BaseSGD(0.1, decay_rate=1.0)), model=linear, dataset=ds,
+                      num_workers=4, per_worker_batch=8, network=slow, duplex=duplex)
+    s.run(max_server_steps=3)
+    u = s.result().summary
+    busy_ahead = [max(0.0, f - s.now) for f in s.link.free_at]
+    want = [(b - a) / s.now for b, a in zip(s.link.busy, busy_ahead)]
+    assert 0 < u["link_utilisation_push"] <= 1 and 0 < u["link_utilisation_pull"] <= 1
+    assert u["link_utilisation_push"] == pytest.approx(want[0])
+    assert u["link_utilisation_pull"] == pytest.approx(want[1] if duplex else want[0])
+    assert any(a > 0 for a in busy_ahead)  # (the case that exceeded 1: pulls still queued)
+
+
+def test_simulated_time_that_never_advances_is_refused_with_max_time(ds, linear):
+  """base_s = 0 and no network: every event at time 0, and run(max_time=...) spun forever."""
+  s = sim.Simulator(sim.ASP(sim.BaseSGD()), model=linear, dataset=ds, num_workers=2,
+                    per_worker_batch=4, network=None, compute=sim.ComputeModel(0.0))
+  with pytest.raises(ValueError, match="max_time: simulated time never advances"):
+    s.run(max_time=1.0)
+  s.run(max_time=1.0, max_samples=16)  # another limit ends it
+  assert s.samples >= 16
+
+
+def test_result_between_runs_changes_nothing(ds, linear):
+  """result() mid-run appended a row to the run's history and emptied its train-loss window,
+  so the rest of the curve changed (a review); and an eval interval smaller than a step's
+  samples logged extra rows at sample-less events (arrivals): one row per sample count."""
+  kw = dict(model=linear, dataset=ds, num_workers=3, per_worker_batch=8, network="1gbit",
+            eval_every_samples=5)
+  a = sim.Simulator(sim.ASP(sim.BaseSGD()), **kw)
+  a.run(max_samples=120)
+  mid = a.result()
+  a.run(max_samples=240)
+  b = sim.Simulator(sim.ASP(sim.BaseSGD()), **kw)
+  b.run(max_samples=240)
+  assert a.history == b.history and mid.history[-1]["samples"] == 120
+  samples = [r["samples"] for r in b.history]
+  assert len(samples) == len(set(samples)) and samples == sorted(samples)

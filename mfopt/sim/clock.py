@@ -182,11 +182,16 @@ class ServerLink:
     return start + occupy + self.net.latency
 
   def utilisation(self, sim_time: float) -> dict[str, float]:
+    """Busy fraction of each direction up to ``sim_time``. Transfers are queued back to back
+    from the request (made at the current time) on, so a lane's busy time still ahead is
+    ``free_at - sim_time``: counted whole, queued transfers made it exceed 1 (half duplex,
+    BSP, 4 workers: 1.116)."""
     if sim_time <= 0:
       return {"push": 0.0, "pull": 0.0}
+    done = [b - max(0.0, f - sim_time) for b, f in zip(self.busy, self.free_at)]
     if self.duplex:
-      return {"push": self.busy[0] / sim_time, "pull": self.busy[1] / sim_time}
-    u = self.busy[0] / sim_time
+      return {"push": done[0] / sim_time, "pull": done[1] / sim_time}
+    u = done[0] / sim_time
     return {"push": u, "pull": u}
 
   def state_dict(self) -> dict[str, Any]:

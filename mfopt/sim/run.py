@@ -492,11 +492,14 @@ class Simulator:
       self.strategy.on_collective(self)
     return True
 
+  def _row(self) -> dict[str, Any]:
+    return {"server_step": self.version, "sim_time": self.now, "samples": self.samples,
+            "epoch": self.epoch,
+            "train_loss": float(np.mean(self.window)) if self.window else float("nan"),
+            **self.evaluate()}
+
   def _log(self) -> dict[str, Any]:
-    row = {"server_step": self.version, "sim_time": self.now, "samples": self.samples,
-           "epoch": self.epoch,
-           "train_loss": float(np.mean(self.window)) if self.window else float("nan"),
-           **self.evaluate()}
+    row = self._row()
     self.window = []
     self.history.append(row)
     return row
@@ -522,6 +525,12 @@ class Simulator:
     if max_time is not None:
       _checks.number_where("max_time", max_time, lambda v: v > 0,
                            "a positive number of simulated seconds")
+      if (self.compute.base_s == 0 and self.network is None
+          and all(v is None for v in (max_samples, max_server_steps, max_events))):
+        # every event at simulated time 0: the loop spun forever
+        raise ValueError("max_time: simulated time never advances here (ComputeModel base_s=0 "
+                         "and network=None), so the run would never end; give max_samples, "
+                         "max_server_steps or max_events")
     # disable=None: off when stderr is not a terminal (a log file got every redraw)
     bar = tqdm(total=max_samples, initial=self.samples, desc=desc,
                disable=None if progress else True, leave=False, unit="samples")
@@ -538,7 +547,9 @@ class Simulator:
         break
       events += 1
       if self.eval_every_samples and self.samples >= self.next_eval:
-        self.next_eval += self.eval_every_samples
+        # the next multiple past the samples: one interval at a time fell behind when a step
+        # adds more than an interval, and sample-less events (arrivals) logged again
+        self.next_eval = (self.samples // self.eval_every_samples + 1) * self.eval_every_samples
         row = self._log()
         if on_log is not None:
           on_log(row)
@@ -553,9 +564,13 @@ class Simulator:
 
   # ------------------------------------------------------------------ results
   def result(self) -> SimResult:
-    """The logs so far, with a final evaluation appended if the last row is not current."""
-    if not self.history or self.history[-1]["samples"] != self.samples:
-      self._log()
+    """The logs so far, with a final evaluation appended if the last row is not current.
+
+    It changes nothing: called between two ``run`` calls, it appended that row to the run's
+    own history and emptied the train-loss window, so the rest of the curve changed."""
+    history = list(self.history)
+    if not history or history[-1]["samples"] != self.samples:
+      history.append(self._row())
     util = self.link.utilisation(self.now)
     staleness = dict(sorted(self.staleness.items()))
     total = sum(staleness.values())
@@ -568,9 +583,9 @@ class Simulator:
         "sim_time_s": self.now,
         "compute_s_per_step": (float(self.compute_busy.sum() / self.w_step.sum())
                                if self.w_step.sum() else float("nan")),
-        "test_accuracy": self.history[-1]["test_accuracy"],
-        "test_loss": self.history[-1]["test_loss"],
-        "final_train_loss": self.history[-1]["train_loss"],
+        "test_accuracy": history[-1]["test_accuracy"],
+        "test_loss": history[-1]["test_loss"],
+        "final_train_loss": history[-1]["train_loss"],
         "pushes_per_worker": float(self.pushes.mean()), "pulls_per_worker": float(self.pulls.mean()),
         # bytes a worker moves over its link (pushed + pulled; an all-reduce counts its payload
         # once, the library's convention) and the payload it sends (its pushes), which is what
@@ -589,7 +604,7 @@ class Simulator:
         "mean_k": float(np.mean(ks)) if ks else float("nan"),
         "dropped_gradients": self.dropped,
         "versions_stored": len(self.versions),
-        "diverged": self.diverged_at is not None or not np.isfinite(self.history[-1]["test_loss"]),
+        "diverged": self.diverged_at is not None or not np.isfinite(history[-1]["test_loss"]),
         "diverged_at_samples": self.diverged_at,
     }
     if s.bb is not None:
@@ -598,7 +613,7 @@ class Simulator:
     for attr in ("test_a_fail", "test_b_fail", "forced", "merged", "max_gap"):
       if hasattr(s, attr):
         summary[attr] = getattr(s, attr)
-    return SimResult(s.describe(), list(self.history), summary, [list(r) for r in self.k_trace],
+    return SimResult(s.describe(), history, summary, [list(r) for r in self.k_trace],
                      staleness, [list(t) for t in self.lr_traces],
                      [list(r) for r in self.server_lr_trace])
 

@@ -429,7 +429,11 @@ class KSyncConfig:
     bb: per-worker BB config, or None to use ``lr_fallback`` (``BaseSGD`` schedule) for every α_i.
     lr_fallback: the schedule used when ``bb`` is None: a :class:`BaseSGD` (``None`` is
       refused, also with ``bb`` set, since 2026-11-25: it crashed a run with ``bb=None``).
-    r0: the noise ratio broadcast before the first update (0) [A].
+      Only its learning rate and decay are used: KSync's momentum is ``gamma``, and
+      ``lr_fallback.momentum`` is ignored (the experiments pass their baselines' BaseSGD).
+    r0: the noise ratio broadcast before the first update (0) [A]. A worker's first BB step
+      has no previous pull, so r0 changes nothing unless the k-rule keeps k = 1: an update of
+      one gradient measures no r, and r0 stays the broadcast r for the whole run.
   Not implemented (optional in spec §1.2/§2.3): OrMo catch-up, the predictive k rule.
   With ``stale_merge="reaverage"`` and no ``stale_cutoff``, slot means are kept for
   versions with ``γ^τ >= 1e-3`` (older stale gradients are dropped).
@@ -654,9 +658,11 @@ class AllReduce(BSP):
 class EASGD(Strategy):
   """Elastic averaging (TF ElasticAverageOptimizer, "EAO", spec §5).
 
-  Each worker runs SGD on its own copy ``x_i`` with the elastic term
+  Each worker runs its base optimizer on its own copy ``x_i`` with the elastic term
   ``(ρ/2)‖x_i - x̃_loc‖²``, ``ρ = a/η`` (so a local step is
-  ``x_i ← x_i - η g - a (x_i - x̃_loc)``). Every ``interval`` local steps it
+  ``x_i ← x_i - η g - a (x_i - x̃_loc)``; with ``base.momentum`` its own momentum on ``g``:
+  ``v_i ← μ v_i + g``, ``x_i ← x_i - η v_i - a (x_i - x̃_loc)``, the elastic pull kept out of
+  the momentum; the momentum was ignored before). Every ``interval`` local steps it
   pushes ``x_i``; the server sets ``x̃_loc ← x̃``, ``Δ = x_i - x̃_loc``,
   ``x̃ ← x̃ + aΔ`` and the worker continues from ``x_i - aΔ`` with the new
   ``x̃_loc`` once the pull arrives. ``a = 0.9/(interval·M)`` (TF default).
@@ -682,15 +688,22 @@ class EASGD(Strategy):
     self.local = np.tile(sim.theta, (m, 1))
     self.center_loc = np.tile(sim.theta, (m, 1))
     self.local_steps = np.zeros(m, np.int64)
+    # per-worker momentum (plain SGD keeps the NumPy step: no state, no jitted call)
+    self.opts = ([_Optimizer(self.base, sim.dim) for _ in range(m)]
+                 if self.base.momentum is not None else None)
 
   def worker_params(self, sim, w):
     return self.local[w]
 
   def on_compute_done(self, sim, w):
-    eta = np.float32(self.base.lr(sim.epoch))
     g = sim.out[w].grad
     x = self.local[w]
-    self.local[w] = x - eta * g - np.float32(self.a) * (x - self.center_loc[w])
+    elastic = np.float32(self.a) * (x - self.center_loc[w])
+    if self.opts is None:
+      stepped = x - np.float32(self.base.lr(sim.epoch)) * g
+    else:
+      stepped = self.opts[w].step(x, g, sim.epoch)
+    self.local[w] = stepped - elastic
     self.local_steps[w] += 1
     if self.local_steps[w] % self.interval == 0:
       sim.push(w)
@@ -707,12 +720,16 @@ class EASGD(Strategy):
 
   def state_dict(self):
     return {"local": self.local.copy(), "center_loc": self.center_loc.copy(),
-            "local_steps": self.local_steps.copy()}
+            "local_steps": self.local_steps.copy(),
+            "opts": None if self.opts is None else [o.state_dict() for o in self.opts]}
 
   def load_state_dict(self, d):
     self.local = np.array(d["local"], np.float32)
     self.center_loc = np.array(d["center_loc"], np.float32)
     self.local_steps = np.array(d["local_steps"], np.int64)
+    if self.opts is not None and d.get("opts") is not None:  # (absent: saved before momentum)
+      for o, leaves in zip(self.opts, d["opts"]):
+        o.load_state_dict(leaves)
 
   def describe(self):
     return f"EASGD(tau={self.interval})"
