@@ -96,6 +96,27 @@ def validate_common(c) -> None:
                              f"(the hybrid must reach its SGD phase), got {c.warmup_epochs!r}")
 
 
+def require_hybrid_reaches_sgd(c, dataset, *, warmups: Sequence[float] | None = None,
+                               batches: Sequence[int] | None = None,
+                               fewest_steps: Callable[[int], int] | None = None) -> None:
+  """Before anything trains: every hybrid the run builds (each warm-up ``T`` in ``warmups``
+  at each per-worker batch in ``batches``) reaches its SGD phase. ``T < epochs`` (the config
+  check) can still round up to the run's last step (``hybrid_switch_step``: T = 0.95 of one
+  8-step epoch switches at step 8). ``fewest_steps(steps)``: the fewest steps a run of nominal
+  ``steps`` may take (bn_strategies' row 1 draws its batches)."""
+  for t in warmups or (c.warmup_epochs,):
+    for b in batches or (c.per_worker_batch,):
+      spe = max(len(dataset.train) // (c.num_workers * b), 1)
+      steps = c.epochs * spe
+      fewest = fewest_steps(steps) if fewest_steps else steps
+      switch = hybrid_switch_step(t, spe)
+      if switch >= fewest:
+        raise runner.ConfigError(
+            f"the hybrid's warm-up T = {t:g} epochs is {switch} steps ({spe} per epoch at "
+            f"per-worker batch {b}) of a run of {fewest}{'' if fewest == steps else ' or more'} "
+            f"steps: it would never reach its SGD phase; use a smaller T or more epochs")
+
+
 def load_dataset(c) -> data_lib.Dataset:
   if c.dataset == "mnist1d":
     return data_lib.load("mnist1d", num_train=c.num_train, num_test=c.num_test)
@@ -172,13 +193,6 @@ def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
   global_batch = c.num_workers * b
   spe = max(len(dataset.train) // global_batch, 1)
   num_steps = c.epochs * spe
-  if algo == "hybrid":  # (T < epochs, checked by the config, can still round up to the end)
-    t = c.warmup_epochs if warmup_epochs is None else warmup_epochs
-    if hybrid_switch_step(t, spe) >= num_steps:
-      raise runner.ConfigError(
-          f"the hybrid's warm-up T = {t!r} epochs is {hybrid_switch_step(t, spe)} steps ({spe} "
-          f"per epoch) of a {num_steps}-step run: it never reaches its SGD phase; use a smaller "
-          "T")
   model = build_model(c, dataset, policy=policy, bn=bn)
   tx = precision.with_policy(
       make_tx(algo, c, num_workers=c.num_workers, steps_per_epoch=spe,

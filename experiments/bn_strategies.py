@@ -177,6 +177,10 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
                                 "rng": rng.bit_generator.state, "result": result})
         last_save = time.perf_counter()
       tick = time.perf_counter()
+  if result is None:  # restored at exactly this run's budget from a longer run's save (an
+    # allowed config change): nothing to train, and the loop returned None (a TypeError in run);
+    # every save follows an evaluated row, so the last row is this run's final one
+    result = _varying_result(history, state, samples, step, w, b, spe, mesh, seed, train_s)
   if ckpt is not None:
     ckpt.close()
   return result
@@ -202,6 +206,9 @@ VARYING_BUILD = {"algo": "hybrid", "bn": "sync"}
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = common.load_dataset(c)
+  # row 1 draws batches up to 3B/2: it may take as few as 2/3 of the nominal steps
+  common.require_hybrid_reaches_sgd(
+      c, dataset, fewest_steps=(lambda n: -(-2 * n // 3)) if "varying_sync_ma" in c.rows else None)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   runs: dict[str, list[dict[str, Any]]] = {r: [] for r in c.rows}
   for seed in c.seeds:

@@ -55,6 +55,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = common.load_dataset(c)
+  if "hybrid" in c.algorithms:
+    common.require_hybrid_reaches_sgd(c, dataset)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   runs: dict[str, list[dict[str, Any]]] = {a: [] for a in c.algorithms}
   for seed in c.seeds:

@@ -53,6 +53,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = common.load_dataset(c)
+  common.require_hybrid_reaches_sgd(c, dataset, warmups=c.warmup_values)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   runs: dict[float, list[dict[str, Any]]] = {t: [] for t in c.warmup_values}
   for seed in c.seeds:

@@ -132,6 +132,8 @@ def throughput(c, dataset) -> dict[tuple[str, int], float]:
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = common.load_dataset(c)
+  if c.algorithm == "hybrid":
+    common.require_hybrid_reaches_sgd(c, dataset, batches=c.batch_sizes)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
   for seed in c.seeds:

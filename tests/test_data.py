@@ -135,7 +135,7 @@ def test_mnist1d_bad_arguments(kwargs, field):
 @pytest.mark.parametrize("kwargs, message", [
     ({"size": 0}, "image_size must be a positive integer, got 0"),
     ({"size": True}, "image_size"), ({"size": 64.0}, "image_size"),
-    ({"resize_size": -8}, "resize_size")])
+    ({"resize_size": -8}, "resize_size must be a positive integer, got -8")])
 def test_imagenet_sizes_are_checked_where_they_are_given(kwargs, message):
   """0 built (0, 0, 3) inputs that failed in PIL at the first batch, True 1x1 images, 64.0 a
   TypeError about slice indices (a data review)."""

@@ -324,6 +324,45 @@ def test_bn_strategies_varying_row_trains_on_from_a_finished_shorter_run(tmp_pat
   assert two["history"][-1]["samples"] == two["summary"]["samples"] > one["summary"]["samples"]
 
 
+def test_bn_strategies_varying_row_shortened_to_a_save_at_its_budget(tmp_path):
+  """A two-epoch run killed after its epoch-1 save, which sits at exactly one epoch's samples
+  (seed 1: 512), rerun with epochs=1 (--allow-config-change): the loop had nothing to train and
+  returned None (TypeError in run; a diff review). Its result is the restored run's, whose
+  last row is the epoch-1 evaluation."""
+  import shutil
+  base = TINY[:4] + ["warmup_epochs=0.5", "rows=('varying_sync_ma',)", "seeds=(1,)"]
+  kw = dict(quick=True, workdir=tmp_path, checkpoint_every=1, keep_checkpoints=3)
+  runner.run_experiment("bn_strategies", overrides=base + ["epochs=2"], **kw)
+  full = _runs(tmp_path)["varying_sync_ma"][0]
+  assert full["history"][0]["samples"] == 512  # (the case: a save at exactly the budget)
+  (run_dir,) = list((tmp_path / "checkpoints").iterdir())
+  saves = sorted(int(p.name) for p in run_dir.iterdir() if p.name.isdigit())
+  shutil.rmtree(run_dir / str(saves[-1]))  # killed after the epoch-1 save
+  runner.run_experiment("bn_strategies", overrides=base + ["epochs=1"],
+                        allow_config_change=True, **kw)
+  short = _runs(tmp_path)["varying_sync_ma"][0]
+  assert short["history"] == full["history"][:1]
+  assert short["summary"]["samples"] == 512
+  assert short["summary"]["test_accuracy"] == full["history"][0]["test_accuracy"]
+
+
+def test_hybrid_that_would_never_reach_sgd_is_refused_before_training(tmp_path):
+  """T < epochs can still round up to the last step (T = 0.95 of one 8-step epoch: switch at
+  step 8 of 8), and bn_strategies' row 1 may take 2/3 of its nominal steps; refused before
+  anything trains, naming T, the steps and the batch (it was refused per run, after earlier
+  runs had trained, or not at all for row 1)."""
+  with pytest.raises(runner.ConfigError, match=r"T = 0.95 epochs is 8 steps \(8 per epoch at "
+                     r"per-worker batch 16\) of a run of 8 steps"):
+    runner.run_experiment("hybrid_vs_baselines", quick=True, workdir=tmp_path / "a",
+                          overrides=TINY[:5] + ["warmup_epochs=0.95"])
+  with pytest.raises(runner.ConfigError, match=r"T = 0.7 epochs is 6 steps .* run of 6 or more"):
+    runner.run_experiment("bn_strategies", quick=True, workdir=tmp_path / "b",
+                          overrides=TINY[:5] + ["warmup_epochs=0.7"])
+  with pytest.raises(runner.ConfigError, match="'warmup_values' must hold T in \\(0, epochs=2\\)"):
+    runner.prepare("hybrid_warmup_T", quick=True, overrides=["warmup_values=(2.0,)"])
+  assert not (tmp_path / "a" / "metrics.jsonl").exists()
+
+
 def test_precision_benchmark_takes_a_fractional_warmup():
   """Its SGD-phase build used steps_per_epoch = 1, and a fractional T (now a legal override)
   made the hybrid refuse S = floor(T) = 0, after the whole training grid had run."""
