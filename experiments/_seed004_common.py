@@ -103,18 +103,19 @@ def require_hybrid_reaches_sgd(c, dataset, *, warmups: Sequence[float] | None = 
   at each per-worker batch in ``batches``) reaches its SGD phase. ``T < epochs`` (the config
   check) can still round up to the run's last step (``hybrid_switch_step``: T = 0.95 of one
   8-step epoch switches at step 8). ``fewest_steps(steps)``: the fewest steps a run of nominal
-  ``steps`` may take (bn_strategies' row 1 draws its batches)."""
+  ``steps`` takes over the seeds (bn_strategies' row 1 draws its batches)."""
   for t in warmups or (c.warmup_epochs,):
     for b in batches or (c.per_worker_batch,):
       spe = max(len(dataset.train) // (c.num_workers * b), 1)
       steps = c.epochs * spe
-      fewest = fewest_steps(steps) if fewest_steps else steps
+      fewest = min(steps, fewest_steps(steps)) if fewest_steps else steps
       switch = hybrid_switch_step(t, spe)
       if switch >= fewest:
+        note = "" if fewest == steps else " (the fewest a seed's row takes)"
         raise runner.ConfigError(
             f"the hybrid's warm-up T = {t:g} epochs is {switch} steps ({spe} per epoch at "
-            f"per-worker batch {b}) of a run of {fewest}{'' if fewest == steps else ' or more'} "
-            f"steps: it would never reach its SGD phase; use a smaller T or more epochs")
+            f"per-worker batch {b}) of a run of {fewest} steps{note}: it would never reach its "
+            "SGD phase; use a smaller T or more epochs")
 
 
 def load_dataset(c) -> data_lib.Dataset:

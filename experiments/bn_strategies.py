@@ -80,6 +80,24 @@ def _bn_sync_totals(model_state, steps: int) -> dict[str, int]:
   return {"all_reduces": 2 * steps * len(per_layer), "all_reduce_bytes": 2 * steps * sum(per_layer)}
 
 
+def _batch_sizes(b: int) -> tuple[int, int, int]:
+  return (b // 2, b, b + b // 2)
+
+
+def _size_rng(seed: int) -> np.random.Generator:  # row 1's batch-size draws
+  return np.random.default_rng(10_000 + seed)
+
+
+def _varying_steps(seed: int, total: int, w: int, b: int) -> int:
+  """Row 1's steps to ``total`` samples: its batch draws replayed (no training)."""
+  sizes, rng = _batch_sizes(b), _size_rng(seed)
+  samples = steps = 0
+  while samples < total:
+    samples += w * int(rng.choice(sizes))
+    steps += 1
+  return steps
+
+
 def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[str, Any]:
   """Row 1's run (the shape of ``common.run_one``'s, a divergence included).
 
@@ -91,7 +109,7 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
   """
   strategy = batchnorm.get_strategy("sync")
   w, b = c.num_workers, c.per_worker_batch
-  sizes = (b // 2, b, b + b // 2)
+  sizes = _batch_sizes(b)
   spe = max(len(dataset.train) // (w * b), 1)
   total = c.epochs * spe * w * b
   model = models_lib.get_model(c.model, num_classes=dataset.num_classes,
@@ -102,7 +120,7 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
                                    seed=seed)
   state = train.init_train_state(model, tx, batcher.batch(0)["x"][0], num_workers=w, mesh=mesh,
                                  seed=seed)
-  rng = np.random.default_rng(10_000 + seed)
+  rng = _size_rng(seed)
   samples = step = 0
   next_eval, history, train_s, window = spe * w * b, [], 0.0, []
   policy, ckpt = ckpt_lib.active_policy(), None
@@ -206,9 +224,12 @@ VARYING_BUILD = {"algo": "hybrid", "bn": "sync"}
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   runner.require_process_multiple(c, "num_workers")  # (before anything trains)
   dataset = common.load_dataset(c)
-  # row 1 draws batches up to 3B/2: it may take as few as 2/3 of the nominal steps
+  # row 1 draws its batches (up to 3B/2) from a seeded generator: its steps, replayed
+  w, b = c.num_workers, c.per_worker_batch
   common.require_hybrid_reaches_sgd(
-      c, dataset, fewest_steps=(lambda n: -(-2 * n // 3)) if "varying_sync_ma" in c.rows else None)
+      c, dataset, fewest_steps=(lambda n: min(_varying_steps(seed, n * w * b, w, b)
+                                              for seed in c.seeds))
+      if "varying_sync_ma" in c.rows else None)
   log = report.JsonlWriter(workdir / "metrics.jsonl")
   runs: dict[str, list[dict[str, Any]]] = {r: [] for r in c.rows}
   for seed in c.seeds:

@@ -348,16 +348,22 @@ def test_bn_strategies_varying_row_shortened_to_a_save_at_its_budget(tmp_path):
 
 def test_hybrid_that_would_never_reach_sgd_is_refused_before_training(tmp_path):
   """T < epochs can still round up to the last step (T = 0.95 of one 8-step epoch: switch at
-  step 8 of 8), and bn_strategies' row 1 may take 2/3 of its nominal steps; refused before
-  anything trains, naming T, the steps and the batch (it was refused per run, after earlier
-  runs had trained, or not at all for row 1)."""
+  step 8 of 8), and bn_strategies' row 1 draws its batches (seed 3: 7 steps, replayed by hand
+  from its generator, default_rng(10_003)); refused before anything trains, naming T, the
+  steps and the batch (it was refused per run, after earlier runs had trained, or not at all
+  for row 1)."""
   with pytest.raises(runner.ConfigError, match=r"T = 0.95 epochs is 8 steps \(8 per epoch at "
                      r"per-worker batch 16\) of a run of 8 steps"):
     runner.run_experiment("hybrid_vs_baselines", quick=True, workdir=tmp_path / "a",
                           overrides=TINY[:5] + ["warmup_epochs=0.95"])
-  with pytest.raises(runner.ConfigError, match=r"T = 0.7 epochs is 6 steps .* run of 6 or more"):
+  with pytest.raises(runner.ConfigError, match=r"T = 0.875 epochs is 7 steps .* run of 7 steps "
+                     r"\(the fewest a seed's row takes\)"):
     runner.run_experiment("bn_strategies", quick=True, workdir=tmp_path / "b",
-                          overrides=TINY[:5] + ["warmup_epochs=0.7"])
+                          overrides=TINY[:5] + ["warmup_epochs=0.875", "seeds=(0, 3)"])
+  # row 1's steps per seed, as an independent replay of its generator's draws gave them
+  from experiments import bn_strategies
+  assert [bn_strategies._varying_steps(s, 8 * 4 * 16, 4, 16) for s in (0, 1, 2, 3)] == [
+      9, 8, 10, 7]
   with pytest.raises(runner.ConfigError, match="'warmup_values' must hold T in \\(0, epochs=2\\)"):
     runner.prepare("hybrid_warmup_T", quick=True, overrides=["warmup_values=(2.0,)"])
   assert not (tmp_path / "a" / "metrics.jsonl").exists()

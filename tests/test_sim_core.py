@@ -738,6 +738,9 @@ def test_easgd_workers_use_their_base_momentum(ds, linear):
   e.run(max_events=4)
   e2.run(max_events=4)
   np.testing.assert_array_equal(e.strategy.local, e2.strategy.local)
+  del d["strategy"]["opts"]  # written while EASGD ignored its momentum: refused, not mixed
+  with pytest.raises(ValueError, match="before EASGD used its base momentum"):
+    e2.load_state_dict(d)
 
 
 def test_link_utilisation_counts_only_elapsed_busy_time(ds, linear):
@@ -758,28 +761,49 @@ def test_link_utilisation_counts_only_elapsed_busy_time(ds, linear):
     assert any(a > 0 for a in busy_ahead)  # (the case that exceeded 1: pulls still queued)
 
 
-def test_simulated_time_that_never_advances_is_refused_with_max_time(ds, linear):
-  """base_s = 0 and no network: every event at time 0, and run(max_time=...) spun forever."""
-  s = sim.Simulator(sim.ASP(sim.BaseSGD()), model=linear, dataset=ds, num_workers=2,
-                    per_worker_batch=4, network=None, compute=sim.ComputeModel(0.0))
-  with pytest.raises(ValueError, match="max_time: simulated time never advances"):
-    s.run(max_time=1.0)
-  s.run(max_time=1.0, max_samples=16)  # another limit ends it
-  assert s.samples >= 16
+def test_simulated_time_that_never_advances_is_refused_with_max_time(ds, linear, tmp_path):
+  """base_s = 0 and no network time: every event at time 0, and run(max_time=...) spun
+  forever, also chunked by run_resumable (its max_events is no end) and on a zero-latency link
+  with no payload. (An alarm turns a regression into a failure, not a hung suite.)"""
+  import signal
+
+  def hung(*_):
+    raise TimeoutError("run(max_time) did not return: the clock never advances")
+
+  old = signal.signal(signal.SIGALRM, hung)
+  signal.alarm(60)
+  try:
+    for network, payload in ((None, None), (costmodel.Link("ideal", 1e9, 0.0), 0)):
+      s = sim.Simulator(sim.ASP(sim.BaseSGD()), model=linear, dataset=ds, num_workers=2,
+                        per_worker_batch=4, network=network, compute=sim.ComputeModel(0.0),
+                        payload_bytes=payload)
+      with pytest.raises(ValueError, match="max_time: simulated time never advances"):
+        s.run(max_time=1.0)
+      with pytest.raises(ValueError, match="max_time: simulated time never advances"):
+        from mfopt import checkpoint
+        checkpoint.run_resumable(s, tmp_path / str(payload), chunk_events=50, max_time=1.0)
+      s.run(max_time=1.0, max_samples=16)  # another limit ends it
+      assert s.samples >= 16
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
 
 
 def test_result_between_runs_changes_nothing(ds, linear):
   """result() mid-run appended a row to the run's history and emptied its train-loss window,
   so the rest of the curve changed (a review); and an eval interval smaller than a step's
   samples logged extra rows at sample-less events (arrivals): one row per sample count."""
-  kw = dict(model=linear, dataset=ds, num_workers=3, per_worker_batch=8, network="1gbit",
-            eval_every_samples=5)
-  a = sim.Simulator(sim.ASP(sim.BaseSGD()), **kw)
+  kw = dict(model=linear, dataset=ds, num_workers=3, per_worker_batch=8, network="1gbit")
+  a = sim.Simulator(sim.ASP(sim.BaseSGD()), eval_every_samples=50, **kw)
   a.run(max_samples=120)
-  mid = a.result()
+  before = list(a.history)
+  mid = a.result()  # (the last row is at 100: result() evaluates one at 120)
+  assert a.history == before and mid.history[-1]["samples"] == 120 and a.window
   a.run(max_samples=240)
-  b = sim.Simulator(sim.ASP(sim.BaseSGD()), **kw)
+  b = sim.Simulator(sim.ASP(sim.BaseSGD()), eval_every_samples=50, **kw)
   b.run(max_samples=240)
-  assert a.history == b.history and mid.history[-1]["samples"] == 120
-  samples = [r["samples"] for r in b.history]
+  assert a.history == b.history
+  c = sim.Simulator(sim.ASP(sim.BaseSGD()), eval_every_samples=5, **kw)
+  c.run(max_samples=240)
+  samples = [r["samples"] for r in c.history]
   assert len(samples) == len(set(samples)) and samples == sorted(samples)

@@ -525,12 +525,14 @@ class Simulator:
     if max_time is not None:
       _checks.number_where("max_time", max_time, lambda v: v > 0,
                            "a positive number of simulated seconds")
-      if (self.compute.base_s == 0 and self.network is None
-          and all(v is None for v in (max_samples, max_server_steps, max_events))):
-        # every event at simulated time 0: the loop spun forever
+      frozen = self.compute.base_s == 0 and (
+          self.network is None or (self.network.latency == 0 and self.payload_bytes == 0))
+      if frozen and max_samples is None and max_server_steps is None:
+        # every event at simulated time 0: the loop spun forever (max_events is no end:
+        # run_resumable passes its chunk size, and chunked forever)
         raise ValueError("max_time: simulated time never advances here (ComputeModel base_s=0 "
-                         "and network=None), so the run would never end; give max_samples, "
-                         "max_server_steps or max_events")
+                         "and no network time), so the run would never end; give max_samples "
+                         "or max_server_steps")
     # disable=None: off when stderr is not a terminal (a log file got every redraw)
     bar = tqdm(total=max_samples, initial=self.samples, desc=desc,
                disable=None if progress else True, leave=False, unit="samples")

@@ -727,7 +727,10 @@ class EASGD(Strategy):
     self.local = np.array(d["local"], np.float32)
     self.center_loc = np.array(d["center_loc"], np.float32)
     self.local_steps = np.array(d["local_steps"], np.int64)
-    if self.opts is not None and d.get("opts") is not None:  # (absent: saved before momentum)
+    if self.opts is not None:
+      if d.get("opts") is None:  # saved while EASGD ignored its momentum: a mixed run
+        raise ValueError("EASGD: this checkpoint was written before EASGD used its base "
+                         "momentum (its run so far was plain SGD); restart the run")
       for o, leaves in zip(self.opts, d["opts"]):
         o.load_state_dict(leaves)
 
