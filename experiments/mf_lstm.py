@@ -31,7 +31,7 @@ from mfopt import models as models_lib
 from mfopt import report, runner
 
 # names it can build; the runner refuses others before anything runs
-CHOICES = {"dataset": data_lib.LANGUAGE_MODEL_DATASETS}
+CHOICES = {"dataset": data_lib.language_model_datasets}  # (a user's corpora too)
 
 
 
@@ -72,7 +72,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 def validate(c: ml_collections.ConfigDict) -> None:
   runner.require_positive(c, "seq_len", "embed_dim", "hidden", "num_layers", "num_workers",
                           "global_batch", "learning_rate", "mfs", "epochs", "log_every")
-  runner.require_choice(c, "dataset", ("textcorpus", "tiny_shakespeare"))
+  runner.require_choice(c, "dataset", data_lib.language_model_datasets())
   for m in c.mfs:
     if not 0 <= m < 1:
       raise runner.ConfigError(f"config field 'mfs' must hold values in [0, 1), got {m!r}")

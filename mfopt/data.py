@@ -355,13 +355,28 @@ class Dataset:
 _LOADERS: dict[str, Callable[..., Dataset]] = {}
 
 
-def register(name: str) -> Callable[[Callable[..., Dataset]], Callable[..., Dataset]]:
-  """Decorator adding ``loader(**kwargs) -> Dataset`` to the :func:`load` registry."""
+TASKS = ("classification", "language_model")
+_TASKS: dict[str, str] = {}
+
+
+def register(name: str, task: str = "classification"
+             ) -> Callable[[Callable[..., Dataset]], Callable[..., Dataset]]:
+  """Decorator adding ``loader(**kwargs) -> Dataset`` to the :func:`load` registry.
+
+  ``task``: what its ``y`` is (:data:`TASKS`): class labels, or the next token of a corpus
+  (``"language_model"``); it puts the name in :func:`classification_datasets` or
+  :func:`language_model_datasets`, the experiments' choices. (They were fixed name lists: a
+  user's registered corpus was offered to the classification experiments and refused by the
+  language-model one.)
+  """
+  if task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
   def decorator(loader: Callable[..., Dataset]) -> Callable[..., Dataset]:
     if name in _LOADERS:
       raise ValueError(f"dataset name {name!r} is already registered")
     _LOADERS[name] = loader
+    _TASKS[name] = task
     return loader
 
   return decorator
@@ -372,13 +387,19 @@ def registered() -> tuple[str, ...]:
   return tuple(sorted(_LOADERS))
 
 
-#: Registered token corpora (``task="language_model"``: ``y`` is the next token).
+#: The built-in token corpora (``task="language_model"``: ``y`` is the next token);
+#: :func:`language_model_datasets` adds those a user registers.
 LANGUAGE_MODEL_DATASETS = ("textcorpus", "tiny_shakespeare")
 
 
 def classification_datasets() -> tuple[str, ...]:
-  """The registered datasets with class labels (every one but :data:`LANGUAGE_MODEL_DATASETS`)."""
-  return tuple(n for n in registered() if n not in LANGUAGE_MODEL_DATASETS)
+  """The registered datasets with class labels (``register(name)``'s default task)."""
+  return tuple(n for n in registered() if _TASKS.get(n, "classification") == "classification")
+
+
+def language_model_datasets() -> tuple[str, ...]:
+  """The registered token corpora (``register(name, task="language_model")``)."""
+  return tuple(n for n in registered() if _TASKS.get(n) == "language_model")
 
 
 def load(name: str, **kwargs: Any) -> Dataset:
@@ -718,7 +739,7 @@ def _char_lm_dataset(name: str, train_text: str, test_text: str, vocab: str, seq
   )
 
 
-@register("textcorpus")
+@register("textcorpus", task="language_model")
 def load_textcorpus(seq_len: int = 64) -> Dataset:
   """Character-level English corpus built offline from Python's own documentation.
 
@@ -984,7 +1005,7 @@ def _tfds_text(name: str, split: str, data_dir: str | None) -> str:
   return "".join(t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in texts)
 
 
-@register("tiny_shakespeare")
+@register("tiny_shakespeare", task="language_model")
 def load_tiny_shakespeare(data_dir: str | None = None, seq_len: int = 64,
                           test_split: str = "test") -> Dataset:
   """Tiny Shakespeare (Karpathy's char-rnn corpus) from a prepared TFDS data dir.

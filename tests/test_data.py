@@ -36,6 +36,28 @@ def test_registry_names_and_unknown_name():
 def test_register_rejects_duplicate_name():
   with pytest.raises(ValueError, match="'digits' is already registered"):
     data.register("digits")(lambda: None)
+  with pytest.raises(ValueError, match="task must be one of .* got 'lm'"):
+    data.register("x", task="lm")
+
+
+def test_a_registered_corpus_is_offered_to_the_language_model_experiment_only(monkeypatch):
+  """The choices were fixed name lists: a user's corpus registered with task="language_model"
+  was accepted by the classification experiments (to fail inside the run) and refused by
+  mf_lstm, the one experiment it fits (a data review)."""
+  from mfopt import runner
+  monkeypatch.setattr(data, "_LOADERS", dict(data._LOADERS))
+  monkeypatch.setattr(data, "_TASKS", dict(data._TASKS))
+  data.register("my_corpus", task="language_model")(lambda **kw: None)
+  data.register("my_images")(lambda **kw: None)
+  assert "my_corpus" in data.language_model_datasets()
+  assert "my_corpus" not in data.classification_datasets()
+  assert "my_images" in data.classification_datasets()
+  assert set(data.language_model_datasets()) == {"my_corpus", *data.LANGUAGE_MODEL_DATASETS}
+  runner.prepare("mf_lstm", quick=True, overrides=["dataset=my_corpus"])
+  with pytest.raises(runner.ConfigError, match="dataset"):
+    runner.prepare("adpsgd_variance", quick=True, overrides=["dataset=my_corpus"])
+  with pytest.raises(runner.ConfigError, match="dataset"):
+    runner.prepare("mf_lstm", quick=True, overrides=["dataset=my_images"])
 
 
 # --- digits -------------------------------------------------------------------
