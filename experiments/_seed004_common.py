@@ -96,6 +96,13 @@ def validate_common(c) -> None:
                              f"(the hybrid must reach its SGD phase), got {c.warmup_epochs!r}")
 
 
+def steps_per_epoch(c, dataset, per_worker_batch: int | None = None) -> int:
+  """A run's steps per epoch at ``per_worker_batch`` (default ``c.per_worker_batch``): whole
+  global batches, at least one (its schedule's epoch; each pass drops the remainder)."""
+  b = per_worker_batch or c.per_worker_batch
+  return max(len(dataset.train) // (c.num_workers * b), 1)
+
+
 def require_hybrid_reaches_sgd(c, dataset, *, warmups: Sequence[float] | None = None,
                                batches: Sequence[int] | None = None,
                                fewest_steps: Callable[[int], int] | None = None) -> None:
@@ -106,7 +113,7 @@ def require_hybrid_reaches_sgd(c, dataset, *, warmups: Sequence[float] | None = 
   ``steps`` takes over the seeds (bn_strategies' row 1 draws its batches)."""
   for t in warmups or (c.warmup_epochs,):
     for b in batches or (c.per_worker_batch,):
-      spe = max(len(dataset.train) // (c.num_workers * b), 1)
+      spe = steps_per_epoch(c, dataset, b)
       steps = c.epochs * spe
       fewest = min(steps, fewest_steps(steps)) if fewest_steps else steps
       switch = hybrid_switch_step(t, spe)
@@ -191,8 +198,7 @@ def run_one(c, dataset, algo: str, seed: int, *, policy: str = "fp32",
     diverges again (deterministic), so the experiment still finishes and reports it.
   """
   b = per_worker_batch or c.per_worker_batch
-  global_batch = c.num_workers * b
-  spe = max(len(dataset.train) // global_batch, 1)
+  spe = steps_per_epoch(c, dataset, b)
   num_steps = c.epochs * spe
   model = build_model(c, dataset, policy=policy, bn=bn)
   tx = precision.with_policy(
@@ -233,7 +239,7 @@ def one_worker_step_s(c, dataset, *, algo: str, per_worker_batch: int, policy: s
   if not 0 < steps <= 16:
     raise ValueError(f"steps must be in [1, 16] (queued without a wait), got {steps!r}")
   b = per_worker_batch
-  spe = max(len(dataset.train) // (c.num_workers * b), 1)  # the run's schedule
+  spe = steps_per_epoch(c, dataset, b)  # the run's schedule
   model = build_model(c, dataset, policy=policy, bn=bn)
   tx = precision.with_policy(make_tx(algo, c, num_workers=c.num_workers, steps_per_epoch=spe,
                                      warmup_epochs=warmup_epochs), policy)
@@ -490,7 +496,7 @@ def setup_lines(c, dataset, *, extra: str = "", batches: Sequence[int] | None = 
   devices = f"{c.num_workers} (virtual, on {min(env['device_count'], c.num_workers)} device(s))"
   per_batch = []
   for b in batches:
-    spe = max(len(dataset.train) // (c.num_workers * b), 1)
+    spe = steps_per_epoch(c, dataset, b)
     per_batch.append((b, spe, c.epochs * spe, c.epochs * spe * c.num_workers * b))
   if len(per_batch) == 1:
     b, spe, steps, _ = per_batch[0]

@@ -110,7 +110,7 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
   strategy = batchnorm.get_strategy("sync")
   w, b = c.num_workers, c.per_worker_batch
   sizes = _batch_sizes(b)
-  spe = max(len(dataset.train) // (w * b), 1)
+  spe = common.steps_per_epoch(c, dataset)
   total = c.epochs * spe * w * b
   model = models_lib.get_model(c.model, num_classes=dataset.num_classes,
                                features=tuple(c.features), **strategy.model_kwargs())

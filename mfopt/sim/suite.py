@@ -15,6 +15,7 @@ local step (Table 4, GPU cluster). ``payload_params = 0`` uses the real model's 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -285,9 +286,8 @@ def _presets_text(c) -> str:
   if "presets" in c:
     names = tuple(c.presets)
   else:
-    tags = [t.split(",")[0] for name in c.get("strategies", ()) if "[" in name
-            for t in [name.split("[", 1)[1].rstrip("]")]]
-    names = tuple(dict.fromkeys(t for t in tags if t in _PRESET_TEXT))
+    found = (re.match(r"KSync\[(\w+)", name) for name in c.get("strategies", ()))
+    names = tuple(dict.fromkeys(m.group(1) for m in found if m))
   if not names:
     return "no k-sync preset ran."
   return ("presets " if len(names) > 1 else "preset ") + " and ".join(
