@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
   def report(message: str) -> None:
     print(f"launch_local: {message}", file=sys.stderr, flush=True)
 
-  def stop(signum, _frame) -> None:
+  def stop(signum: int) -> int:
     # SIGTERM/SIGINT to the launcher (a scheduler's cancel, Ctrl-C): pass it on, then kill
     # whoever is left; the children used to be left running, re-parented to init.
     name = signal.Signals(signum).name
@@ -113,13 +113,20 @@ def main(argv: list[str] | None = None) -> int:
       if p.poll() is None:
         p.kill()
         p.wait()
-    sys.exit(128 + signum)
+    return 128 + signum
 
-  signal.signal(signal.SIGTERM, stop)
-  signal.signal(signal.SIGINT, stop)
+  # The handler only records the signal; the loop below stops the processes. Stopping them
+  # inside the handler could deadlock: a signal landing inside the loop's Popen.poll() left
+  # that Popen's wait lock held, and the handler's p.wait() blocked on it forever (CI saw the
+  # launcher hang after "got SIGTERM").
+  received: list[int] = []
+  signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+  signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
 
   first_failure = None
   while True:
+    if received:
+      return stop(received[0])
     codes = [p.poll() for p in procs]
     failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
     if failed:
