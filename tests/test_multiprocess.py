@@ -555,12 +555,14 @@ def test_a_coordinator_port_in_use_is_named():
 def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
   """A scheduler's cancel (SIGTERM) to launch_local used to leave both children running,
   re-parented to init; it now passes the signal on and exits 128 + 15."""
-  child = "import pathlib, os, time; pathlib.Path(os.environ['OUT'], os.environ['MFOPT_PROCESS_ID']).write_text(str(os.getpid())); time.sleep(120)"  # noqa: E501
+  # Each child writes its pid to a temporary name and renames it into place, so the file the
+  # test waits for is never seen half-written (CI once read an empty one).
+  child = "import pathlib, os, time; d = pathlib.Path(os.environ['OUT']); i = os.environ['MFOPT_PROCESS_ID']; (d / ('.' + i)).write_text(str(os.getpid())); (d / ('.' + i)).rename(d / i); time.sleep(120)"  # noqa: E501
   proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", "2", "--", "-c", child],
                           env=dict(os.environ, OUT=str(tmp_path)), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 30
-  while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+  while not all((tmp_path / str(i)).exists() for i in range(2)) and time.monotonic() < deadline:
     time.sleep(0.05)
   pids = [int((tmp_path / str(i)).read_text()) for i in range(2)]
   proc.send_signal(signal.SIGTERM)
