@@ -126,9 +126,7 @@ def require_hybrid_reaches_sgd(c, dataset, *, warmups: Sequence[float] | None = 
 
 
 def load_dataset(c) -> data_lib.Dataset:
-  if c.dataset == "mnist1d":
-    return data_lib.load("mnist1d", num_train=c.num_train, num_test=c.num_test)
-  return data_lib.load(c.dataset)
+  return data_lib.load_sized(c.dataset, c.num_train, c.num_test)
 
 
 def _warmup_text(c) -> str:

@@ -87,8 +87,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   runner.require_process_multiple(c, "workers")
-  kw = {"num_train": c.num_train, "num_test": c.num_test} if c.dataset == "mnist1d" else {}
-  dataset = data_lib.load(c.dataset, **kw)
+  dataset = data_lib.load_sized(c.dataset, c.num_train, c.num_test)
   model = models_lib.get_model("cnn", features=tuple(c.features), num_classes=dataset.num_classes)
   rule = mf_lib.linear_scaling_rule(c.base_lr, c.base_batch)
   samples = int(round(c.epochs * len(dataset.train)))

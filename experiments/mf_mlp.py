@@ -72,8 +72,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   runner.require_process_multiple(c, "num_workers")
-  kw = {"num_train": c.num_train, "num_test": c.num_test} if c.dataset == "mnist1d" else {}
-  dataset = data_lib.load(c.dataset, **kw)
+  dataset = data_lib.load_sized(c.dataset, c.num_train, c.num_test)
   model = models_lib.get_model("mlp", hidden=tuple(c.hidden), num_classes=dataset.num_classes)
   samples = int(round(c.epochs * len(dataset.train)))
   steps = common.steps_for(samples, c.global_batch)

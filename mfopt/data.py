@@ -422,6 +422,26 @@ def load(name: str, **kwargs: Any) -> Dataset:
   return loader(**kwargs)
 
 
+def takes_sizes(name: str) -> bool:
+  """Whether the loader registered as ``name`` takes ``num_train`` and ``num_test`` (generated
+  datasets: ``mnist1d``, ``synthetic``); one with fixed splits (``digits``, the TFDS datasets)
+  does not. Raises ValueError for an unknown name, as :func:`load` does."""
+  if name not in _LOADERS:
+    load(name)  # raises the unknown-name error
+  params = inspect.signature(_LOADERS[name]).parameters
+  return "num_train" in params and "num_test" in params
+
+
+def load_sized(name: str, num_train: int, num_test: int, **kwargs: Any) -> Dataset:
+  """:func:`load` with ``num_train`` and ``num_test`` passed when the loader takes them
+  (:func:`takes_sizes`); a dataset with fixed splits is loaded whole. The experiments' configs
+  carry both sizes for every dataset; ``runner.prepare`` refuses an explicit size for a dataset
+  that cannot honour it, so the sizes are never dropped silently."""
+  if takes_sizes(name):
+    kwargs = {"num_train": num_train, "num_test": num_test, **kwargs}
+  return load(name, **kwargs)
+
+
 def cache_dir() -> pathlib.Path:
   """``$MFOPT_CACHE`` if set, else ``~/.cache/mfopt`` (not created here)."""
   return pathlib.Path(os.environ.get("MFOPT_CACHE") or "~/.cache/mfopt").expanduser()

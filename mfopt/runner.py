@@ -316,6 +316,21 @@ def check_conventions(config: ml_collections.ConfigDict,
       raise ConfigError(f"config field {key!r} must be finite, got {value!r}")
 
 
+def _refuse_ignored_sizes(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
+  """Refuses an explicit ``num_train`` or ``num_test`` for a dataset with fixed splits. The
+  experiments load such a dataset whole (``data.load_sized``), so ``dataset=digits
+  num_train=500`` trained on all 1,437 digits and said nothing."""
+  from mfopt import data  # pylint: disable=g-import-not-at-top
+  sized = [item.split("=", 1)[0] for item in overrides
+           if item.split("=", 1)[0] in ("num_train", "num_test")]
+  name = config.get("dataset")
+  if sized and isinstance(name, str) and name in data.registered() and not data.takes_sizes(name):
+    generated = [n for n in data.registered() if data.takes_sizes(n)]
+    raise ConfigError(
+        f"config field {sized[0]!r} sets the size of a generated dataset ({', '.join(generated)}); "
+        f"dataset={name!r} has fixed splits and is loaded whole, so it would be ignored")
+
+
 def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) -> tuple[ModuleType, ml_collections.ConfigDict]:
   """Loads an experiment and its validated config (nothing compiled yet)."""
   module = load_experiment(name)
@@ -323,6 +338,7 @@ def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) ->
   config = apply_overrides(config, overrides)
   choices = getattr(module, "CHOICES", None)
   check_conventions(config, choices() if callable(choices) else choices)
+  _refuse_ignored_sizes(config, overrides)
   validate = getattr(module, "validate", None)
   if validate is not None:
     try:
