@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mfopt import runner
+from mfopt import data, runner
 
 
 def _raises(match, name, *overrides, quick=True):
@@ -363,3 +363,43 @@ def test_bool_overrides(text, want):
 def test_bool_override_refuses_other_words():
   with pytest.raises(runner.ConfigError, match="progress"):
     runner._parse_value("progress", "maybe", True)
+
+
+class _Loaded(Exception):
+  pass
+
+
+@pytest.mark.parametrize("name", ["mf_mlp", "mf_sweep", "mf_batch_workers", "hybrid_vs_baselines",
+                                  "hybrid_warmup_T", "precision", "bn_strategies"])
+def test_num_train_reaches_a_generated_dataset_and_is_refused_for_fixed_splits(name, monkeypatch,
+                                                                               tmp_path):
+  """dataset=digits num_train=500 trained on all 1,437 digits and said nothing (the sizes went
+  to mnist1d only; synthetic, which takes them too, used its loader's defaults: the next test).
+  Every experiment with the two fields passes them through data.load_sized."""
+  for order in (("dataset=digits", "num_train=500"), ("num_test=50", "dataset=digits")):
+    key = order[0 if order[0].startswith("num") else 1].split("=")[0]
+    _raises(rf"'{key}' sets the size of a generated dataset \(mnist1d, synthetic\); "
+            r"dataset='digits' has fixed splits", name, *order)
+  module, c = runner.prepare(name, quick=True,
+                             overrides=["dataset=mnist1d", "num_train=300", "num_test=70"])
+  calls = []
+
+  def load_sized(*args):
+    calls.append(args)
+    raise _Loaded
+
+  monkeypatch.setattr(data, "load_sized", load_sized)
+  with pytest.raises(_Loaded):
+    module.run(c, tmp_path)
+  assert calls == [("mnist1d", 300, 70)]
+
+
+def test_load_sized_passes_sizes_only_to_loaders_that_take_them():
+  assert data.takes_sizes("mnist1d") and data.takes_sizes("synthetic")
+  assert not data.takes_sizes("digits") and not data.takes_sizes("cifar10")
+  with pytest.raises(ValueError, match="unknown dataset name 'nope'"):
+    data.takes_sizes("nope")
+  ds = data.load_sized("synthetic", 300, 70)
+  assert (len(ds.train), len(ds.test)) == (300, 70)
+  ds = data.load_sized("digits", 300, 70)  # fixed splits, whole
+  assert (len(ds.train), len(ds.test)) == (1437, 360)
