@@ -500,8 +500,9 @@ def test_group_batch_norm_equals_flax_batchnorm_per_group(shape, groups, dtype):
   def mine(x, scale, bias):
     return models.group_batch_norm(x, scale, bias, models.BN_EPSILON, groups)
 
-  y, mean, var = mine(x, scale, bias)
-  y_ref, mean_ref, var_ref = _flax_bn_per_group(x, scale, bias, groups)
+  # jitted: compiling each small program is quicker than dispatching its ops one by one
+  y, mean, var = jax.jit(mine)(x, scale, bias)
+  y_ref, mean_ref, var_ref = jax.jit(_flax_bn_reference(groups))(x, scale, bias)
   assert y.dtype == dtype and mean.dtype == var.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), **tol)
   # flax's new running value is 0.9 * init + 0.1 * batch statistic
@@ -511,8 +512,8 @@ def test_group_batch_norm_equals_flax_batchnorm_per_group(shape, groups, dtype):
   def loss(f):
     return lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32) * w)
 
-  got = jax.grad(loss(mine), argnums=(0, 1, 2))(x, scale, bias)
-  want = jax.grad(loss(_flax_bn_reference(groups)), argnums=(0, 1, 2))(x, scale, bias)
+  got = jax.jit(jax.grad(loss(mine), argnums=(0, 1, 2)))(x, scale, bias)
+  want = jax.jit(jax.grad(loss(_flax_bn_reference(groups)), argnums=(0, 1, 2)))(x, scale, bias)
   for g, r in zip(got, want):
     scale_of = float(jnp.abs(r.astype(jnp.float32)).max())
     np.testing.assert_allclose(np.asarray(g, np.float32) / scale_of,
@@ -571,15 +572,16 @@ def test_resnet_with_bn_groups_is_the_per_group_model():
         stacked, x.reshape(4, 4, 8, 8, 3))
     return jnp.mean(logits ** 2), (logits.reshape(16, 5), new)
 
-  (_, (lg, ng)), gg = jax.value_and_grad(loss_grouped, has_aux=True)(params)
-  (_, (lv, nv)), gv = jax.value_and_grad(loss_vmapped, has_aux=True)(params)
+  # jitted: op-by-op dispatch of the ResNet's forward and backward took longer than compiling
+  (_, (lg, ng)), gg = jax.jit(jax.value_and_grad(loss_grouped, has_aux=True))(params)
+  (_, (lv, nv)), gv = jax.jit(jax.value_and_grad(loss_vmapped, has_aux=True))(params)
   np.testing.assert_allclose(lg, lv, rtol=1e-4, atol=1e-5)
   for a, b in zip(jax.tree.leaves(ng), jax.tree.leaves(nv)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gv)):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5 * float(jnp.abs(b).max()) + 1e-7)
-  eval_g = models.apply_model(grouped, params, stacked, x, train=False)[0]
-  eval_v = jax.vmap(lambda s, xg: models.apply_model(one, params, s, xg, train=False)[0])(
+  eval_g = jax.jit(lambda: models.apply_model(grouped, params, stacked, x, train=False)[0])()
+  eval_v = jax.jit(jax.vmap(lambda s, xg: models.apply_model(one, params, s, xg, train=False)[0]))(
       stacked, x.reshape(4, 4, 8, 8, 3)).reshape(16, 5)
   np.testing.assert_allclose(eval_g, eval_v, rtol=1e-4, atol=1e-5)
 
@@ -600,6 +602,8 @@ def test_bn_impl_mfopt_is_flax_batchnorm_with_a_hand_written_backward(name):
   assert jax.tree.structure(params) == jax.tree.structure(params2)
   assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, state2)
 
+  # jitted (the model static): op-by-op dispatch of the ResNet took longer than compiling it
+  @functools.partial(jax.jit, static_argnums=0)
   def run(model):
     def loss(p):
       logits, new = models.apply_model(model, p, state, x, train=True)
