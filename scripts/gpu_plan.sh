@@ -7,6 +7,8 @@
 #   bash scripts/gpu_plan.sh --list           the calls
 #   bash scripts/gpu_plan.sh --check          every call's benches with --quick on this machine
 #                                             (their --shapes dropped): flags and code paths
+#   bash scripts/gpu_plan.sh --check-list     the commands --check runs (the tests run them
+#                                             in one process)
 #   bash scripts/gpu_bench.sh --fetch-wheels  (here, once: ml_collections as a wheel in .whl)
 #   then, on the device, with .whl carried:
 #   MFOPT_COMMIT=<sha> bash scripts/gpu_plan.sh N "$OUT"
@@ -47,24 +49,31 @@ specs_of() {  # call number -> one bench spec per line
   for spec in ${CALLS[$1]}; do printf '%s\n' "$spec"; done
 }
 
+check_commands() {  # every call's benches as --check runs them on a CPU: shapes dropped
+  for n in $(printf '%s\n' "${!CALLS[@]}" | sort -n); do
+    while IFS= read -r spec; do
+      printf '%s\t%s\t%s\n' "$n" "${spec%%:*}" "$(printf '%s' "${spec#*:}" | sed -E 's/--shapes [^ ]+//; s/--platform gpu/--platform cpu/; s/--devices GPUS/--devices 8/; s/--reps [0-9]+//; s/  +/ /g; s/^ //; s/ $//')"
+    done < <(specs_of "$n")
+  done
+}
+
 case "${1:-}" in
   --list)
     for n in $(printf '%s\n' "${!CALLS[@]}" | sort -n); do
       echo "call $n:"; specs_of "$n" | sed 's/^/  /'
     done
     ;;
+  --check-list)  # what --check runs, one "N<tab>bench<tab>args" line per bench (the tests)
+    check_commands
+    ;;
   --check)
     status=0
-    for n in $(printf '%s\n' "${!CALLS[@]}" | sort -n); do
-      while IFS= read -r spec; do
-        bench="${spec%%:*}"
-        args=$(printf '%s' "${spec#*:}" | sed -E 's/--shapes [^ ]+//; s/--platform gpu/--platform cpu/; s/--devices GPUS/--devices 8/; s/--reps [0-9]+//')
-        echo "call $n: $bench --quick $args"
-        # shellcheck disable=SC2086  # args is a word list on purpose
-        "${PYTHON:-.venv/bin/python}" -m "experiments.$bench" --quick $args > /dev/null 2>&1 \
-          || { echo "  FAILED: python -m experiments.$bench --quick $args"; status=1; }
-      done < <(specs_of "$n")
-    done
+    while IFS=$'\t' read -r n bench args; do
+      echo "call $n: $bench --quick $args"
+      # shellcheck disable=SC2086  # args is a word list on purpose
+      "${PYTHON:-.venv/bin/python}" -m "experiments.$bench" --quick $args > /dev/null 2>&1 \
+        || { echo "  FAILED: python -m experiments.$bench --quick $args"; status=1; }
+    done < <(check_commands)
     exit $status
     ;;
   [1-9])
@@ -82,7 +91,7 @@ case "${1:-}" in
     exec bash scripts/gpu_bench.sh "$out" "${specs[@]}"
     ;;
   *)
-    echo "usage: bash scripts/gpu_plan.sh --list | --check | N [OUTDIR]" >&2
+    echo "usage: bash scripts/gpu_plan.sh --list | --check | --check-list | N [OUTDIR]" >&2
     exit 2
     ;;
 esac
