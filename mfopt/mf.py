@@ -21,12 +21,16 @@ decays with the buffer (geometrically, rate ``mf``). ``tests/test_mf.py`` proves
 both facts against a NumPy implementation of each form.
 
 Validation. Constructors raise ``ValueError`` naming the argument and value for a
-constant ``mf`` outside [0, 1) and a negative constant learning rate. Schedules
-are only evaluated when ``validate_steps=T`` is given: every value of ``mf`` (and
-of the learning rate) over steps ``0..T-1`` is then checked, and for the
-second-order optimizer also that ``mf1`` does not decrease (condition (2b) of
-§4.3.2). Values that are JAX tracers (an optimizer built inside ``jit`` with
-traced hyperparameters, as the equivalence tests do) cannot be checked and are
+constant ``mf`` outside [0, 1) and a negative constant learning rate. With
+``validate_steps=T`` every value of a scheduled ``mf`` (and learning rate) over
+steps ``0..T-1`` is checked, and for the second-order optimizer also that ``mf1``
+does not decrease (condition (2b) of §4.3.2). Without it, the second-order
+optimizer still checks (2b) ("MF does not decrease is checked for second-order",
+SPEC.md) on steps ``0..DEFAULT_MF1_CHECK_STEPS-1`` in one vectorised call of the
+schedule; the range of a schedule is not checked by default (a schedule may leave
+[0, 1) after a run ends). A schedule that cannot take a vector of steps, and values
+that are JAX tracers (an optimizer built inside ``jit`` with traced
+hyperparameters, as the equivalence tests do), cannot be checked this way and are
 skipped.
 """
 
@@ -107,6 +111,33 @@ def _check_mf(name: str, value: ScalarOrSchedule, validate_steps: int | None,
         raise ValueError(
             f"{name} must not decrease for a second-order optimizer (seed 000 §4.3.2 (2b)), "
             f"got {name}={values[t - 1]!r} at step {t - 1} then {values[t]!r} at step {t}")
+
+
+#: Steps a second-order optimizer's ``mf1`` schedule is checked on for (2b) when
+#: ``validate_steps`` is not given (one vectorised evaluation; ``validate_steps`` sets
+#: the window, e.g. for a schedule that decreases only after the run).
+DEFAULT_MF1_CHECK_STEPS = 10_000
+
+
+def _check_non_decreasing_by_default(name: str, value: ScalarOrSchedule) -> None:
+  """(2b) for a schedule without ``validate_steps``: ``value(arange(n))`` must not decrease.
+  Skipped when the schedule does not map a vector of steps to a vector of concrete values.
+  A float32 schedule's rounding is tolerated (4 ulp at 1.0)."""
+  n = DEFAULT_MF1_CHECK_STEPS
+  try:
+    out = value(jnp.arange(n, dtype=jnp.int32))
+    values = None if isinstance(out, jax.core.Tracer) else np.asarray(out, np.float64)
+  except Exception:  # pylint: disable=broad-except  (not vectorisable: unchecked, documented)
+    return
+  if values is None or values.shape != (n,):
+    return
+  drops = np.flatnonzero(np.diff(values) < -4 * np.finfo(np.float32).eps)
+  if drops.size:
+    t = int(drops[0])
+    raise ValueError(
+        f"{name} must not decrease for a second-order optimizer (seed 000 §4.3.2 (2b)), got "
+        f"{name}={float(values[t])!r} at step {t} then {float(values[t + 1])!r} at step {t + 1} "
+        f"(checked on steps 0..{n - 1}; validate_steps=T checks steps 0..T-1 instead)")
 
 
 def _check_lr(value: ScalarOrSchedule, validate_steps: int | None) -> None:
@@ -345,7 +376,8 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
     eps: ``epsilon`` > 0 added to ``sqrt(v)``.
     phi: ``"adam"`` or ``"paper"``.
     validate_steps: if given, check the ``mf1`` schedule on steps ``0..T-1``,
-      including that it does not decrease.
+      including that it does not decrease; if not, that it does not decrease on
+      steps ``0..DEFAULT_MF1_CHECK_STEPS-1`` (see the module docstring).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`MFAdamState`.
@@ -360,6 +392,8 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
   if phi not in PHIS:
     raise ValueError(f"phi must be one of {PHIS}, got {phi!r}")
   _check_mf("mf1", mf1, validate_steps, non_decreasing=True)
+  if callable(mf1) and validate_steps is None:
+    _check_non_decreasing_by_default("mf1", mf1)
   if callable(mf2):
     raise ValueError(f"mf2 must be a constant in [0, 1) (MF2 is not scheduled in seed 000), "
                      f"got the callable {mf2!r}")
@@ -421,7 +455,8 @@ def mf_adam(learning_rate: ScalarOrSchedule, mf1: ScalarOrSchedule = 0.9, mf2: f
 
   Raises:
     ValueError: ``mf1``/``mf2`` outside [0, 1), negative learning rate, unknown
-      ``phi``, or (with ``validate_steps``) a decreasing ``mf1`` schedule.
+      ``phi``, or a decreasing ``mf1`` schedule (on steps ``0..validate_steps-1``, or
+      ``0..DEFAULT_MF1_CHECK_STEPS-1`` without it).
 
   Example:
     >>> import jax.numpy as jnp

@@ -311,11 +311,34 @@ def test_bad_arguments_raise_at_construction(build, match):
     build()
 
 
-def test_valid_schedules_pass_validation_and_unchecked_by_default():
+def test_valid_schedules_pass_validation_and_ranges_unchecked_by_default():
   mfopt.mf_adam(1e-3, mf1=optax.linear_schedule(0.9, 0.99, 10), validate_steps=20)
-  # A decreasing mf is legal for first order, and schedules are not evaluated unless asked.
+  # A decreasing mf is legal for first order, and ranges are not evaluated unless asked.
   mfopt.mf_sgd(0.1, mf=optax.linear_schedule(0.99, 0.9, 10), validate_steps=20)
-  mfopt.mf_adam(1e-3, mf1=optax.linear_schedule(0.99, 0.9, 10))
+  mfopt.mf_sgd(0.1, mf=optax.linear_schedule(0.9, 1.0, 10))  # reaches 1.0 only at step 10
+
+
+def test_second_order_mf1_schedule_is_checked_for_2b_without_validate_steps():
+  """SPEC: "MF does not decrease" is checked for the second-order optimizer. A decreasing mf1
+  schedule built without validate_steps was accepted; it is now evaluated on steps
+  0..DEFAULT_MF1_CHECK_STEPS-1 in one vectorised call (validate_steps=T sets the window)."""
+  n = mfopt.mf.DEFAULT_MF1_CHECK_STEPS
+  assert n == 10_000
+  with pytest.raises(ValueError, match=r"mf1 must not decrease .* got mf1=0\.99\d* at step 0 "
+                                       r"then 0\.9799\d* at step 1 \(checked on steps 0\.\.9999;"):
+    mfopt.mf_adam(1e-3, mf1=optax.linear_schedule(0.99, 0.9, 9))
+  late = lambda t: jnp.where(t < n + 5, 0.9, 0.5)  # noqa: E731  (drops after the window)
+  early = lambda t: jnp.where(t < 4321, 0.9, 0.5)  # noqa: E731
+  with pytest.raises(ValueError, match=r"at step 4320 then 0\.5 at step 4321"):
+    mfopt.scale_by_mf_adam(mf1=early)
+  mfopt.mf_adam(1e-3, mf1=late)
+  with pytest.raises(ValueError, match=rf"at step {n + 4} then 0\.5"):
+    mfopt.mf_adam(1e-3, mf1=late, validate_steps=n + 6)
+  # increasing schedules pass, a float32 cosine one included (rounding is not a decrease)
+  mfopt.mf_adam(1e-3, mf1=optax.linear_schedule(0.9, 0.99, 1000))
+  mfopt.mf_adam(1e-3, mf1=lambda t: 0.99 - 0.09 * optax.cosine_decay_schedule(1.0, n)(t))
+  # a schedule that cannot take a vector of steps is not evaluated (documented)
+  mfopt.mf_adam(1e-3, mf1=lambda t: 0.9 if t < 5 else 0.8)
 
 
 # ----------------------------------------------------------------------------- formulas
