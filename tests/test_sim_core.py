@@ -807,3 +807,20 @@ def test_result_between_runs_changes_nothing(ds, linear):
   c.run(max_samples=240)
   samples = [r["samples"] for r in c.history]
   assert len(samples) == len(set(samples)) and samples == sorted(samples)
+
+
+@pytest.mark.parametrize("make", [lambda: sim.ASP(), lambda: sim.SSP(), lambda: sim.EASGD(2),
+                                  lambda: sim.BSP()], ids=["ASP", "SSP", "EASGD", "BSP"])
+def test_every_server_version_is_in_the_k_trace(ds, linear, make):
+  """SPEC: every run reports its k trace. ASP, SSP and EASGD recorded none (mean_k was NaN in
+  the async tables); each of their versions comes from one worker (k = 1), BSP's from all M."""
+  s = sim.Simulator(make(), model=linear, dataset=ds, num_workers=4, per_worker_batch=4,
+                    network=None, compute=sim.ComputeModel(0.01, speed_spread=1.0))
+  s.run(max_server_steps=12)
+  result = s.result()
+  k = 4 if isinstance(s.strategy, sim.BSP) else 1
+  assert [int(v) for v, _, _ in result.k_trace] == list(range(1, s.version + 1))
+  assert s.version >= 12 and {kk for _, _, kk in result.k_trace} == {k}
+  assert result.summary["mean_k"] == k
+  times = [t for _, t, _ in result.k_trace]
+  assert times == sorted(times) and times[-1] <= result.summary["sim_time_s"]

@@ -103,7 +103,8 @@ class SimResult:
   strategy: str
   history: list[dict[str, Any]]
   summary: dict[str, Any]
-  k_trace: list[list[float]]            # [server_step, sim_time, k]
+  k_trace: list[list[float]]            # [server_step, sim_time, k]: every server version
+                                        # (k = 1 for ASP, SSP and EASGD)
   staleness: dict[int, int]             # τ -> count of pushed gradients
   lr_traces: list[list[list[float]]]    # per worker: [sim_time, alpha]
   server_lr_trace: list[list[float]]    # [server_step, sim_time, lr]

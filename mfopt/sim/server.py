@@ -12,7 +12,8 @@ A strategy reacts to three simulator events (see :class:`mfopt.sim.run.Simulator
 and uses the simulator's actions: ``sim.apply(new_theta)`` (a new server
 version), ``sim.send(w)`` (worker ``w`` pulls the current version over the
 link and then computes), ``sim.start_compute(w)``, ``sim.block(w)``,
-``sim.record_update(k)``. All strategies but :class:`KSync` update the server
+``sim.record_update(k)`` (every server version records its k, the workers whose gradients
+or elastic exchange made it: 1 for ASP, SSP and EASGD). All strategies but :class:`KSync` update the server
 with the base optimizer :class:`BaseSGD` (``optax.sgd``, learning rate
 ``LR * DR^epoch``, spec §5).
 
@@ -233,6 +234,7 @@ class ASP(_OptStrategy):
 
   def on_push(self, sim, w: int) -> None:
     self._update(sim, sim.msg[w].grad)
+    sim.record_update(k=1)
     sim.send(w)
 
 
@@ -267,6 +269,7 @@ class SSP(_OptStrategy):
 
   def on_push(self, sim, w: int) -> None:
     self._update(sim, sim.msg[w].grad)
+    sim.record_update(k=1)
     self.clock[w] += 1
     self.max_gap = max(self.max_gap, int(self.clock[w] - self.clock.min()))
     still = []
@@ -716,6 +719,7 @@ class EASGD(Strategy):
     self.center_loc[w] = center
     self.local[w] = self.local[w] - np.float32(self.a) * delta
     sim.apply(center + np.float32(self.a) * delta, lr=self.base.lr(sim.epoch))
+    sim.record_update(k=1)  # one worker's elastic exchange per center version
     sim.send(w)
 
   def state_dict(self):
