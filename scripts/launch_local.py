@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -34,7 +36,28 @@ import threading
 import time
 
 
+def _ephemeral_start() -> int:
+  """The first port of the kernel's ephemeral range (Linux; its default elsewhere)."""
+  try:
+    return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+  except (OSError, ValueError, IndexError):
+    return 32768
+
+
 def free_port() -> int:
+  """A free TCP port for the coordinator, drawn below the kernel's ephemeral range. The port
+  is free now and bound seconds later (once JAX starts); a port the kernel hands out (bind to
+  0) could meanwhile go to another job's gloo or gRPC socket, which draw from that range."""
+  lo = _ephemeral_start()
+  rng = random.SystemRandom()
+  for _ in range(100 if lo > 11000 else 0):
+    port = rng.randrange(10000, lo)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+      return s.getsockname()[1]
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
@@ -75,6 +98,15 @@ def main(argv: list[str] | None = None) -> int:
   if not command:
     parser.error("give the python arguments after --")
   port = args.port or free_port()
+  # The handler only records the signal; the loop below stops the processes. Stopping them
+  # inside the handler could deadlock: a signal landing inside the loop's Popen.poll() left
+  # that Popen's wait lock held, and the handler's p.wait() blocked on it forever (CI saw the
+  # launcher hang after "got SIGTERM"). Installed before the first child starts: a signal
+  # between the starts and the handlers used to kill the launcher alone (exit -15), leaving
+  # the children (own sessions) running.
+  received: list[int] = []
+  signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+  signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
   procs = []
   pumps = []
   for i in range(args.num_processes):
@@ -114,14 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         p.kill()
         p.wait()
     return 128 + signum
-
-  # The handler only records the signal; the loop below stops the processes. Stopping them
-  # inside the handler could deadlock: a signal landing inside the loop's Popen.poll() left
-  # that Popen's wait lock held, and the handler's p.wait() blocked on it forever (CI saw the
-  # launcher hang after "got SIGTERM").
-  received: list[int] = []
-  signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
-  signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
 
   first_failure = None
   while True:

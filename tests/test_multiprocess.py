@@ -572,3 +572,24 @@ def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
   for pid in pids:
     with pytest.raises(ProcessLookupError):
       os.kill(pid, 0)
+
+
+def test_launcher_draws_its_coordinator_port_below_the_ephemeral_range(monkeypatch):
+  """The coordinator's port is bound seconds after it is chosen: one the kernel handed out
+  (bind to 0) could meanwhile go to another job's gloo or gRPC socket, which draw from the
+  ephemeral range. It is drawn below that range now, free, and the kernel's pick is the
+  fallback when the range starts too low to leave room."""
+  import importlib.util
+  import socket
+  spec = importlib.util.spec_from_file_location("launch_local", LAUNCH)
+  launch = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(launch)
+  lo = launch._ephemeral_start()
+  assert lo == int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+  ports = {launch.free_port() for _ in range(20)}
+  assert all(10000 <= p < lo for p in ports) and len(ports) > 1  # drawn, not one fixed port
+  for p in ports:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", p))  # free
+  monkeypatch.setattr(launch, "_ephemeral_start", lambda: 2000)
+  assert launch.free_port() >= lo  # the kernel's pick, from the ephemeral range
