@@ -125,7 +125,11 @@ def test_notebook_executes(path, kernel_home, monkeypatch, tmp_path_factory):
   load = max(load_before, _load_per_core())
 
   times = _timing_dir(tmp_path_factory)
-  (times / f"{path.stem}.json").write_text(json.dumps({"wall": wall, "cpu": cpu, "load": load}))
+  # written by rename: the other xdist worker globs this folder and must never read a
+  # half-written file (CI once read an empty pid file that way in test_multiprocess)
+  tmp = times / f".{path.stem}.json.tmp"
+  tmp.write_text(json.dumps({"wall": wall, "cpu": cpu, "load": load}))
+  os.replace(tmp, times / f"{path.stem}.json")
   print(f"{path.name}: wall {wall:.1f} s, kernel CPU {cpu:.1f} s, load/core {load:.1f}")
   assert cpu < PER_NOTEBOOK_S, f"{path.name} used {cpu:.1f} s of CPU (limit {PER_NOTEBOOK_S} s)"
   _check_wall(f"{path.name} took {wall:.1f} s", wall, PER_NOTEBOOK_S, load)

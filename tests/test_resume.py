@@ -556,9 +556,10 @@ def test_simulator_sigkill_then_resume_is_bitwise_identical(tmp_path):
   proc = spawn(0.0)
   stdout, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-3000:]
-  # it resumed after the chunk saved before the kill (a restart would also end equal)
+  # it resumed after a chunk saved before the kill (a restart would also end equal); the
+  # kill may land after the next chunk's save on a loaded machine (0.2 s pause), so >=
   chunks = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("CHUNK ")]
-  assert killed_after >= 2 and chunks and chunks[0] == killed_after + 1, (killed_after, chunks)
+  assert killed_after >= 2 and chunks and chunks[0] >= killed_after + 1, (killed_after, chunks)
 
   reference = _simulator()
   reference.run(max_samples=SIM_SAMPLES)  # one uninterrupted run, no checkpoints
