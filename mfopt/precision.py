@@ -256,6 +256,10 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
   """
   _checks.transformation("inner", inner, owner="dynamic_loss_scale")
   _checks.positive_number("init_scale", init_scale)
+  tiny, big = float(jnp.finfo(jnp.float32).tiny), float(jnp.finfo(jnp.float32).max)
+  if not tiny <= float(init_scale) <= big:  # (1e39 became inf: every step reverted, for good)
+    raise ValueError(f"init_scale must be a normal float32 number, in [{tiny:.3g}, {big:.4g}], "
+                     f"got {init_scale!r}")
   # growth >= 1 (1: never grows) and backoff in (0, 1): a "growth" of 0.5 shrank the scale
   # after every run of finite steps. Python floats: DynamicScale holds them as static fields.
   _checks.number_where("growth_factor", growth_factor, lambda v: v >= 1, ">= 1")
@@ -270,6 +274,9 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
                       # a copy (jnp.asarray kept the caller's array; a donated step deleted it)
                       scale=jnp.array(init_scale, jnp.float32, copy=True))
     inner_state = inner.init(params)
+    if states_of(inner_state, LossScaleState):  # (update failed with a TypeError about kwargs)
+      raise ValueError("dynamic_loss_scale must not wrap another dynamic_loss_scale (one loss "
+                       "scale per optimizer; with_policy adds it for fp16), got one inside inner")
     _check_local_steps_skip(inner_state)
     return LossScaleState(dynamic_scale=ds, inner_state=inner_state,
                           finite=jnp.array(True), overflows=jnp.zeros([], jnp.int32))
@@ -304,13 +311,14 @@ def _check_local_steps_skip(inner_state: Any) -> None:
   for s in states_of(inner_state, optax.ApplyIfFiniteState):  # optax.apply_if_finite(comm)
     _refuse_communicating(s.inner_state, "optax.apply_if_finite")
   for s in states_of(inner_state, PeriodicAveragingState):
-    if not states_of(s.inner_state, optax.ApplyIfFiniteState):
+    if not states_of(s.inner_state, SkipNonfiniteState):
       raise ValueError(
           "dynamic_loss_scale (with_policy's fp16) around periodic_averaging or block_momentum "
           "needs their local optimizer wrapped in mfopt.precision.skip_nonfinite: "
           "periodic_averaging(skip_nonfinite(inner), axis_name, period). Otherwise a worker "
           "whose gradient overflowed is reverted alone, its step counter falls behind the "
-          "others' and the workers stop agreeing on when to average")
+          "others' and the workers stop agreeing on when to average (optax.apply_if_finite "
+          "is not enough: after max_consecutive_errors it lets a non-finite update through)")
 
 
 def _payload_or_unknown(stats: CommStats) -> int | None:
@@ -337,9 +345,22 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
   def init_fn(params):
     state = tx.init(params)
     _refuse_communicating(state.inner_state, "skip_nonfinite")  # (it was only documented)
-    return state
+    return SkipNonfiniteState(*state)
 
-  return tx._replace(init=init_fn)
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_state = tx.update(updates, state, params, **extra_args)
+    return new_updates, SkipNonfiniteState(*new_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class SkipNonfiniteState(optax.ApplyIfFiniteState):
+  """State of :func:`skip_nonfinite`: optax's ``ApplyIfFiniteState``, marked as one that never
+  gives up. :func:`dynamic_loss_scale` requires this type inside a local algorithm:
+  ``optax.apply_if_finite`` with a finite ``max_consecutive_errors`` lets a non-finite update
+  through after that many, and the workers then fall out of step (it was accepted)."""
+
+  __slots__ = ()
 
 
 def _refuse_communicating(state: Any, wrapper: str) -> None:

@@ -4,6 +4,8 @@ Overflow is injected by scaling one worker's inputs so that the *backward* pass 
 fp16 under the loss scale (the forward pass stays finite).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -413,3 +415,42 @@ def test_with_policy_checks_loss_scale_arguments_whatever_the_policy():
   assert precision.with_policy(tx, "bf16", init_scale=8.0) is tx  # valid: unchanged
   scaled = precision.with_policy(tx, "fp16", init_scale=8.0)
   assert float(precision.loss_scale_of(scaled.init(jnp.zeros(2))).scale) == 8.0
+
+
+def test_a_local_algorithm_needs_skip_nonfinite_not_any_apply_if_finite():
+  """optax.apply_if_finite with a finite max_consecutive_errors passed the local-algorithm
+  check, then let a non-finite update through after that many: dynamic_loss_scale reverted
+  that worker alone and the workers' averaging counters parted ([2, 3] after 5 steps). Only
+  skip_nonfinite's marked state is accepted; it keeps its type through update (a jit or scan
+  carry must not change structure)."""
+  vinit = lambda tx: jax.vmap(tx.init, axis_name="w")({"w": jnp.zeros((2, 3))})  # noqa: E731
+  bad = precision.dynamic_loss_scale(
+      mfopt.periodic_averaging(optax.apply_if_finite(optax.sgd(0.1), 2), "w", 4))
+  with pytest.raises(ValueError, match=r"needs their local optimizer wrapped in mfopt.precision"
+                                       r".skip_nonfinite.*max_consecutive_errors"):
+    vinit(bad)
+  tx = precision.skip_nonfinite(optax.sgd(0.1))
+  state = tx.init({"w": jnp.zeros(3)})
+  assert type(state) is precision.SkipNonfiniteState
+  for g in (jnp.ones(3), jnp.full(3, jnp.nan)):
+    u, state = jax.jit(tx.update)({"w": g}, state)
+    assert type(state) is precision.SkipNonfiniteState
+  assert int(state.total_notfinite) == 1 and float(jnp.abs(u["w"]).max()) == 0.0
+  good = precision.dynamic_loss_scale(mfopt.periodic_averaging(tx, "w", 4))
+  assert jax.tree.structure(vinit(good)) is not None
+
+
+def test_init_scale_must_be_a_normal_float32_and_loss_scales_do_not_nest():
+  """init_scale=1e39 became inf in float32: every gradient NaN, every step reverted, and
+  inf x 0.5 stays inf, so training stalled for good; a nested dynamic_loss_scale built and
+  failed in update with a TypeError about keyword arguments."""
+  big = float(np.finfo(np.float32).max)
+  for bad in (1e39, 1e-46):
+    with pytest.raises(ValueError, match=rf"init_scale must be a normal float32 number, in "
+                                         rf"\[1.18e-38, 3.403e\+38\], got {re.escape(repr(bad))}"):
+      precision.dynamic_loss_scale(optax.sgd(0.1), init_scale=bad)
+  s = precision.dynamic_loss_scale(optax.sgd(0.1), init_scale=big).init({"w": jnp.zeros(2)})
+  assert float(s.dynamic_scale.scale) == big
+  nested = precision.dynamic_loss_scale(precision.dynamic_loss_scale(optax.sgd(0.1)))
+  with pytest.raises(ValueError, match=r"must not wrap another dynamic_loss_scale"):
+    nested.init({"w": jnp.zeros(2)})
