@@ -28,6 +28,7 @@ Seed: 004 §2.2.3 item 1), Table 3.4.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -56,7 +57,15 @@ class BNStrategy:
 
 
 def get_strategy(name: str, *, pooled: bool = False) -> BNStrategy:
-  """``"last_batch"`` | ``"moving_average"`` | ``"sync"`` (see the module docstring)."""
+  """``"last_batch"`` | ``"moving_average"`` | ``"sync"`` (see the module docstring).
+
+  ``pooled`` (a bool) applies to ``"last_batch"`` only, whose statistics are batch
+  statistics; the others refuse it (it was accepted and dropped)."""
+  if not isinstance(pooled, bool):
+    raise ValueError(f"pooled must be a bool, got {pooled!r}")
+  if pooled and name in STRATEGIES and name != "last_batch":
+    raise ValueError(f"pooled=True applies to the 'last_batch' strategy only (the union of the "
+                     f"workers' last batches), got pooled=True with {name!r}")
   if name == "last_batch":
     return BNStrategy(name, 0.0, False, pooled)
   if name == "moving_average":
@@ -83,7 +92,7 @@ def population_statistics(model_state: Any, strategy: BNStrategy | str = "last_b
     return jax.tree.map(mean32, model_state)
 
   def pooled(tree):
-    if isinstance(tree, dict):
+    if isinstance(tree, Mapping):  # (a flax FrozenDict too: it fell through to the plain mean)
       if set(tree) >= {"mean", "var"}:
         means = jnp.asarray(tree["mean"]).astype(jnp.float32)
         out = {k: mean32(v) for k, v in tree.items()}

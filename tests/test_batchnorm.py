@@ -57,6 +57,13 @@ def test_last_batch_is_all_worker_mean_of_last_batch_statistics(one_step):
   np.testing.assert_allclose(pooled["batch_stats"]["bn0"]["var"], y.var(axis=(0, 1, 2)),
                              rtol=1e-4, atol=1e-5)
   assert np.abs(y.var(axis=(0, 1, 2)) - var_w.mean(0)).max() > 0.1  # the two options differ
+  # a flax FrozenDict state (flax.core.freeze, a restored checkpoint) is pooled too: it fell
+  # through to the plain mean
+  from flax.core import freeze
+  frozen = batchnorm.population_statistics(freeze({"batch_stats": {"bn0": st}}),
+                                           batchnorm.get_strategy("last_batch", pooled=True))
+  np.testing.assert_allclose(frozen["batch_stats"]["bn0"]["var"], y.var(axis=(0, 1, 2)),
+                             rtol=1e-4, atol=1e-5)
 
 
 def test_moving_average_is_per_worker_ema(one_step):
@@ -81,3 +88,16 @@ def test_sync_uses_global_batch_statistics_on_every_worker(one_step):
 def test_unknown_strategy_is_named():
   with pytest.raises(ValueError, match="BN strategy"):
     batchnorm.get_strategy("ghost")
+
+
+def test_pooled_is_a_bool_for_last_batch_only():
+  """pooled=True with moving_average or sync was accepted and dropped (pooled=False came
+  back), and pooled="no" was stored as a true value."""
+  for name in ("moving_average", "sync"):
+    with pytest.raises(ValueError, match=rf"pooled=True applies to the 'last_batch' strategy "
+                                         rf"only .*got pooled=True with '{name}'"):
+      batchnorm.get_strategy(name, pooled=True)
+    assert batchnorm.get_strategy(name).pooled is False
+  with pytest.raises(ValueError, match=r"pooled must be a bool, got 'no'"):
+    batchnorm.get_strategy("last_batch", pooled="no")
+  assert batchnorm.get_strategy("last_batch", pooled=True).pooled is True
