@@ -38,9 +38,12 @@ class Link:
   latency: float
 
   def __post_init__(self):
-    if not self.bandwidth > 0:
+    # (a string raised a bare TypeError and True passed as 1 byte/s)
+    ok, v = _checks.real_scalar(self.bandwidth)
+    if not ok or v is None or not v > 0:
       raise ValueError(f"bandwidth must be positive (bytes/s), got {self.bandwidth!r}")
-    if not self.latency >= 0:
+    ok, v = _checks.real_scalar(self.latency)
+    if not ok or v is None or not v >= 0:
       raise ValueError(f"latency must be non-negative (s), got {self.latency!r}")
 
   def describe(self) -> str:
@@ -51,7 +54,7 @@ class Link:
 
   def transfer_time(self, num_bytes: float) -> float:
     """Point-to-point time of one message (parameter-server push/pull)."""
-    return num_bytes / self.bandwidth + self.latency
+    return _amount("num_bytes", num_bytes) / self.bandwidth + self.latency
 
 
 GBIT = 1e9 / 8  # bytes/s in one Gbit/s
@@ -80,6 +83,15 @@ def link(name_or_link: str | Link) -> Link:
   return PRESETS[name_or_link]
 
 
+def _amount(name: str, value: float) -> float:
+  """``value`` if it is a real number >= 0 or NaN (a diverged run's counters stay NaN), else
+  ValueError naming ``name``: negative bytes, counts or seconds modelled negative times."""
+  ok, v = _checks.real_scalar(value)
+  if not ok or (v is not None and v < 0):
+    raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+  return value
+
+
 def _check_workers(n: int) -> None:
   _checks.positive_int("num_workers", n)
 
@@ -87,6 +99,7 @@ def _check_workers(n: int) -> None:
 def wire_bytes(payload_bytes: float, num_workers: int, kind: CollectiveKind) -> float:
   """Bytes one worker puts on its link for one collective of ``payload_bytes``."""
   _check_workers(num_workers)
+  _amount("payload_bytes", payload_bytes)
   n = num_workers
   if kind == CollectiveKind.ALL_REDUCE:
     return 2 * (n - 1) / n * payload_bytes
@@ -100,9 +113,7 @@ def _ring_time(payload_bytes: float, num_workers: int, net: str | Link,
   """:func:`wire_bytes` over the bandwidth plus one latency per ring step (2(n-1) for an
   all-reduce: reduce-scatter then all-gather; n-1 for an all-gather); 0 for one worker."""
   _check_workers(num_workers)
-  ok, v = _checks.real_scalar(payload_bytes)  # NaN (a diverged run's counters) stays NaN
-  if not ok or (v is not None and v < 0):
-    raise ValueError(f"payload_bytes must be a non-negative number, got {payload_bytes!r}")
+  _amount("payload_bytes", payload_bytes)  # NaN (a diverged run's counters) stays NaN
   net, n = link(net), num_workers
   if n == 1:
     return 0.0
@@ -146,7 +157,8 @@ def communication_time(totals: Mapping[str, int], num_workers: int, net: str | L
   t = 0.0
   for kind, count_key, bytes_key in ((CollectiveKind.ALL_REDUCE, "all_reduces", "all_reduce_bytes"),
                                      (CollectiveKind.ALL_GATHER, "all_gathers", "all_gather_bytes")):
-    count = totals.get(count_key, 0)
+    count = _amount(f"totals[{count_key!r}]", totals.get(count_key, 0))
+    _amount(f"totals[{bytes_key!r}]", totals.get(bytes_key, 0))
     if count:
       per_call = totals[bytes_key] / count
       t += count * collective_time(per_call, num_workers, net, kind)
@@ -160,6 +172,7 @@ def projected_time(compute_s: float, totals: Mapping[str, int], num_workers: int
   Returns ``{"compute_s", "comm_s", "projected_s", "scaling_efficiency"}`` where
   scaling efficiency is ``1 / (1 + comm/compute)`` (seed 004 §1).
   """
+  _amount("compute_s", compute_s)
   comm = communication_time(totals, num_workers, net)
   eff = 1.0 / (1.0 + comm / compute_s) if compute_s > 0 else float("nan")
   return {"compute_s": compute_s, "comm_s": comm, "projected_s": compute_s + comm,

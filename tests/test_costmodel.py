@@ -65,3 +65,29 @@ def test_projected_time_adds_compute_and_communication():
   assert math.isclose(p["comm_s"], comm_s) and p["compute_s"] == 1.0
   assert math.isclose(p["projected_s"], 1.4)
   assert math.isclose(p["scaling_efficiency"], 1.0 / 1.4)
+
+
+def test_negative_amounts_and_non_numbers_are_refused_naming_them():
+  """Negative bytes, counts or compute seconds modelled negative times (projected_s -0.999 for
+  compute_s=-1); a string bandwidth raised a bare TypeError and True passed as 1 byte/s. NaN
+  (a diverged run's counters) still passes through."""
+  net = costmodel.PRESETS["10gbit"]
+  cases = [
+      (lambda: costmodel.projected_time(-1.0, {"all_reduces": 0, "all_reduce_bytes": 0}, 4, net),
+       r"compute_s must be a non-negative number, got -1.0"),
+      (lambda: costmodel.communication_time({"all_reduces": -3, "all_reduce_bytes": 12}, 4, net),
+       r"totals\['all_reduces'\] must be a non-negative number, got -3"),
+      (lambda: costmodel.communication_time({"all_reduces": 3, "all_reduce_bytes": -12}, 4, net),
+       r"totals\['all_reduce_bytes'\] must be a non-negative number, got -12"),
+      (lambda: costmodel.wire_bytes(-5, 4, costmodel.CollectiveKind.ALL_REDUCE),
+       r"payload_bytes must be a non-negative number, got -5"),
+      (lambda: net.transfer_time(-5), r"num_bytes must be a non-negative number, got -5"),
+      (lambda: costmodel.Link("z", "1e9", 0), r"bandwidth must be positive \(bytes/s\), got '1e9'"),
+      (lambda: costmodel.Link("z", True, 0), r"bandwidth must be positive .*got True"),
+      (lambda: costmodel.Link("z", 1e9, None), r"latency must be non-negative \(s\), got None"),
+  ]
+  for build, match in cases:
+    with pytest.raises(ValueError, match=match):
+      build()
+  assert math.isnan(costmodel.all_reduce_time(float("nan"), 4, net))
+  assert net.transfer_time(0) == net.latency
