@@ -126,6 +126,7 @@ def optimal_momentum(P: float, *, samples: float, eta: float, B: float, K: float
   hold; returns NaN if none does.
   """
   grid = np.arange(0.0, 0.9951, 0.0025) if grid is None else np.asarray(grid, float)
+  _check(0.0, eta, P, B, K)  # (P = 0 raised ZeroDivisionError; P = -1 returned NaN, "no mu")
   _checks.positive_number("samples", samples)
   n = samples / (P * B * K)
   best, best_mu = np.inf, float("nan")
@@ -146,6 +147,7 @@ def optimal_period(mu: float, *, samples: float, eta: float, P: float, B: float,
   conditions hold; returns 0 if none does.
   """
   _checks.positive_int("k_max", k_max)  # (0 returned 0, "no K holds"; 2.7 was read as 2)
+  _check(mu, eta, P, B, 1)  # (P = 0 returned 0, "no K holds", without saying why)
   _checks.positive_number("samples", samples)
   best, best_k = np.inf, 0
   for k in range(1, int(k_max) + 1):
@@ -181,7 +183,7 @@ def estimate_constants(loss_fn: Callable[[Any, Any], jax.Array], params: Any, ex
       (leading axis 1) for the per-example gradients.
     params: the point ``w_1``.
     examples: a pytree of arrays with a leading example axis (the data set, or a sample).
-    f_star: a lower bound of ``F`` (0 for cross-entropy/squared losses).
+    f_star: a lower bound of ``F`` (0 for cross-entropy/squared losses), below ``F(w_1)``.
     iters: power-iteration steps for ``L``, the largest |eigenvalue| of the full-batch
       Hessian, estimated as ``||H v||`` for the unit iterate ``v``: it never decreases from
       one step to the next (for a symmetric ``H``) and tends to ``max |lambda|``. (The
@@ -194,6 +196,7 @@ def estimate_constants(loss_fn: Callable[[Any, Any], jax.Array], params: Any, ex
     :class:`ProblemConstants`; ``M`` is ``||grad F(w_1)||^2`` (a local value, not a
     global bound), ``sigma2`` the mean per-example ``||g_i - grad F||^2``.
   """
+  _checks.positive_int("iters", iters)  # (0 failed as "L must be a positive number, got 0.0")
   flat, unravel = ravel_pytree(params)
 
   def full_loss(x):
@@ -218,6 +221,8 @@ def estimate_constants(loss_fn: Callable[[Any, Any], jax.Array], params: Any, ex
   per_example = jax.vmap(lambda e: jax.grad(lambda x: loss_fn(
       unravel(x), jax.tree.map(lambda a: a[None], e)))(flat))(examples)
   sigma2 = jnp.mean(jnp.sum(jnp.square(per_example - g), axis=1))
-  f_gap = float(full_loss(flat)) - f_star
+  f_w1 = float(full_loss(flat))
+  if not f_star < f_w1:  # (clamped to 1e-12 silently: a lower bound above F made every bound ~0)
+    raise ValueError(f"f_star must be a lower bound of F below F(w_1) = {f_w1!r}, got {f_star!r}")
   return ProblemConstants(L=float(jnp.abs(lam)), sigma2=float(sigma2), M=float(jnp.vdot(g, g)),
-                          f_gap=max(f_gap, 1e-12), delta=delta)
+                          f_gap=f_w1 - f_star, delta=delta)

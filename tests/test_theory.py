@@ -129,3 +129,30 @@ def test_lemma5_condition_switches_where_eq11_written_out_says(delta, mu):
   s_star = (1 - delta) / delta * c.f_gap / (eta * rhs)  # lhs(S) = rhs at S = S*
   assert theory.lemma5_condition(mu, samples=s_star * 0.999, eta=eta, P=P, B=B, c=c)
   assert not theory.lemma5_condition(mu, samples=s_star * 1.001, eta=eta, P=P, B=B, c=c)
+
+
+def test_searches_and_estimates_refuse_bad_arguments_naming_them():
+  """optimal_momentum with P = 0 raised ZeroDivisionError and with P = -1 returned NaN ("no mu
+  holds"); optimal_period(P=0) returned 0 ("no K holds"); estimate_constants(iters=0) failed
+  as "L must be a positive number", and an f_star above F(w_1) was clamped to f_gap = 1e-12."""
+  kw = dict(samples=1e5, eta=0.01, c=C)
+  for bad in (dict(P=0, B=32, K=4), dict(P=-1, B=32, K=4), dict(P=8, B=0, K=4),
+              dict(P=8, B=32, K=0)):
+    name, value = next((k, v) for k, v in bad.items() if v < 1)
+    with pytest.raises(ValueError, match=rf"{name} must be >= 1, got {value}"):
+      theory.optimal_momentum(bad["P"], B=bad["B"], K=bad["K"], **kw)
+  with pytest.raises(ValueError, match=r"P must be >= 1, got 0"):
+    theory.optimal_period(0.5, P=0, B=32, **kw)
+  with pytest.raises(ValueError, match=r"eta must be a positive number, got -0.01"):
+    theory.optimal_period(0.5, P=8, B=32, samples=1e5, eta=-0.01, c=C)
+
+  def loss(p, batch):
+    return jnp.mean(0.5 * (p - batch) ** 2)  # F(1) = 0.5 on the examples {0}
+
+  w, data = jnp.ones(1), jnp.zeros((4, 1))
+  with pytest.raises(ValueError, match=r"iters must be a positive integer, got 0"):
+    theory.estimate_constants(loss, w, data, iters=0)
+  with pytest.raises(ValueError, match=r"f_star must be a lower bound of F below F\(w_1\) = 0.5, "
+                                       r"got 0.75"):
+    theory.estimate_constants(loss, w, data, f_star=0.75)
+  assert theory.estimate_constants(loss, w, data, f_star=0.25, iters=5).f_gap == 0.25
