@@ -72,10 +72,13 @@ __all__ = [
 ]
 
 
-def _check(M: int, P: int = 1) -> tuple[int, int]:
-  M, P = _checks.positive_int("M", M), _checks.positive_int("P", P)
+def _check(M: int, P: int = 1, *, names: tuple[str, str] = ("M", "P")) -> tuple[int, int]:
+  """``(M, P)`` as ints; errors name the caller's arguments (``names``: K, global_batch,
+  num_workers; predicted_mean_noise(0) said "M")."""
+  m, p = names
+  M, P = _checks.positive_int(m, M), _checks.positive_int(p, P)
   if M % P:
-    raise ValueError(f"M must be divisible by P={P} (K = M/P samples per worker), got {M}")
+    raise ValueError(f"{m} must be divisible by {p}={P} (K = M/P samples per worker), got {M}")
   return int(M), int(P)
 
 
@@ -123,7 +126,7 @@ def total_ss_std(M: int, sigma2: float = 1.0) -> float:
 
 def predicted_mean_noise(K: int, sigma2: float = 1.0) -> float:
   """``E[(mu_j - mu)^2] = sigma^2 / K`` for i.i.d. samples (any distribution)."""
-  K, _ = _check(K)
+  K, _ = _check(K, names=("K", "P"))
   return sigma2 / K
 
 
@@ -134,7 +137,9 @@ def predicted_variance_noise(K: int, sigma2: float = 1.0, kurt: float = 3.0) -> 
   by ``((K-1)/K)^2`` for the biased one BN uses, plus its squared bias
   ``(sigma^2/K)^2``. ``K = 1`` gives ``sigma^4`` (the worker variance is 0).
   """
-  K, _ = _check(K)
+  K, _ = _check(K, names=("K", "P"))
+  # a kurtosis is E[d^4] / E[d^2]^2 >= 1 (kurt = -5 gave a negative mean square)
+  _checks.number_where("kurt", kurt, lambda v: v >= 1, "a kurtosis, >= 1")
   if K == 1:
     return sigma2**2
   var_unbiased = sigma2**2 * (kurt / K - (K - 3) / (K * (K - 1)))
@@ -200,7 +205,7 @@ def measure_split_statistics(batches: np.ndarray, num_workers: int, sigma2: np.n
   if batches.ndim != 3:
     raise ValueError(f"batches must have shape (trials, M, F), got {batches.shape}")
   trials, M, F = batches.shape
-  M, P = _check(M, num_workers)
+  M, P = _check(M, num_workers, names=("M (batches.shape[1])", "num_workers"))
   K = M // P
   sigma2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), (F,))
   if np.any(sigma2 <= 0):
@@ -234,8 +239,10 @@ def measure_split_statistics(batches: np.ndarray, num_workers: int, sigma2: np.n
 def expectation_table(M: int, workers: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                       sigma2: float = 1.0) -> list[dict[str, float]]:
   """Rows ``P, K, printed E1, printed E2, correct E[S_t], E[S_e], E[S_a]`` for each ``P``."""
+  M, _ = _check(M)
   rows = []
   for P in workers:
+    _checks.positive_int("workers item", P)  # (0 raised ZeroDivisionError)
     if M % P:
       continue
     rows.append({"P": P, "K": M // P, "printed_e1": printed_e1(M, sigma2),
@@ -263,10 +270,11 @@ def measure_bn_channel_noise(acts: np.ndarray, global_batch: int, num_workers: i
     sigma^2)``, exact for i.i.d. examples whatever the spatial correlation (the worker
     mean is the mean of ``K`` i.i.d. per-example channel means).
   """
+  _checks.positive_int("trials", trials)  # (0 returned NaN figures)
   acts = np.asarray(acts, dtype=np.float64)
   n, c = acts.shape[0], acts.shape[-1]
   flat = acts.reshape(n, -1, c)  # (N, positions, C)
-  M, P = _check(global_batch, num_workers)
+  M, P = _check(global_batch, num_workers, names=("global_batch", "num_workers"))
   K = M // P
   pop_mean = flat.mean(axis=(0, 1))
   pop_var = flat.var(axis=(0, 1))

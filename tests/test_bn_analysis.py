@@ -120,6 +120,25 @@ def test_formulas_and_validation():
     bn.printed_e2(64, 0)
   with pytest.raises(ValueError, match=r"batches must have shape \(trials, M, F\)"):
     bn.measure_split_statistics(np.zeros((3, 4)), 2, np.ones(1))
+  # errors name the caller's argument (they said "M"), and nonsense is refused, not computed
+  # (ZeroDivisionError for a worker count of 0, a negative mean square for kurt = -5)
+  with pytest.raises(ValueError, match=r"K must be a positive integer, got 0"):
+    bn.predicted_mean_noise(0)
+  with pytest.raises(ValueError, match=r"K must be a positive integer, got 0"):
+    bn.predicted_variance_noise(0)
+  with pytest.raises(ValueError, match=r"kurt must be a kurtosis, >= 1, got -5"):
+    bn.predicted_variance_noise(4, kurt=-5)
+  assert bn.predicted_variance_noise(4, kurt=1.0) > 0
+  with pytest.raises(ValueError, match=r"workers item must be a positive integer, got 0"):
+    bn.expectation_table(64, (0,))
+  acts, rng = np.random.default_rng(0).normal(size=(16, 3)), np.random.default_rng(1)
+  with pytest.raises(ValueError, match=r"global_batch must be divisible by num_workers=3"):
+    bn.measure_bn_channel_noise(acts, 8, 3, trials=2, rng=rng)
+  with pytest.raises(ValueError, match=r"trials must be a positive integer, got 0"):
+    bn.measure_bn_channel_noise(acts, 8, 2, trials=0, rng=rng)
+  with pytest.raises(ValueError, match=r"M \(batches.shape\[1\]\) must be divisible by "
+                                       r"num_workers=3"):
+    bn.measure_split_statistics(np.zeros((2, 4, 1)), 3, np.ones(1))
 
 
 def test_bn_channel_noise_with_spatially_correlated_activations():
