@@ -163,10 +163,20 @@ def _same(a: Any, b: Any) -> bool:
   return a == b
 
 
+#: State classes renamed without a change of fields, as their old names: the hash names every
+#: namedtuple, and a checkpoint written before the rename was refused as "a state of a
+#: different structure" (skip_nonfinite's state was optax's ApplyIfFiniteState until
+#: 2026-11-25; orbax restores by field name into the new class).
+_SAME_STRUCTURE_AS = {"namedtuple[SkipNonfiniteState]": "namedtuple[ApplyIfFiniteState]"}
+
+
 def structure_hash(tree: Any) -> str:
   """Hash of a pytree's structure, leaf shapes and dtypes (not values)."""
   leaves, treedef = jax.tree.flatten(tree)
-  text = str(treedef) + "|" + ";".join(f"{tuple(np.shape(x))}:{jnp.result_type(x)}" for x in leaves)
+  structure = str(treedef)
+  for new, old in _SAME_STRUCTURE_AS.items():
+    structure = structure.replace(new, old)
+  text = structure + "|" + ";".join(f"{tuple(np.shape(x))}:{jnp.result_type(x)}" for x in leaves)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -326,3 +326,22 @@ def test_star_and_question_mark_round_trip(tmp_path):
     restored = checkpoint.RunCheckpointer(tmp_path / name, keep=2).restore_latest(make_state(0))
     assert restored.step == 3
     assert_tree_equal(restored.state, make_state(3))
+
+
+def test_a_checkpoint_of_skip_nonfinite_from_before_its_own_state_type_restores(tmp_path):
+  """skip_nonfinite's state was optax's ApplyIfFiniteState until it got its own subclass (same
+  fields); the structure hash names every namedtuple, so a checkpoint written before was
+  refused as "a state of a different structure". It restores, into the new type."""
+  import optax
+  from mfopt import precision
+  tx = precision.skip_nonfinite(optax.sgd(0.1, momentum=0.9))
+  new = tx.init({"w": jnp.arange(3.0)})
+  old = optax.ApplyIfFiniteState(*new)._replace(total_notfinite=jnp.asarray(7, jnp.int32))
+  assert checkpoint.structure_hash(old) == checkpoint.structure_hash(new)
+  assert checkpoint.structure_hash(old) != checkpoint.structure_hash((old,))  # still a hash
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=1)
+  ckpt.save(3, old, {"history": []})
+  ckpt.close()
+  restored = checkpoint.RunCheckpointer(tmp_path, keep=1).restore_latest(new)
+  assert type(restored.state) is precision.SkipNonfiniteState
+  assert int(restored.state.total_notfinite) == 7
