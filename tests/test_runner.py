@@ -203,10 +203,11 @@ def test_cli_reports_config_errors_with_exit_code_2():
 
 
 def test_quickstart_quick_both_datasets_report_learn_and_plot(tmp_path):
-  """The main job's default pairs (digits/MLP, mnist1d/CNN) in one run, two algorithms: both
-  datasets' rows, report lines and curves (every algorithm: the next test, on digits/MLP; the
-  mnist1d/CNN half of all 18 rows took 54 s of 94, cold cache, on the 2-core VM)."""
-  algos = ("sync SGD m=0.9 (optax)", "CPSGD p=8 (local SGD m=0.9)")
+  """The main job's default pairs (digits/MLP, mnist1d/CNN) in one run, three algorithms (one
+  per kind of exchange) and a simulated row: both datasets' rows, their collectives, report
+  lines and curves (every algorithm: the next test, on digits/MLP; the mnist1d/CNN half of all
+  18 rows took 54 s of 94, cold cache, on the 2-core VM)."""
+  algos = ("sync SGD m=0.9 (optax)", "CPSGD p=8 (local SGD m=0.9)", "QSGD 8-bit (SGD m=0.9)")
   summary = runner.run_experiment(
       "quickstart", quick=True, workdir=tmp_path,
       overrides=["progress=false", "num_steps=20", "log_every=10", f"algorithms={algos!r}",
@@ -215,10 +216,14 @@ def test_quickstart_quick_both_datasets_report_learn_and_plot(tmp_path):
   assert "1,437 train / 360 test" in report and "4,000 train / 1,000 test" in report
   rows = summary["rows"]
   assert sorted((r["dataset"], r["model"]) for r in rows) == sorted(
-      [(d, m) for d, m in (("digits", "mlp"), ("mnist1d", "cnn")) for _ in range(3)])
+      [(d, m) for d, m in (("digits", "mlp"), ("mnist1d", "cnn")) for _ in range(4)])
   for r in rows:
     assert r["samples"] == 20 * 128
     assert r["test_accuracy"] > 0.15  # chance is 0.1 on both (measured 0.28-0.32 on mnist1d)
+    # the collectives, on the CNN's conv kernels too: every step, every 8 steps, all-gathers
+    want = {"sync": (20, 0), "CPSG": (2, 0), "QSGD": (0, 20)}.get(r["algorithm"][:4])
+    if want is not None:
+      assert (r["all_reduces"], r.get("all_gathers", 0)) == want, r
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert sorted((l["dataset"], l["step"]) for l in lines if l["algorithm"] in algos) == sorted(
       [(d, s) for d in ("digits", "mnist1d") for s in (10, 20) for _ in algos])
