@@ -459,17 +459,21 @@ def discard_run_data(workdir: pathlib.Path) -> list[pathlib.Path]:
   to its last write of the data log or a checkpoint), so the new run's folder holds its own
   results only. A per-seed trace of a seed the new run does not have used to stay beside its
   report. A user's files written before the run began or after it ended are kept (those
-  written after it ended went too). Returns the outputs removed (the CLI prints them)."""
+  written after it ended went too). Returns every path removed, checkpoint folder and data
+  log included (the CLI prints them; it printed the outputs only)."""
   removed = []
   ended = {d: _last_write([d / n for n in RUN_DATA]
                           + ([workdir / CHECKPOINTS] if d == workdir else []))
            for d in [workdir, *sorted(workdir.glob("process-*"))]}
   if (workdir / CHECKPOINTS).exists():
     shutil.rmtree(workdir / CHECKPOINTS)
+    removed.append(workdir / CHECKPOINTS)
   for d, last in ended.items():
     began = _run_began(d)
     for name in RUN_DATA:
-      (d / name).unlink(missing_ok=True)
+      if (d / name).exists():
+        (d / name).unlink()
+        removed.append(d / name)
     if began is None:
       continue
     last = math.inf if last is None else last
@@ -635,7 +639,7 @@ def _run_prepared(name: str, module: ModuleType, config: ml_collections.ConfigDi
   if restart and primary:
     removed = discard_run_data(workdir)
     if removed:
-      print(f"--restart removed the discarded run's outputs: "
+      print(f"--restart removed the discarded run's checkpoints, data log and outputs: "
             f"{', '.join(str(f.relative_to(workdir)) for f in removed)}", file=sys.stderr)
   if restart and jax.process_count() > 1:  # the others check the workdir after it is cleared
     from jax.experimental import multihost_utils  # noqa: PLC0415

@@ -304,8 +304,10 @@ def test_restart_discards_checkpoints_the_data_log_and_the_runs_outputs(tmp_path
   for d in (tmp_path, tmp_path / "process-1"):
     assert sorted(f.name for f in d.iterdir() if f.is_file()) == ["later.md", "mine.json",
                                                                   "notes.txt"]
-  assert sorted(f.name for f in removed) == sorted(["report.md", "trace_CPSGD_seed1.json",
-                                                    "loss.png"] * 2)
+  assert sorted(str(f.relative_to(tmp_path)) for f in removed) == sorted(
+      ["checkpoints"] + [p + n for p in ("", "process-1/") for n in (
+          "report.md", "trace_CPSGD_seed1.json", "loss.png", "config.json", "summary.json",
+          "metrics.jsonl", "attempts.json")])
   assert runner.check_resumable(tmp_path, {"experiment": "x"}) is False
 
 
@@ -365,7 +367,8 @@ def test_restart_on_the_command_line_says_what_it_removed(tmp_path, capsys):
   capsys.readouterr()
   assert runner.main([*quick, "--restart"]) == 0
   err = capsys.readouterr().err
-  assert re.search(r"--restart removed the discarded run's outputs: .*report\.md", err), err
+  assert re.search(r"--restart removed the discarded run's checkpoints, data log and outputs: "
+                   r"(?=.*checkpoints)(?=.*metrics\.jsonl)(?=.*attempts\.json).*report\.md", err), err
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["attempts"] == 1 and not summary["resumed"]  # a fresh run
 
