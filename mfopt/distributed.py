@@ -166,8 +166,18 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   pid = "?" if settings.process_id is None else settings.process_id
   print(f"mfopt.distributed: process {pid} joining {settings.num_processes or 'the'} processes "
         f"at {where} (waits up to {timeout} s, {ENV_INIT_TIMEOUT})", file=sys.stderr, flush=True)
-  jax.distributed.initialize(settings.coordinator_address, settings.num_processes,
-                             settings.process_id, **kwargs)
+  try:
+    jax.distributed.initialize(settings.coordinator_address, settings.num_processes,
+                               settings.process_id, **kwargs)
+  except ValueError as e:
+    if settings.coordinator_address is not None or "coordinator_address" not in str(e):
+      raise
+    # (JAX's own words, "coordinator_address should be defined.", did not say why or what to do)
+    raise ValueError(
+        f"--distributed ({ENV_AUTO}=1): JAX detected no cluster here (SLURM, Open MPI, "
+        "Kubernetes JobSet, ...), so it has no coordinator address; outside such a job pass "
+        "--coordinator HOST:PORT --num-processes N --process-id I (or scripts/launch_local.py "
+        f"on one machine). JAX said: {e}") from None
   # the coordinator's count won; in auto-detect mode (SLURM, ...) there is no count to compare
   # (comparing None failed every job that mode started)
   if settings.num_processes is not None and jax.process_count() != settings.num_processes:

@@ -593,3 +593,17 @@ def test_launcher_draws_its_coordinator_port_below_the_ephemeral_range(monkeypat
       s.bind(("127.0.0.1", p))  # free
   monkeypatch.setattr(launch, "_ephemeral_start", lambda: 2000)
   assert launch.free_port() >= lo  # the kernel's pick, from the ephemeral range
+
+
+def test_distributed_outside_a_cluster_says_what_to_pass_instead(tmp_path):
+  """--distributed with no cluster to detect failed with JAX's bare "coordinator_address
+  should be defined."; it now says that no cluster was detected and what to pass instead."""
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SLURM_", "OMPI_", "MFOPT_"))}  # (no cluster, whatever runs CI)
+  out = subprocess.run([sys.executable, "-m", "experiments", "quickstart", "--quick",
+                        "--distributed", "--workdir", str(tmp_path), "progress=false"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert re.search(r"error: --distributed \(MFOPT_DISTRIBUTED=1\): JAX detected no cluster here"
+                   r" .*pass --coordinator HOST:PORT --num-processes N --process-id I", out.stderr)
+  assert not (tmp_path / "metrics.jsonl").exists()
