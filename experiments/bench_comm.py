@@ -208,6 +208,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   from mfopt import fastpath, models, parallel
   from mfopt import train as train_lib
 
+  if args.platform == "gpu" and (jax.default_backend() != "gpu" or jax.device_count() < 2):
+    # (it ran on one CPU device and said DONE: a device call wasted on nothing measured)
+    raise SystemExit(f"bench_comm --platform gpu needs >= 2 GPUs, this machine has "
+                     f"{jax.device_count()} {jax.default_backend()} device(s)")
   report = _bench.Report("bench_comm", args)
   mesh = parallel.make_mesh()
   num_devices = mesh.shape[parallel.DATA_AXIS]

@@ -445,6 +445,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       p.add_argument("--platform", choices=("default", "gpu-aot"), default="default",
                      help="gpu-aot: compile for a compile-only H100 and compare structure "
                           "(needs the JAX CUDA plugin: bash scripts/gpu_aot.sh)")))
+  names = [name for name, *_ in pairs()]
+  if args.only is not None and not any(args.only in name for name in names):
+    # (a typo timed nothing and said DONE)
+    raise SystemExit(f"bench_update: --only {args.only!r} matches no transform; names: "
+                     f"{', '.join(names)}")
   if args.platform == "gpu-aot":
     from experiments import _gpu_aot
     reason = _gpu_aot.unavailable_reason()

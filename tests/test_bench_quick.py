@@ -418,3 +418,15 @@ def test_bench_fit_dispatch_quick_reports_each_limit_against_8(monkeypatch):
     assert f["value"] > 0 and abs(f["ratio_to_8"] - f["value"] / figs[8]["value"]) < 1e-9
   with pytest.raises(SystemExit, match="--steps must be positive, got -1"):
     bench_fit_dispatch.main(["--quick", "--steps", "-1"])
+
+
+def test_benches_refuse_what_would_measure_nothing():
+  """`bench_update --only <typo>` timed nothing and said DONE; `bench_comm --platform gpu` on a
+  machine without GPUs ran on one CPU device and said DONE: a device call wasted either way."""
+  import jax
+  with pytest.raises(SystemExit, match=r"--only 'mf_sdg' matches no transform; names: .*mf_sgd"):
+    bench_update.main(["--quick", "--only", "mf_sdg"])
+  if jax.default_backend() != "gpu":
+    with pytest.raises(SystemExit, match=r"--platform gpu needs >= 2 GPUs, this machine has 8 "
+                                         r"cpu device\(s\)"):
+      bench_comm.main(["--quick", "--platform", "gpu"])
