@@ -492,7 +492,8 @@ def pmean_tree(tree: Any, axis_name: AxisName, comm_dtype: Any = None, *,
   is cast back to each leaf's dtype. On XLA:CPU a bf16 all-reduce is computed in
   f32 after compilation; the lowered program still asks for bf16.
 
-  ``predivide`` (float16 only; :func:`sync_gradients` asks for it): divide by the worker count
+  ``predivide`` (float16 exchanges only, ``comm_dtype`` float16 or a float16 leaf with
+  ``comm_dtype=None``; :func:`sync_gradients` asks for it): divide by the worker count
   before the sum (:func:`pmean_tree_scaled` with scale 1), so the sum overflows only where
   the mean would (``lax.pmean`` sums first: 8 workers' gradients of 1e4 came back ``inf``).
   The price is precision for small values, which the division pushes into fp16's subnormals
@@ -501,15 +502,39 @@ def pmean_tree(tree: Any, axis_name: AxisName, comm_dtype: Any = None, *,
   """
   if axis_name is None:
     return tree
-  if predivide and comm_dtype is not None and jnp.dtype(comm_dtype) == jnp.float16:
-    return pmean_tree_scaled(tree, axis_name, comm_dtype, jnp.ones([], jnp.float32))
+  return _pmean_leaves(tree, axis_name, comm_dtype, predivide=predivide, scale=None)
+
+
+def _pmean_leaves(tree: Any, axis_name: AxisName, comm_dtype: Any, *, predivide: bool,
+                  scale: jax.Array | None) -> Any:
+  """Per leaf: a float16 exchange (``comm_dtype``, or the leaf's own dtype when it is None)
+  with ``predivide`` goes through :func:`pmean_tree_scaled`'s formula (``scale``, or 1);
+  every other leaf is ``lax.pmean`` in the exchanged dtype. (The choice was made on
+  ``comm_dtype`` alone: float16 gradients exchanged in their own dtype summed first, and 8
+  workers' 1e4 came back inf.)"""
+  w = None
 
   def one(x):
+    nonlocal w
+    sent = jnp.dtype(x.dtype if comm_dtype is None else comm_dtype)
+    if predivide and sent == jnp.float16:
+      if w is None:
+        w = 1
+        for name in axis_tuple(axis_name):
+          w *= lax.axis_size(name)
+      return _scaled_leaf(x, axis_name, sent, jnp.ones([], jnp.float32) if scale is None
+                          else jnp.asarray(scale, jnp.float32), w)
     if comm_dtype is None:
       return lax.pmean(x, axis_name)
     return lax.pmean(x.astype(comm_dtype), axis_name).astype(x.dtype)
 
   return jax.tree.map(one, tree)
+
+
+def _scaled_leaf(x: jax.Array, axis_name: AxisName, comm_dtype: Any, scale: jax.Array,
+                 w: int) -> jax.Array:
+  sent = (x.astype(jnp.float32) * (scale / w)).astype(comm_dtype)
+  return (lax.psum(sent, axis_name).astype(jnp.float32) / scale).astype(x.dtype)
 
 
 def pmean_tree_scaled(tree: Any, axis_name: AxisName, comm_dtype: Any, scale: jax.Array) -> Any:
@@ -530,12 +555,7 @@ def pmean_tree_scaled(tree: Any, axis_name: AxisName, comm_dtype: Any, scale: ja
   for name in axis_tuple(axis_name):
     w *= lax.axis_size(name)
   scale = jnp.asarray(scale, jnp.float32)
-
-  def one(x):
-    sent = (x.astype(jnp.float32) * (scale / w)).astype(comm_dtype)
-    return (lax.psum(sent, axis_name).astype(jnp.float32) / scale).astype(x.dtype)
-
-  return jax.tree.map(one, tree)
+  return jax.tree.map(lambda x: _scaled_leaf(x, axis_name, comm_dtype, scale, w), tree)
 
 
 class SyncGradientsState(NamedTuple):
@@ -589,8 +609,6 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
     payload = 0 if axis_name is None else tree_payload_bytes(params, comm_dtype)
     return SyncGradientsState(comm=init_comm_stats(payload, CollectiveKind.ALL_REDUCE))
 
-  scaled_exchange = comm_dtype is not None and jnp.dtype(comm_dtype) == jnp.float16
-
   def update_fn(updates, state, params=None, *, loss_scale=None, **extra_args):
     del params, extra_args
     if axis_name is None:
@@ -598,10 +616,9 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
     require_bound(axis_name, "sync_gradients")
     if not any(x.size for x in jax.tree.leaves(updates)):  # an empty group: nothing to exchange
       return updates, state
-    if scaled_exchange and loss_scale is not None:
-      updates = pmean_tree_scaled(updates, axis_name, comm_dtype, loss_scale)
-    else:
-      updates = pmean_tree(updates, axis_name, comm_dtype, predivide=True)
+    # every leaf that crosses the wire in float16 (comm_dtype, or its own dtype) is divided
+    # first and, inside dynamic_loss_scale, sent loss-scaled; the others are a plain pmean
+    updates = _pmean_leaves(updates, axis_name, comm_dtype, predivide=True, scale=loss_scale)
     comm = state.comm._replace(count=state.comm.count + 1)
     return updates, SyncGradientsState(comm=comm)
 

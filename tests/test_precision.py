@@ -454,3 +454,39 @@ def test_init_scale_must_be_a_normal_float32_and_loss_scales_do_not_nest():
   nested = precision.dynamic_loss_scale(precision.dynamic_loss_scale(optax.sgd(0.1)))
   with pytest.raises(ValueError, match=r"must not wrap another dynamic_loss_scale"):
     nested.init({"w": jnp.zeros(2)})
+
+
+def test_float16_gradients_exchanged_in_their_own_dtype_are_divided_first_and_scaled():
+  """sync_gradients chose the divide-first (and loss-scaled) exchange on comm_dtype alone:
+  float16 gradients with comm_dtype=None summed first, so 8 workers' 1e4 came back inf where
+  the mean (NumPy) is finite, and gradients below fp16's subnormals were sent unscaled. Each
+  leaf now goes by the dtype it crosses the wire in; float32 leaves beside them are a plain
+  pmean."""
+  rng = np.random.default_rng(4)
+  big = np.full((8, 4), 1e4, np.float16) + rng.integers(0, 8, (8, 4)).astype(np.float16)
+  # fp16 subnormals (~17 ulps of 6e-8 each): divided by 8 unscaled they keep ~2 ulps
+  tiny = (1e-6 * rng.normal(size=(8, 64))).astype(np.float16)
+  f32 = rng.normal(size=(8, 3)).astype(np.float32)
+  for comm_dtype in (None, jnp.float16):
+    tx = mfopt.sync_gradients("w", comm_dtype)
+    step = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="w")
+    out = step({"big": jnp.asarray(big), "f32": jnp.asarray(f32)})
+    assert out["big"].dtype == jnp.float16 and out["f32"].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out["big"][0], np.float32),
+                               big.astype(np.float64).mean(0), rtol=4e-3)  # a few fp16 ulps
+    want_f32 = f32.mean(0) if comm_dtype is None else f32.astype(np.float16).astype(
+        np.float64).mean(0)
+    np.testing.assert_allclose(np.asarray(out["f32"][0]), want_f32, rtol=2e-3, atol=1e-3)
+  # loss-scaled under dynamic_loss_scale's extra argument, comm_dtype=None: float16 leaves
+  # scaled (the tiny values survive the wire), a float32 leaf untouched by the scale
+  tx = mfopt.sync_gradients("w")
+  step = jax.vmap(lambda g: tx.update(g, tx.init(g), loss_scale=jnp.float32(2.0 ** 15))[0],
+                  axis_name="w")
+  out = step({"tiny": jnp.asarray(tiny), "f32": jnp.asarray(f32)})
+  ref = tiny.astype(np.float64).mean(0)
+  ulp = 2.0 ** -24  # fp16's subnormal spacing: the result is cast back to fp16
+  assert np.abs(np.asarray(out["tiny"][0], np.float64) - ref).max() <= ulp
+  np.testing.assert_allclose(np.asarray(out["f32"][0]), f32.mean(0), rtol=1e-6, atol=1e-7)
+  unscaled = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="w")(
+      {"tiny": jnp.asarray(tiny)})["tiny"][0]  # divided first without a scale: 8 roundings
+  assert np.abs(np.asarray(unscaled, np.float64) - ref).max() > ulp
