@@ -101,3 +101,14 @@ def test_pooled_is_a_bool_for_last_batch_only():
   with pytest.raises(ValueError, match=r"pooled must be a bool, got 'no'"):
     batchnorm.get_strategy("last_batch", pooled="no")
   assert batchnorm.get_strategy("last_batch", pooled=True).pooled is True
+
+
+def test_pooled_refuses_integers_and_an_unknown_name_is_named_first():
+  """pooled takes a bool only: 1 or 0 (ints, as a hand-written config might give) are refused
+  like "no", and an unknown strategy with pooled=True is reported as unknown, not as a
+  strategy that does not pool."""
+  for bad in (1, 0):
+    with pytest.raises(ValueError, match=rf"pooled must be a bool, got {bad}"):
+      batchnorm.get_strategy("last_batch", pooled=bad)
+  with pytest.raises(ValueError, match=r"BN strategy must be one of .*got 'ghost'"):
+    batchnorm.get_strategy("ghost", pooled=True)

@@ -430,3 +430,12 @@ def test_benches_refuse_what_would_measure_nothing():
     with pytest.raises(SystemExit, match=r"--platform gpu needs >= 2 GPUs, this machine has 8 "
                                          r"cpu device\(s\)"):
       bench_comm.main(["--quick", "--platform", "gpu"])
+
+
+def test_bench_update_only_is_a_substring_filter():
+  """--only is documented as a substring filter on transform names: a part of a name passes
+  the no-match check (here the run then stops at the invalid --inner 0, before timing)."""
+  names = [name for name, *_ in bench_update.pairs()]
+  assert "mf_sgd" in names and "mf_sg" not in names
+  with pytest.raises(SystemExit, match=r"--inner must be >= 1, got 0"):
+    bench_update.main(["--quick", "--only", "mf_sg", "--inner", "0"])

@@ -180,3 +180,16 @@ def test_bn_channel_noise_uses_the_biased_variance_batchnorm_normalises_with():
   assert (m["P"], m["K"], m["channels"]) == (2, 2, 2)
   assert m["mean_noise"] == pytest.approx(0.0, abs=1e-24)
   assert m["var_noise"] == pytest.approx(0.0, abs=1e-24)
+
+
+def test_worker_count_and_table_size_errors_name_the_callers_argument():
+  """measure_bn_channel_noise's worker count is its num_workers argument (an error saying "P"
+  names no argument it has), and expectation_table checks M itself: with no listed worker
+  count dividing M no row is built, so a negative M came back as an empty table."""
+  acts, rng = np.random.default_rng(0).normal(size=(16, 3)), np.random.default_rng(1)
+  with pytest.raises(ValueError, match=r"num_workers must be a positive integer, got 0"):
+    bn.measure_bn_channel_noise(acts, 8, 0, trials=2, rng=rng)
+  with pytest.raises(ValueError, match=r"num_workers must be a positive integer, got 0"):
+    bn.measure_split_statistics(np.zeros((2, 4, 1)), 0, np.ones(1))
+  with pytest.raises(ValueError, match=r"M must be a positive integer, got -64"):
+    bn.expectation_table(-64, (3,))

@@ -345,3 +345,17 @@ def test_a_checkpoint_of_skip_nonfinite_from_before_its_own_state_type_restores(
   restored = checkpoint.RunCheckpointer(tmp_path, keep=1).restore_latest(new)
   assert type(restored.state) is precision.SkipNonfiniteState
   assert int(restored.state.total_notfinite) == 7
+
+
+def test_structure_hash_of_states_without_renamed_classes_is_unchanged():
+  """Checkpoints store the structure hash, so the rename mapping must send the new class name
+  to the old one, never the reverse: a state of optax.apply_if_finite (the old name) keeps
+  the hash it had, sha256(treedef | shape:dtype per leaf)[:16], and old checkpoints match."""
+  import hashlib
+  import optax
+  old = optax.apply_if_finite(optax.sgd(0.1), 3).init({"w": jnp.zeros(3)})
+  leaves, treedef = jax.tree.flatten(old)
+  assert "namedtuple[ApplyIfFiniteState]" in str(treedef)
+  text = str(treedef) + "|" + ";".join(f"{tuple(np.shape(x))}:{jnp.result_type(x)}"
+                                       for x in leaves)
+  assert checkpoint.structure_hash(old) == hashlib.sha256(text.encode()).hexdigest()[:16]

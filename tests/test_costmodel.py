@@ -91,3 +91,22 @@ def test_negative_amounts_and_non_numbers_are_refused_naming_them():
       build()
   assert math.isnan(costmodel.all_reduce_time(float("nan"), 4, net))
   assert net.transfer_time(0) == net.latency
+
+
+def test_amounts_that_are_not_numbers_are_refused_naming_them():
+  """A string or a bool as a byte count, call count or compute time is refused with the field's
+  name, as a negative one is; letting it through failed later with a bare TypeError (bytes
+  over the bandwidth) or counted True as 1."""
+  net = costmodel.PRESETS["10gbit"]
+  cases = [
+      (lambda: net.transfer_time("5"), r"num_bytes must be a non-negative number, got '5'"),
+      (lambda: costmodel.wire_bytes("8", 4, costmodel.CollectiveKind.ALL_REDUCE),
+       r"payload_bytes must be a non-negative number, got '8'"),
+      (lambda: costmodel.communication_time({"all_reduces": True, "all_reduce_bytes": 8}, 4, net),
+       r"totals\['all_reduces'\] must be a non-negative number, got True"),
+      (lambda: costmodel.projected_time("1", {}, 4, net),
+       r"compute_s must be a non-negative number, got '1'"),
+  ]
+  for build, match in cases:
+    with pytest.raises(ValueError, match=match):
+      build()

@@ -341,6 +341,25 @@ def test_second_order_mf1_schedule_is_checked_for_2b_without_validate_steps():
   mfopt.mf_adam(1e-3, mf1=lambda t: 0.9 if t < 5 else 0.8)
 
 
+def test_default_mf1_check_tolerates_float32_rounding_and_defers_to_validate_steps():
+  """Mathematically increasing mf1 schedules whose float32 values dip by an ulp are accepted (a
+  check without the rounding allowance refused them), a schedule that returns one number for
+  any step is left unchecked, and validate_steps=T replaces the default window, so a drop
+  after step T (after the run) is accepted."""
+  n = mfopt.mf.DEFAULT_MF1_CHECK_STEPS
+  lerp = lambda t: 0.9 * (1 - t / n) + 0.9001 * (t / n)  # noqa: E731  (+1e-8 per step)
+  exact = lerp(np.arange(n, dtype=np.float64))
+  assert np.all(np.diff(exact) > 0)  # increasing in exact arithmetic
+  dips = np.diff(np.asarray(lerp(jnp.arange(n, dtype=jnp.int32)), np.float64))
+  assert dips.min() < 0 and dips.min() > -4 * np.finfo(np.float32).eps  # float32 rounding only
+  mfopt.mf_adam(1e-3, mf1=lerp)
+  mfopt.mf_adam(1e-3, mf1=lambda t: 0.9)  # noqa: E731  (a scalar for a vector of steps)
+  drop_at_30 = lambda t: jnp.where(t < 30, 0.9, 0.5)  # noqa: E731
+  mfopt.mf_adam(1e-3, mf1=drop_at_30, validate_steps=20)
+  with pytest.raises(ValueError, match=r"at step 29 then 0\.5 at step 30"):
+    mfopt.mf_adam(1e-3, mf1=drop_at_30, validate_steps=31)
+
+
 # ----------------------------------------------------------------------------- formulas
 
 

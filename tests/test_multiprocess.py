@@ -494,6 +494,33 @@ def test_initialize_in_cluster_detection_mode_accepts_the_detected_job(monkeypat
   assert "joining the processes at the cluster's coordinator" in capsys.readouterr().err
 
 
+def test_only_jaxs_missing_coordinator_in_detection_mode_is_reworded(monkeypatch):
+  """The "no cluster detected" explanation replaces JAX's error only where it applies: in
+  detection mode and for the missing coordinator address. Another ValueError, or one from a
+  job given an explicit --coordinator, reaches the caller unchanged."""
+  def fail(message):
+    def initialize(*args, **kwargs):
+      raise ValueError(message)
+    return initialize
+
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  for name in ("MFOPT_COORDINATOR", "MFOPT_NUM_PROCESSES", "MFOPT_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  explicit = dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=1,
+                  cpu_collectives=None)
+  monkeypatch.setattr(jax.distributed, "initialize", fail("coordinator_address is unreachable"))
+  with pytest.raises(ValueError, match=r"^coordinator_address is unreachable$"):
+    distributed.initialize(**explicit)
+  monkeypatch.setenv("MFOPT_DISTRIBUTED", "1")
+  monkeypatch.setattr(jax.distributed, "initialize", fail("process_id out of range"))
+  with pytest.raises(ValueError, match=r"^process_id out of range$"):
+    distributed.initialize(cpu_collectives=None)
+  monkeypatch.setattr(jax.distributed, "initialize", fail("coordinator_address should be defined."))
+  with pytest.raises(ValueError, match=r"JAX detected no cluster here .*JAX said: "
+                                       r"coordinator_address should be defined\.$"):
+    distributed.initialize(cpu_collectives=None)
+
+
 def test_port_check_ignores_time_wait_but_not_a_listener():
   """A rerun on a fixed port was refused for about a minute: the probe bound without
   SO_REUSEADDR, so the last job's TIME_WAIT connections counted (gRPC binds with it)."""
@@ -593,6 +620,41 @@ def test_launcher_draws_its_coordinator_port_below_the_ephemeral_range(monkeypat
       s.bind(("127.0.0.1", p))  # free
   monkeypatch.setattr(launch, "_ephemeral_start", lambda: 2000)
   assert launch.free_port() >= lo  # the kernel's pick, from the ephemeral range
+
+
+def test_launcher_port_draw_skips_a_taken_port_and_reads_the_range_defensively(monkeypatch):
+  """The draw is from [10000, start of the ephemeral range) (the start itself is ephemeral),
+  a taken port is skipped for the next draw rather than ending the search, and an unreadable
+  or empty ip_local_port_range falls back to Linux's default start, 32768."""
+  import importlib.util
+  import socket
+  import types
+  spec = importlib.util.spec_from_file_location("launch_local", LAUNCH)
+  launch = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(launch)
+  with socket.socket() as taken, socket.socket() as probe:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    probe.bind(("127.0.0.1", 0))
+    free = probe.getsockname()[1]
+    probe.close()
+    draws, calls = [taken.getsockname()[1], free], []
+
+    class Rng:
+      def randrange(self, a, b):
+        calls.append((a, b))
+        return draws[len(calls) - 1]
+
+    monkeypatch.setattr(launch.random, "SystemRandom", Rng)
+    monkeypatch.setattr(launch, "_ephemeral_start", lambda: 20000)
+    assert launch.free_port() == free
+    assert calls == [(10000, 20000)] * 2
+  monkeypatch.undo()
+  for text in ("", "abc 60999"):
+    fake = types.SimpleNamespace(Path=lambda _p, t=text: types.SimpleNamespace(
+        read_text=lambda: t))
+    monkeypatch.setattr(launch, "pathlib", fake)
+    assert launch._ephemeral_start() == 32768
 
 
 def test_distributed_outside_a_cluster_says_what_to_pass_instead(tmp_path):

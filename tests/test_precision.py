@@ -490,3 +490,28 @@ def test_float16_gradients_exchanged_in_their_own_dtype_are_divided_first_and_sc
   unscaled = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="w")(
       {"tiny": jnp.asarray(tiny)})["tiny"][0]  # divided first without a scale: 8 roundings
   assert np.abs(np.asarray(unscaled, np.float64) - ref).max() > ulp
+
+
+def test_init_scale_range_includes_the_smallest_normal_float32():
+  """The accepted range is closed at both ends: the smallest normal float32 (2**-126) is a
+  valid loss scale and is stored exactly; a strict lower bound refused it."""
+  tiny = 2.0**-126
+  assert tiny == float(np.finfo(np.float32).tiny)
+  s = precision.dynamic_loss_scale(optax.sgd(0.1), init_scale=tiny).init({"w": jnp.zeros(2)})
+  assert float(s.dynamic_scale.scale) == tiny
+
+
+def test_skip_nonfinite_passes_extra_arguments_to_the_inner_transform():
+  """skip_nonfinite's update forwards keyword arguments (e.g. reduce_on_plateau's value) to
+  the wrapped transform; dropping them fails any inner transform that needs one."""
+  def scale_by_value():
+    def update(updates, state, params=None, *, value, **extra):
+      del params, extra
+      return jax.tree.map(lambda u: u * value, updates), state
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+  tx = precision.skip_nonfinite(scale_by_value())
+  state = tx.init({"w": jnp.zeros(2)})
+  u, state = tx.update({"w": jnp.array([1.0, -2.0])}, state, value=3.0)
+  np.testing.assert_array_equal(np.asarray(u["w"]), [3.0, -6.0])
+  assert type(state) is precision.SkipNonfiniteState

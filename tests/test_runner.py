@@ -311,6 +311,16 @@ def test_restart_discards_checkpoints_the_data_log_and_the_runs_outputs(tmp_path
   assert runner.check_resumable(tmp_path, {"experiment": "x"}) is False
 
 
+def test_restart_lists_only_what_was_there(tmp_path):
+  """discard_run_data returns the paths it removed, and the CLI prints them: a run that got as
+  far as its first checkpoint and config has no summary, data log or attempts file to list."""
+  (tmp_path / "checkpoints" / "000-run").mkdir(parents=True)
+  (tmp_path / "config.json").write_text("{}")
+  removed = runner.discard_run_data(tmp_path)
+  assert sorted(str(f.relative_to(tmp_path)) for f in removed) == ["checkpoints", "config.json"]
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_worker_counts_that_do_not_split_over_the_processes_are_named(monkeypatch):
   import jax
   import ml_collections

@@ -156,3 +156,24 @@ def test_searches_and_estimates_refuse_bad_arguments_naming_them():
                                        r"got 0.75"):
     theory.estimate_constants(loss, w, data, f_star=0.75)
   assert theory.estimate_constants(loss, w, data, f_star=0.25, iters=5).f_gap == 0.25
+
+
+def test_optimal_period_refuses_bad_B_even_where_no_K_holds():
+  """B is checked up front: with eta = 1 and mu = 0.5 the delta condition L^2 eta^2 / (1-mu)^2
+  = 4 > 1 - delta = 0.5 fails for every K, so a check left to the bound never runs and B = 0
+  came back as 0 ("no K holds")."""
+  kw = dict(samples=1e5, eta=1.0, P=8, c=C)
+  assert theory.optimal_period(0.5, B=32, **kw) == 0  # no K holds (worked out above)
+  with pytest.raises(ValueError, match=r"B must be >= 1, got 0"):
+    theory.optimal_period(0.5, B=0, **kw)
+
+
+def test_estimate_constants_refuses_f_star_equal_to_f_w1():
+  """f_star must lie strictly below F(w_1): equal to it the gap f_gap is 0 and every bound
+  built on it degenerates (F(w_1) = 0.5 here: 0.5 (w - 0)^2 at w = 1)."""
+  def loss(p, batch):
+    return jnp.mean(0.5 * (p - batch) ** 2)
+
+  with pytest.raises(ValueError, match=r"f_star must be a lower bound of F below F\(w_1\) = 0.5, "
+                                       r"got 0.5"):
+    theory.estimate_constants(loss, jnp.ones(1), jnp.zeros((4, 1)), f_star=0.5, iters=2)
