@@ -277,3 +277,24 @@ def test_fp16_dynamic_loss_scaling_equals_the_worker_stacked_step(devices, comm_
       assert np.isfinite(np.asarray(a, np.float32)).all()
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                  rtol=2e-2, atol=2e-3)
+
+
+def test_counter_reports_the_dtype_the_step_exchanges():
+  """comm_dtype is given to init_train_state and to make_train_step; a state made with another
+  one counted that dtype's bytes (236 B per step reported for a bf16 exchange of 59 params,
+  118 B). The step's counter now holds the bytes it exchanges (params x the exchanged dtype),
+  and the lowered program exchanges in that dtype."""
+  mesh = mfopt.make_mesh(jax.devices()[:2])
+  model = models.get_model("cnn", features=(4,), num_classes=3)
+  batch = parallel.shard_workers(_batches(2, 1)[0], mesh)
+  for init_dtype, step_dtype, size in ((None, "bf16", 2), ("bf16", None, 4)):
+    state = fastpath.init_train_state(model, optax.sgd(0.1), batch["x"][0], num_workers=2,
+                                      mesh=mesh, comm_dtype=init_dtype)
+    step = fastpath.make_train_step(model, optax.sgd(0.1), mesh=mesh, num_workers=2,
+                                    comm_dtype=step_dtype, donate=False)
+    num_params = sum(a[0].size for a in jax.tree.leaves(jax.device_get(state.params)))
+    text = step.lower(state, batch).as_text()
+    assert ("bf16" in text) == (step_dtype == "bf16")
+    state, _ = step(state, batch)
+    totals = fastpath.comm_report(state)
+    assert totals["all_reduces"] == 1 and totals["payload_bytes"] == num_params * size
