@@ -199,8 +199,9 @@ def scheduled_period(periods: tuple[int, ...], boundaries: tuple[int, ...]) -> P
     >>> int(ctl.init().period)
     20
   """
-  periods = tuple(_checks.positive_int("periods[i]", p) for p in periods)
-  boundaries = tuple(_checks.positive_int("boundaries[i]", b) for b in boundaries)
+  periods = tuple(_checks.positive_int(f"periods[{i}]", p) for i, p in enumerate(periods))
+  boundaries = tuple(_checks.positive_int(f"boundaries[{i}]", b)
+                     for i, b in enumerate(boundaries))
   if len(periods) != len(boundaries) + 1:
     raise ValueError(f"periods needs one more entry than boundaries ({len(boundaries)}), "
                      f"got {periods!r}")

@@ -37,6 +37,8 @@ WORKER_AXES = (DATA_AXIS, LOCAL_AXIS)
 
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A 1-D mesh named :data:`DATA_AXIS` over ``devices`` (default: all devices of all processes)."""
+  if devices is not None and isinstance(devices, Iterable) and not isinstance(devices, str):
+    devices = list(devices)  # (a generator was consumed by the check below: "got []")
   if devices is not None and (isinstance(devices, (int, str)) or not isinstance(devices, Iterable)
                               or not all(isinstance(d, jax.Device) for d in devices)):
     raise ValueError(f"devices must be a sequence of jax.Device (e.g. jax.devices()[:4]) or "

@@ -3,6 +3,7 @@
 import jax
 import pytest
 
+import mfopt
 from mfopt import parallel
 
 
@@ -29,3 +30,14 @@ def test_worker_mesh_refuses_workers_that_do_not_split_over_the_processes(monkey
   with pytest.raises(ValueError, match=r"num_workers must be a multiple of the process count 2 "
                                        r"\(every process trains an equal share.*got 3"):
     parallel.worker_mesh(3)
+
+
+def test_make_mesh_takes_any_iterable_of_devices_and_scheduled_period_names_the_item():
+  """A generator of devices was consumed by make_mesh's type check and then refused as
+  "got []"; scheduled_period's errors said "periods[i]" literally instead of the index."""
+  mesh = mfopt.make_mesh(d for d in jax.devices()[:3])
+  assert mesh.devices.tolist() == jax.devices()[:3]
+  with pytest.raises(ValueError, match=r"periods\[1\] must be a positive integer, got 0"):
+    mfopt.scheduled_period((20, 0), (100,))
+  with pytest.raises(ValueError, match=r"boundaries\[0\] must be a positive integer, got -5"):
+    mfopt.scheduled_period((20, 5), (-5,))
