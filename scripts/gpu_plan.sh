@@ -49,10 +49,13 @@ specs_of() {  # call number -> one bench spec per line
   for spec in ${CALLS[$1]}; do printf '%s\n' "$spec"; done
 }
 
+# --check's edit of a call's arguments for this CPU: shapes and repetitions dropped, CPU devices
+CPU_ARGS='s/--shapes [^ ]+//; s/--platform gpu/--platform cpu/; s/--devices GPUS/--devices 8/;
+  s/--reps [0-9]+//; s/  +/ /g; s/^ //; s/ $//'
 check_commands() {  # every call's benches as --check runs them on a CPU: shapes dropped
   for n in $(printf '%s\n' "${!CALLS[@]}" | sort -n); do
     while IFS= read -r spec; do
-      printf '%s\t%s\t%s\n' "$n" "${spec%%:*}" "$(printf '%s' "${spec#*:}" | sed -E 's/--shapes [^ ]+//; s/--platform gpu/--platform cpu/; s/--devices GPUS/--devices 8/; s/--reps [0-9]+//; s/  +/ /g; s/^ //; s/ $//')"
+      printf '%s\t%s\t%s\n' "$n" "${spec%%:*}" "$(printf '%s' "${spec#*:}" | sed -E "$CPU_ARGS")"
     done < <(specs_of "$n")
   done
 }

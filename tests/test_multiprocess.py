@@ -584,7 +584,9 @@ def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
   re-parented to init; it now passes the signal on and exits 128 + 15."""
   # Each child writes its pid to a temporary name and renames it into place, so the file the
   # test waits for is never seen half-written (CI once read an empty one).
-  child = "import pathlib, os, time; d = pathlib.Path(os.environ['OUT']); i = os.environ['MFOPT_PROCESS_ID']; (d / ('.' + i)).write_text(str(os.getpid())); (d / ('.' + i)).rename(d / i); time.sleep(120)"  # noqa: E501
+  child = ("import pathlib, os, time; d = pathlib.Path(os.environ['OUT']); "
+           "i = os.environ['MFOPT_PROCESS_ID']; (d / ('.' + i)).write_text(str(os.getpid())); "
+           "(d / ('.' + i)).rename(d / i); time.sleep(120)")
   proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", "2", "--", "-c", child],
                           env=dict(os.environ, OUT=str(tmp_path)), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)

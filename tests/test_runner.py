@@ -378,7 +378,8 @@ def test_restart_on_the_command_line_says_what_it_removed(tmp_path, capsys):
   assert runner.main([*quick, "--restart"]) == 0
   err = capsys.readouterr().err
   assert re.search(r"--restart removed the discarded run's checkpoints, data log and outputs: "
-                   r"(?=.*checkpoints)(?=.*metrics\.jsonl)(?=.*attempts\.json).*report\.md", err), err
+                   r"(?=.*checkpoints)(?=.*metrics\.jsonl)(?=.*attempts\.json).*report\.md",
+                   err), err
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["attempts"] == 1 and not summary["resumed"]  # a fresh run
 

@@ -13,8 +13,8 @@ and uses the simulator's actions: ``sim.apply(new_theta)`` (a new server
 version), ``sim.send(w)`` (worker ``w`` pulls the current version over the
 link and then computes), ``sim.start_compute(w)``, ``sim.block(w)``,
 ``sim.record_update(k)`` (every server version records its k, the workers whose gradients
-or elastic exchange made it: 1 for ASP, SSP and EASGD). All strategies but :class:`KSync` update the server
-with the base optimizer :class:`BaseSGD` (``optax.sgd``, learning rate
+or elastic exchange made it: 1 for ASP, SSP and EASGD). All strategies but :class:`KSync`
+update the server with the base optimizer :class:`BaseSGD` (``optax.sgd``, learning rate
 ``LR * DR^epoch``, spec §5).
 
 Strategies: :class:`ASP`, :class:`BSP`, :class:`SSP` (s = 3), :class:`DropWorker`
