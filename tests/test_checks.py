@@ -128,7 +128,7 @@ def test_adabound_learning_rate_must_be_positive():
      r"low must be in \(0, 1\], got '0.7'"),
     (lambda: mfopt.adpsgd_period(learning_rate=float("inf"), sampling_steps=4),
      r"learning_rate must be a finite positive number, got inf"),
-    (lambda: mfopt.scheduled_period((4, 2), (1.5,)), r"boundaries\[i\] must be a positive integer, got 1.5"),
+    (lambda: mfopt.scheduled_period((4, 2), (1.5,)), r"boundaries\[0\] must be a positive integer, got 1.5"),
     (lambda: mfopt.qsgd(None, seed="x"), r"seed must be a non-negative integer, got 'x'"),
     (lambda: parallel.make_mesh(8), r"devices must be a sequence of jax.Device.*got 8"),
     (lambda: parallel.make_mesh(jax.devices), r"devices must be a sequence of jax.Device"),
