@@ -506,16 +506,18 @@ def pmean_tree(tree: Any, axis_name: AxisName, comm_dtype: Any = None, *,
 
 
 def _pmean_leaves(tree: Any, axis_name: AxisName, comm_dtype: Any, *, predivide: bool,
-                  scale: jax.Array | None) -> Any:
+                  scale: jax.Array | None, floats_only: bool = False) -> Any:
   """Per leaf: a float16 exchange (``comm_dtype``, or the leaf's own dtype when it is None)
   with ``predivide`` goes through :func:`pmean_tree_scaled`'s formula (``scale``, or 1);
   every other leaf is ``lax.pmean`` in the exchanged dtype. (The choice was made on
   ``comm_dtype`` alone: float16 gradients exchanged in their own dtype summed first, and 8
-  workers' 1e4 came back inf.)"""
+  workers' 1e4 came back inf.) ``floats_only``: other leaves are returned as they are."""
   w = None
 
   def one(x):
     nonlocal w
+    if floats_only and not _is_floating(x):
+      return x
     sent = jnp.dtype(x.dtype if comm_dtype is None else comm_dtype)
     if predivide and sent == jnp.float16:
       if w is None:
@@ -529,6 +531,10 @@ def _pmean_leaves(tree: Any, axis_name: AxisName, comm_dtype: Any, *, predivide:
     return lax.pmean(x.astype(comm_dtype), axis_name).astype(x.dtype)
 
   return jax.tree.map(one, tree)
+
+
+def _is_floating(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _scaled_leaf(x: jax.Array, axis_name: AxisName, comm_dtype: Any, scale: jax.Array,
@@ -590,7 +596,8 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state counts one all-reduce per
-    step and its payload (parameters x exchanged dtype size, per worker). Its update
+    step and its payload (floating parameters x exchanged dtype size, per worker; other
+    leaves are not exchanged and stay each worker's own). Its update
     takes an optional keyword ``loss_scale`` (used by an fp16 exchange only).
 
   Example:
@@ -606,7 +613,8 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
   comm_dtype = comm_dtype_of(comm_dtype)
 
   def init_fn(params):
-    payload = 0 if axis_name is None else tree_payload_bytes(params, comm_dtype)
+    payload = 0 if axis_name is None else tree_payload_bytes(
+        [x for x in jax.tree.leaves(params) if _is_floating(x)], comm_dtype)
     return SyncGradientsState(comm=init_comm_stats(payload, CollectiveKind.ALL_REDUCE))
 
   def update_fn(updates, state, params=None, *, loss_scale=None, **extra_args):
@@ -618,7 +626,10 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
       return updates, state
     # every leaf that crosses the wire in float16 (comm_dtype, or its own dtype) is divided
     # first and, inside dynamic_loss_scale, sent loss-scaled; the others are a plain pmean
-    updates = _pmean_leaves(updates, axis_name, comm_dtype, predivide=True, scale=loss_scale)
+    # (non-float leaves, e.g. float0 gradients of integer parameters, stay each worker's own,
+    # as periodic_averaging keeps integer leaves: an int mean became a float, float0 crashed)
+    updates = _pmean_leaves(updates, axis_name, comm_dtype, predivide=True, scale=loss_scale,
+                            floats_only=True)
     comm = state.comm._replace(count=state.comm.count + 1)
     return updates, SyncGradientsState(comm=comm)
 

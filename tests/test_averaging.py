@@ -794,3 +794,31 @@ def test_averaging_and_qsgd_counts_saturate_like_optax():
   assert int(ps.count) == int(ps.controller.count) == 2**31 - 1
   _, (count, _, _) = pa.update.host_schedule.next((2**31 - 1, 0, 2))
   assert count == 2**31 - 1
+
+
+@pytest.mark.parametrize("comm_dtype", [None, jnp.bfloat16])
+def test_sync_gradients_exchanges_floating_leaves_only(comm_dtype):
+  """Integer and bool gradient leaves came back as float means (2.33, 0.33; cast back under
+  bf16: 2 and True) and float0 leaves (jax.grad(allow_int=True) of an integer parameter)
+  crashed. Non-float leaves now stay each worker's own, as periodic_averaging keeps integer
+  leaves, and the payload counts the floating leaves only."""
+  g = {"w": jnp.arange(6.0).reshape(3, 2), "i": jnp.array([[1], [2], [4]], jnp.int32),
+       "b": jnp.array([[True], [False], [False]])}
+  tx = mfopt.sync_gradients("w", comm_dtype)
+  out, state = jax.vmap(lambda x: tx.update(x, tx.init(x)), axis_name="w")(g)
+  np.testing.assert_array_equal(out["w"], np.broadcast_to(np.arange(6.0).reshape(3, 2).mean(0),
+                                                          (3, 2)))
+  for k in ("i", "b"):
+    assert out[k].dtype == g[k].dtype
+    np.testing.assert_array_equal(out[k], g[k])
+  assert mfopt.comm.payload_of(state.comm) == 2 * jnp.dtype(comm_dtype or jnp.float32).itemsize
+
+  def loss(p):
+    return jnp.sum(p["w"] ** 2) * p["n"]
+
+  params = {"w": jnp.ones((3, 2)), "n": jnp.ones((3,), jnp.int32)}
+  grads = jax.vmap(jax.grad(loss, allow_int=True))(params)
+  assert grads["n"].dtype == jax.dtypes.float0
+  out, _ = jax.vmap(lambda x: tx.update(x, tx.init(x)), axis_name="w")(grads)
+  assert out["n"].dtype == jax.dtypes.float0
+  np.testing.assert_allclose(out["w"], 2.0)
