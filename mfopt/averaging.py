@@ -63,7 +63,7 @@ from jax.flatten_util import ravel_pytree
 from mfopt import _checks
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, HostSchedule, check_axis_name,
                         comm_dtype_of, gated, host_scalar,
-                        init_comm_stats, pmean_tree, require_bound, states_of,
+                        init_comm_stats, is_floating, pmean_tree, require_bound, states_of,
                         tree_payload_bytes)
 from mfopt.comm import unbatched as _unbatched
 
@@ -376,14 +376,10 @@ def _sq_norm(tree: Any) -> jax.Array:
   return sum(leaves, jnp.zeros([], jnp.float32))
 
 
-def _is_float(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _pmean_floats(tree: Any, axis_name: AxisName, comm_dtype: Any = None) -> Any:
   """:func:`mfopt.comm.pmean_tree` of the floating leaves; other leaves (an integer parameter)
   stay each worker's own: their mean would be a float, which the sync loop cannot carry."""
-  return jax.tree.map(lambda x: pmean_tree(x, axis_name, comm_dtype) if _is_float(x) else x, tree)
+  return jax.tree.map(lambda x: pmean_tree(x, axis_name, comm_dtype) if is_floating(x) else x, tree)
 
 
 def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
@@ -506,9 +502,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
   def init_fn(params):
     inner_state = inner.init(params)
-    payload = tree_payload_bytes([x for x in jax.tree.leaves(params) if _is_float(x)], comm_dtype)
+    payload = tree_payload_bytes([x for x in jax.tree.leaves(params) if is_floating(x)], comm_dtype)
     if average_inner_state:
-      payload += tree_payload_bytes([x for x in jax.tree.leaves(inner_state) if _is_float(x)])
+      payload += tree_payload_bytes([x for x in jax.tree.leaves(inner_state) if is_floating(x)])
     t = int(trace_length)
     # Without a trace the fields are empty tuples, not zero-size arrays (orbax
     # refuses to checkpoint zero-size arrays).

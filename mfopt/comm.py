@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -512,20 +513,15 @@ def _pmean_leaves(tree: Any, axis_name: AxisName, comm_dtype: Any, *, predivide:
   every other leaf is ``lax.pmean`` in the exchanged dtype. (The choice was made on
   ``comm_dtype`` alone: float16 gradients exchanged in their own dtype summed first, and 8
   workers' 1e4 came back inf.) ``floats_only``: other leaves are returned as they are."""
-  w = None
+  w = _num_workers(axis_name) if predivide else 1
+  scale = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
 
   def one(x):
-    nonlocal w
-    if floats_only and not _is_floating(x):
+    if floats_only and not is_floating(x):
       return x
     sent = jnp.dtype(x.dtype if comm_dtype is None else comm_dtype)
     if predivide and sent == jnp.float16:
-      if w is None:
-        w = 1
-        for name in axis_tuple(axis_name):
-          w *= lax.axis_size(name)
-      return _scaled_leaf(x, axis_name, sent, jnp.ones([], jnp.float32) if scale is None
-                          else jnp.asarray(scale, jnp.float32), w)
+      return _scaled_leaf(x, axis_name, sent, scale, w)
     if comm_dtype is None:
       return lax.pmean(x, axis_name)
     return lax.pmean(x.astype(comm_dtype), axis_name).astype(x.dtype)
@@ -533,8 +529,14 @@ def _pmean_leaves(tree: Any, axis_name: AxisName, comm_dtype: Any, *, predivide:
   return jax.tree.map(one, tree)
 
 
-def _is_floating(x: Any) -> bool:
+def is_floating(x: Any) -> bool:
+  """Whether ``x`` is an array of a floating dtype (the leaves the transforms exchange)."""
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _num_workers(axis_name: AxisName) -> int:
+  """The product of the bound axes' sizes (inside the transform's vmap/shard_map)."""
+  return math.prod(lax.axis_size(name) for name in axis_tuple(axis_name))
 
 
 def _scaled_leaf(x: jax.Array, axis_name: AxisName, comm_dtype: Any, scale: jax.Array,
@@ -557,10 +559,7 @@ def pmean_tree_scaled(tree: Any, axis_name: AxisName, comm_dtype: Any, scale: ja
   """
   if axis_name is None:
     return tree
-  w = 1
-  for name in axis_tuple(axis_name):
-    w *= lax.axis_size(name)
-  scale = jnp.asarray(scale, jnp.float32)
+  w, scale = _num_workers(axis_name), jnp.asarray(scale, jnp.float32)
   return jax.tree.map(lambda x: _scaled_leaf(x, axis_name, comm_dtype, scale, w), tree)
 
 
@@ -614,7 +613,7 @@ def sync_gradients(axis_name: AxisName, comm_dtype: Any = None) -> optax.Gradien
 
   def init_fn(params):
     payload = 0 if axis_name is None else tree_payload_bytes(
-        [x for x in jax.tree.leaves(params) if _is_floating(x)], comm_dtype)
+        [x for x in jax.tree.leaves(params) if is_floating(x)], comm_dtype)
     return SyncGradientsState(comm=init_comm_stats(payload, CollectiveKind.ALL_REDUCE))
 
   def update_fn(updates, state, params=None, *, loss_scale=None, **extra_args):
