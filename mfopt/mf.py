@@ -105,7 +105,9 @@ def _check_mf(name: str, value: ScalarOrSchedule, validate_steps: int | None,
       where = f" at step {t}" if callable(value) else ""
       raise ValueError(f"{name} must be in [0, 1), got {v!r}{where}"
                        f"{_checks._low_precision_hint(value)}")
-  if non_decreasing and callable(value):
+  if non_decreasing and callable(value) and validate_steps is None:
+    _check_non_decreasing_by_default(name, value)
+  elif non_decreasing and callable(value):
     for t in range(1, len(values)):
       if values[t] < values[t - 1]:
         raise ValueError(
@@ -392,8 +394,6 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
   if phi not in PHIS:
     raise ValueError(f"phi must be one of {PHIS}, got {phi!r}")
   _check_mf("mf1", mf1, validate_steps, non_decreasing=True)
-  if callable(mf1) and validate_steps is None:
-    _check_non_decreasing_by_default("mf1", mf1)
   if callable(mf2):
     raise ValueError(f"mf2 must be a constant in [0, 1) (MF2 is not scheduled in seed 000), "
                      f"got the callable {mf2!r}")

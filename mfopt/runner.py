@@ -321,8 +321,8 @@ def _refuse_ignored_sizes(config: ml_collections.ConfigDict, overrides: Sequence
   experiments load such a dataset whole (``data.load_sized``), so ``dataset=digits
   num_train=500`` trained on all 1,437 digits and said nothing."""
   from mfopt import data  # pylint: disable=g-import-not-at-top
-  sized = [item.split("=", 1)[0] for item in overrides
-           if item.split("=", 1)[0] in ("num_train", "num_test")]
+  sized = [k for k in (item.split("=", 1)[0] for item in overrides)
+           if k in ("num_train", "num_test")]
   name = config.get("dataset")
   if sized and isinstance(name, str) and name in data.registered() and not data.takes_sizes(name):
     generated = [n for n in data.registered() if data.takes_sizes(n)]
