@@ -330,8 +330,8 @@ def test_gpu_plan_calls_run_in_quick_mode(monkeypatch, tmp_path):
   """scripts/gpu_plan.sh: every planned device call's benches accept their flags and run with
   --quick on this CPU (shapes dropped: what `--check` runs; here in this process, but for the
   three benches that set up their own devices, each in a fresh interpreter as on the device:
-  36 s against 67 s for `--check`'s 13 interpreters with a warm compilation cache on the idle
-  2-core VM), `--check` reports a failing bench, and the
+  36 s against 63 s for `--check`'s 13 interpreters, both with a warm compilation cache on the
+  idle 2-core VM), `--check` reports a failing bench, and the
   plan refuses what it cannot run here (a multi-GPU call without GPUs, an unknown call)
   instead of spending a device call."""
   import importlib
