@@ -41,7 +41,7 @@ from jax.flatten_util import ravel_pytree
 
 from mfopt import _checks
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, axis_tuple, check_axis_name,
-                        init_comm_stats, require_bound)
+                        init_comm_stats, is_floating, require_bound)
 
 __all__ = ["QSGDState", "qsgd", "quantize", "dequantize", "qsgd_payload_bytes"]
 
@@ -140,7 +140,10 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
 
   Returns:
     An ``optax.GradientTransformation`` whose state counts one all-gather per
-    step with payload ``n + 4 * ceil(n / bucket_size)`` bytes per worker.
+    step with payload ``n + 4 * ceil(n / bucket_size)`` bytes per worker, ``n``
+    the number of floating-point values. Other leaves (integer, bool, and the
+    ``float0`` gradients JAX gives integer parameters) pass through unchanged
+    and are not exchanged, as in :func:`mfopt.sync_gradients`.
 
   Example:
     >>> import jax.numpy as jnp, optax, mfopt
@@ -161,7 +164,7 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
   axis_name = check_axis_name(axis_name)
 
   def init_fn(params):
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params) if is_floating(x))
     payload = 0 if axis_name is None else qsgd_payload_bytes(n, bits, bucket_size)
     return QSGDState(count=jnp.zeros([], jnp.int32),
                      comm=init_comm_stats(payload, CollectiveKind.ALL_GATHER))
@@ -169,8 +172,10 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
   def update_fn(updates, state, params=None):
     del params
     require_bound(axis_name, "qsgd")
-    flat, unravel = ravel_pytree(updates)
-    if flat.size == 0:  # no parameters (an empty optax.masked / multi_transform group)
+    leaves, treedef = jax.tree.flatten(updates)
+    floating = [i for i, x in enumerate(leaves) if is_floating(x)]
+    flat, unravel = ravel_pytree([leaves[i] for i in floating])
+    if flat.size == 0:  # no float values (an empty optax.masked / multi_transform group)
       return updates, QSGDState(count=optax.safe_increment(state.count),
                                 comm=state.comm)  # nothing exchanged
     dtype = flat.dtype
@@ -186,7 +191,9 @@ def qsgd(axis_name: AxisName, bits: int = 8, bucket_size: int = 512,
       deq = jax.vmap(lambda a, b: dequantize(a, b, bits, bucket_size))(all_q, all_norms)
       mean = jnp.mean(deq, axis=0)
       comm = state.comm._replace(count=state.comm.count + 1)
-    return unravel(mean.astype(dtype)), QSGDState(count=optax.safe_increment(state.count),
-                                                  comm=comm)
+    for i, x in zip(floating, unravel(mean.astype(dtype))):
+      leaves[i] = x
+    return (jax.tree.unflatten(treedef, leaves),
+            QSGDState(count=optax.safe_increment(state.count), comm=comm))
 
   return optax.GradientTransformation(init_fn, update_fn)

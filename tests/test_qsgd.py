@@ -137,6 +137,37 @@ def test_a_group_without_parameters_exchanges_nothing(exchange):
   assert totals["all_gathers"] == totals["all_reduces"] == 0
 
 
+def test_integer_and_float0_leaves_pass_through_and_are_not_sent():
+  """Integer parameters (a step counter) get ``float0`` gradients from ``jax.grad(allow_int=True)``:
+  ravelling them with the floats raised JAX's dtype error, and an int leaf would have been
+  quantized. Only the float leaves are exchanged, with the same values as a float-only tree."""
+  workers = 4
+  rng = np.random.default_rng(5)
+  floats = {"a": rng.normal(size=(workers, 7)).astype(np.float32),
+            "b": rng.normal(size=(workers, 3)).astype(np.float32)}
+  mixed = dict(floats, n=np.arange(workers, dtype=np.int32))
+
+  def run(tree):
+    tx = mfopt.qsgd("w", bucket_size=4, seed=1)
+    return jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="w")(tree)
+
+  want, want_state = run(floats)
+  got, state = run(mixed)
+  for k in floats:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+  np.testing.assert_array_equal(np.asarray(got["n"]), mixed["n"])
+  assert got["n"].dtype == jnp.int32
+  assert int(state.comm.payload_bytes[0]) == qsgd_payload_bytes(10, 8, 4) == 10 + 4 * 3
+  assert int(state.comm.payload_bytes[0]) == int(want_state.comm.payload_bytes[0])
+  # One worker, a float0 gradient of an integer parameter, through jax.grad.
+  params = {"w": jnp.array([0.0, -4.0]), "step": jnp.array(2, jnp.int32)}
+  grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2), allow_int=True)(params)
+  tx = mfopt.qsgd(None, bucket_size=2)
+  out, _ = tx.update(grads, tx.init(params))
+  assert out["step"].dtype == jax.dtypes.float0
+  np.testing.assert_allclose(np.asarray(out["w"]), [0.0, -8.0])  # each |g_i| s / ||g|| a level
+
+
 @pytest.mark.parametrize("kw,match", [({"bits": 1}, r"bits must be an integer in \[2, 8\], got 1"),
                                       ({"bits": 9}, r"got 9"),
                                       ({"bucket_size": 0}, r"bucket_size must be a positive"),
