@@ -1014,21 +1014,23 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       # (a finished run resumed with a larger num_steps, allow_mismatch=True: trains on)
 
   report_lib.note_run_start(start)  # (for a metrics log under an allowed config change)
-  train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers, loss_fn=loss_fn,
-                               lowering=lowering, host_gates=host_gates)
-  if isinstance(train_step, AutoLoweredStep) and saved_lowering in train_step.steps:
-    train_step.choice = saved_lowering  # the interrupted run's pick: the same rounding
   eval_fn = make_eval_fn(model)
-
-  t0 = time.perf_counter()
-  batch = device_batch(start, first if start == 0 else None)
-  if isinstance(train_step, AutoLoweredStep):  # times the candidate lowerings on a state copy
-    lowering = train_step.choose(state, batch)
-  elif _parse_lowering(lowering)[0] == "auto":  # nothing to choose: make_train_step runs vmap
-    lowering = "vmap"
-  compiled = train_step.lower(state, batch).compile()
-  if start == 0:
-    compile_s = time.perf_counter() - t0
+  if start < num_steps:
+    train_step = make_train_step(model, tx, mesh=mesh, num_workers=num_workers,
+                                 loss_fn=loss_fn, lowering=lowering, host_gates=host_gates)
+    if isinstance(train_step, AutoLoweredStep) and saved_lowering in train_step.steps:
+      train_step.choice = saved_lowering  # the interrupted run's pick: the same rounding
+    t0 = time.perf_counter()
+    batch = device_batch(start, first if start == 0 else None)
+    if isinstance(train_step, AutoLoweredStep):  # times the candidate lowerings on a state copy
+      lowering = train_step.choose(state, batch)
+    elif _parse_lowering(lowering)[0] == "auto":  # nothing to choose: make_train_step runs vmap
+      lowering = "vmap"
+    compiled = train_step.lower(state, batch).compile()
+    if start == 0:
+      compile_s = time.perf_counter() - t0
+  else:  # resumed at num_steps (see below): nothing to train, so no step to time or compile
+    lowering = saved_lowering
 
   window: list[dict[str, jax.Array]] = []
   global_batch = num_workers * per_worker_batch

@@ -274,8 +274,9 @@ def test_interrupted_run_shortened_to_its_last_save_evaluates_it(tmp_path):
   """Killed after its step-4 save, rerun with num_steps=4 (allow_mismatch): nothing to train,
   but the summary read the final evaluation the step-4 row never had (KeyError 'test_loss',
   an off-default review). It evaluates the restored state: an uninterrupted 4-step run's
-  result. An explicit keep_checkpoints beats the auto_checkpoint policy's keep (it was
-  silently replaced by it), as an explicit checkpoint_every does."""
+  result, without building a train step it would not run. An explicit keep_checkpoints beats
+  the auto_checkpoint policy's keep (it was silently replaced by it), as an explicit
+  checkpoint_every does."""
 
   class Stop(Exception):
     pass
@@ -288,9 +289,16 @@ def test_interrupted_run_shortened_to_its_last_save_evaluates_it(tmp_path):
 
   with pytest.raises(Stop):
     _small_fit(10, checkpoint_dir=tmp_path / "a", checkpoint_every=4, on_log=stop_at(6))
-  short = _small_fit(4, checkpoint_dir=tmp_path / "a", allow_mismatch=True)
+
+  def no_step(*args, **kwargs):
+    raise AssertionError("a resume with nothing to train built (and compiled) a train step")
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(train, "make_train_step", no_step)
+    short = _small_fit(4, checkpoint_dir=tmp_path / "a", allow_mismatch=True)
   straight = _small_fit(4)
   assert short.summary["steps"] == 4 and short.history[-1]["step"] == 4
+  assert short.summary["lowering"] == straight.summary["lowering"]
   assert short.summary["test_loss"] == straight.summary["test_loss"]
   assert short.history[-1]["test_accuracy"] == straight.history[-1]["test_accuracy"]
   with checkpoint.auto_checkpoint(tmp_path / "b", every=2, keep=2):
