@@ -603,6 +603,41 @@ def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
       os.kill(pid, 0)
 
 
+@pytest.mark.slow  # child processes (no JAX in them: seconds)
+def test_sigterm_while_the_launcher_starts_its_processes_stops_them(tmp_path):
+  """A cancel that lands while the children are being started: the handlers used to be
+  installed after the last start, so SIGTERM then killed the launcher alone (exit -15) and
+  left the started children (own sessions) running. Here the launcher runs in a driver whose
+  Popen signals the driver right after the first child starts."""
+  driver = f"""
+import importlib.util, os, pathlib, signal, subprocess, sys
+spec = importlib.util.spec_from_file_location("launch_local", {str(LAUNCH)!r})
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+real = subprocess.Popen
+class Popen(real):
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    (pathlib.Path({str(tmp_path)!r}) / str(self.pid)).touch()
+    os.kill(os.getpid(), signal.SIGTERM)
+subprocess.Popen = Popen
+sys.exit(launch.main(["-n", "2", "--", "-c", "import time; time.sleep(120)"]))
+"""
+  proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True,
+                        timeout=60)
+  pids = [int(p.name) for p in tmp_path.iterdir()]
+  alive = []
+  for pid in pids:
+    try:
+      os.kill(pid, signal.SIGKILL)  # (so that a failure leaves nothing running)
+      alive.append(pid)
+    except ProcessLookupError:
+      pass
+  assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, proc.stderr)
+  assert "got SIGTERM; stopping the" in proc.stderr
+  assert pids and not alive
+
+
 def test_launcher_draws_its_coordinator_port_below_the_ephemeral_range(monkeypatch):
   """The coordinator's port is bound seconds after it is chosen: one the kernel handed out
   (bind to 0) could meanwhile go to another job's gloo or gRPC socket, which draw from the
