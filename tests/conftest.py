@@ -7,8 +7,10 @@ overwritten after import, so it is done here, at collection time.
 
 import os
 import pathlib
+import tempfile
 
 import jax
+import pytest
 
 NUM_DEVICES = 8
 os.environ.pop("MFOPT_LOWERING", None)  # tests pick their lowering explicitly (fit default: vmap)
@@ -19,6 +21,18 @@ from mfopt.runner import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.environ.get("MFOPT_JAX_CACHE")
                          or pathlib.Path(__file__).resolve().parents[1] / ".jax_cache")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tempfiles_under_basetemp(tmp_path_factory):
+  """TFDS's ``DatasetInfo.initialize_from_bucket`` makes a ``tempfile.mkdtemp("tfds")``
+  directory and never removes it, for every builder of a dataset that is not prepared: one
+  run of test_data.py left 37 empty ``/tmp/tmp*tfds`` directories. In-process temporary files
+  go under pytest's basetemp instead (which keeps the last three runs)."""
+  old = tempfile.tempdir
+  tempfile.tempdir = str(tmp_path_factory.mktemp("tempfile"))
+  yield
+  tempfile.tempdir = old
 
 
 # The CI budgets (the project's rules, wall-clock on the 2-core CI machine) per category of
