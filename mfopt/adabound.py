@@ -632,7 +632,9 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
     # The update is a function of the *new* buffers only (AdaBound: -clip(.)(nu) * mu, LARS:
     # v = mu), so XLA writes mu and nu in place and reads them once more for w (no copies).
     ab_step = _linear_scaling_step(k + 1, new_mu, new_nu, **hyper)
-    new_updates = jax.tree.map(lambda a, m: pick(-a, m), ab_step, new_mu)
+    # (a bool leaf, a mask kept with the parameters, has no negation and is never moved)
+    new_updates = jax.tree.map(
+        lambda a, m: jnp.zeros_like(m) if m.dtype == jnp.bool_ else pick(-a, m), ab_step, new_mu)
     return new_updates, HybridState(count=optax.safe_increment(count), mu=new_mu, nu=new_nu)
 
   update_fn.host_schedule = schedule

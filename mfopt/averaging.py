@@ -371,6 +371,13 @@ class PeriodicAveragingState(NamedTuple):
   diagnostics: AveragingDiagnostics
 
 
+def _subtract(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a - b`` for one leaf. A bool leaf (a mask kept with the parameters) has no subtraction
+  and no transform here changes one: it gives ``False`` (``optax.apply_updates`` adds it:
+  ``p + False == p``), where ``optax.sgd`` would give a float 0."""
+  return jnp.zeros_like(a) if a.dtype == jnp.bool_ else a - b
+
+
 def _sq_norm(tree: Any) -> jax.Array:
   leaves = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
   return sum(leaves, jnp.zeros([], jnp.float32))
@@ -548,7 +555,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     diag = state.diagnostics
     if track_variance:
       mean_now = _pmean_floats(params, axis_name)
-      var_k = pmean_tree(_sq_norm(jax.tree.map(jnp.subtract, mean_now, params)), axis_name)
+      var_k = pmean_tree(_sq_norm(jax.tree.map(_subtract, mean_now, params)), axis_name)
       diag = diag._replace(variance=var_k, variance_sum=diag.variance_sum + var_k,
                            variance_exchanges=diag.variance_exchanges + (2 if communicates else 0))
 
@@ -576,20 +583,20 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       if flat:  # the same arithmetic on one vector; back to the tree once, at the end
         local, unravel = ravel_pytree(local)
       if comm_dtype is not None:
-        delta = jax.tree.map(jnp.subtract, local, anchor)
+        delta = jax.tree.map(_subtract, local, anchor)
         mean = jax.tree.map(jnp.add, anchor, _pmean_floats(delta, axis_name, comm_dtype))
       else:
         mean = _pmean_floats(local, axis_name)
       if average_inner_state:
         inner_state = _pmean_floats(inner_state, axis_name)
       if compute_s:
-        s_k = pmean_tree(_sq_norm(jax.tree.map(jnp.subtract, mean, local)), axis_name)
+        s_k = pmean_tree(_sq_norm(jax.tree.map(_subtract, mean, local)), axis_name)
         scalar_comm = scalar_comm._replace(
             count=scalar_comm.count + (1 if communicates else 0))
       else:
         s_k = nan()
       if outer is not None:
-        pseudo_grad = jax.tree.map(jnp.subtract, anchor, mean)
+        pseudo_grad = jax.tree.map(_subtract, anchor, mean)
         new_outer = outer_tx.update(pseudo_grad, outer_state, anchor)
         outer_updates, outer_state = new_outer[0], _same_dtypes(new_outer[1], outer_state)
         new_params = optax.apply_updates(anchor, outer_updates)
@@ -630,7 +637,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
 
   def update_fn(updates, state, params=None, **extra_args):
     new_params, state, _ = params_step(updates, state, params, **extra_args)
-    return jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params), state
+    return jax.tree.map(lambda n, p: _subtract(n, p).astype(p.dtype), new_params, params), state
 
   update_fn.params_step = params_step
   if schedule is not None:

@@ -712,6 +712,38 @@ def test_an_integer_parameter_leaf_is_kept_per_worker_and_floats_are_averaged(co
   assert int(mfopt.comm_totals(state)["payload_bytes"]) == 3 * (2 if comm_dtype else 4)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: mfopt.periodic_averaging(optax.sgd(0.1), "w", 2, comm_dtype=jnp.bfloat16),
+    lambda: mfopt.block_momentum(optax.sgd(0.1), "w", 2),
+    lambda: mfopt.hybrid_adabound_lars(num_workers=4, steps_per_epoch=1, warmup_epochs=1)],
+    ids=["periodic_averaging_bf16", "block_momentum", "hybrid"])
+def test_a_bool_parameter_leaf_is_never_moved_and_floats_are_unchanged_by_it(make):
+  """A bool leaf kept with the parameters (a mask) has no subtraction or negation: these three
+  raised JAX's dtype error where optax.sgd passes it. Its update is False now, and the float
+  leaves follow exactly the run without it, through a scan (the state keeps its dtypes)."""
+  tx = make()
+  floats = {"x": jnp.ones((4, 3))}
+  mixed = dict(floats, mask=jnp.array([[True, False]] * 4))
+  grads = {"x": jnp.arange(12.0).reshape(4, 3) / 12.0, "mask": jnp.zeros((4, 2), bool)}
+
+  def run(params):
+    def steps(p, s, g):
+      def step(carry, _):
+        p, s = carry
+        u, s = tx.update(g, s, p)
+        return (optax.apply_updates(p, u), s), None
+      return jax.lax.scan(step, (p, s), None, length=3)[0][0]
+
+    init = jax.vmap(tx.init, axis_name="w")(params)
+    return jax.vmap(steps, axis_name="w")(params, init, {k: grads[k] for k in params})
+
+  want, got = run(floats), run(mixed)
+  np.testing.assert_array_equal(np.asarray(got["mask"]), np.asarray(mixed["mask"]))
+  assert got["mask"].dtype == jnp.bool_
+  np.testing.assert_array_equal(np.asarray(got["x"]), np.asarray(want["x"]))
+  assert float(jnp.abs(got["x"] - floats["x"]).max()) > 1e-3  # the floats did move
+
+
 def test_adpsgd_skips_a_sample_at_learning_rate_zero():
   """S_k / lr_k at lr_k = 0 (a warm-up from 0) is NaN: sampled, it froze the period for good."""
   sched = lambda k: jnp.where(k < 2, 0.0, 0.1)  # noqa: E731
