@@ -378,6 +378,44 @@ def test_hybrid_sgd_phase_equals_optax_lars_on_a_tree():
   assert np.abs(np.asarray(other["w"]) - np.asarray(want["w"])).max() > 1e-4
 
 
+def test_hybrid_lars_trust_ratio_is_one_where_a_norm_is_zero():
+  """The LARS phase uses trust ratio 1 for a tensor whose weight norm or gradient norm is 0
+  (optax.lars, You et al.): a zero tensor (e.g. a bias still at its init) steps at the global
+  rate lr N, and a zero gradient steps by 0; without the guard these were 0 and 0/0 = NaN."""
+  tx = mfopt.hybrid_adabound_lars(num_workers=2, steps_per_epoch=1, warmup_epochs=1,
+                                  base_lr=0.1, weight_decay=0.0)
+  p = {"a": jnp.ones(3), "z": jnp.zeros(3)}
+  s, update = tx.init(p), jax.jit(tx.update)
+  u, s = update({"a": jnp.ones(3), "z": jnp.zeros(3)}, s, p)  # warm-up; z stays at 0
+  p = optax.apply_updates(p, u)
+  assert not np.asarray(p["z"]).any() and np.asarray(p["a"]).all()
+  g = {"a": jnp.zeros(3), "z": jnp.array([1.0, -2.0, 0.5])}
+  u, _ = update(g, s, p)  # the first LARS step: fresh momentum, lr N = 0.2
+  np.testing.assert_array_equal(np.asarray(u["a"]), np.zeros(3))
+  np.testing.assert_allclose(np.asarray(u["z"]), -0.2 * np.asarray(g["z"]), rtol=1e-6)
+
+
+def test_defaults_are_the_reference_and_seed_values():
+  """With no optional arguments, adabound is the reference package's AdaBound (lr 1e-3,
+  final_lr 0.1, gamma 1e-3, betas 0.9/0.999, eps 1e-8), and linear-scaling AdaBound and the
+  hybrid use seed 004 §3.1's T = 10, lr = 0.1, kappa = 0.9, wd = 1e-4 (the references'
+  defaults): a changed default would silently change every run that relies on it."""
+  p0, np_grad, jax_loss = _quadratic()
+  seed = dict(base_lr=0.1, num_workers=4, steps_per_epoch=1, alpha=1e-3, warmup_epochs=10)
+  want_ab = np_adabound(p0, np_grad, 30, 1e-3)
+  want_ls, _ = np_hybrid(p0, np_grad, 14, switch=False, **seed)
+  want_hy, _ = np_hybrid(p0, np_grad, 16, **seed)
+  with jax.enable_x64(True):
+    got_ab = _run(mfopt.adabound(), p0, jax_loss, 30, jnp.float64)
+    got_ls = _run(mfopt.linear_scaling_adabound(num_workers=4, steps_per_epoch=1,
+                                                base_lr=0.1), p0, jax_loss, 14, jnp.float64)
+    got_hy = _run(mfopt.hybrid_adabound_lars(num_workers=4, steps_per_epoch=1), p0, jax_loss,
+                  16, jnp.float64)
+  _assert_traj(got_ab, want_ab, 1e-10)
+  _assert_traj(got_ls, want_ls, 1e-10)
+  _assert_traj(got_hy, want_hy, 1e-10)
+
+
 def test_hybrid_under_worker_vmap_keeps_norm_loop_unbatched_and_matches():
   """With ``axis_name`` the LARS-norms loop (comm.gated) keeps one trip count under the worker
   vmap (the warmup does not read w and g twice), and the result equals the unbatched

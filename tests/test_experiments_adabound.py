@@ -426,6 +426,26 @@ def test_efficiency_report_on_several_devices():
   assert rep["actual_training_time_s"] == pytest.approx(rep["actual_single_gpu_time_s"] / 8)
 
 
+def test_efficiency_report_with_measured_communication():
+  """A measured comm_s replaces the cost-model projection in 1 / (1 + comm/compute) (seed 004
+  §3.2.2), no communication is efficiency 1 (not an error), and the convergence rate is
+  1 / epochs-to-target (seed §1). W = 2 workers on 1 device: compute = 2 s x 1/2 = 1 s, one
+  worker's speed = 200 samples / 1 s, target reached at epoch 4."""
+  from mfopt import metrics
+  history = [{"epoch": 1.0, "test_accuracy": 0.3}, {"epoch": 4.0, "test_accuracy": 0.6}]
+  summary = {"steps": 10, "train_s": 2.0, "num_workers": 2, "samples": 400}
+  assert metrics.scaling_efficiency(1.0, 0.0) == 1.0
+  for comm, eff in ((0.25, 0.8), (0.0, 1.0)):
+    rep = metrics.efficiency_report(summary=summary, history=history, target=0.5,
+                                    samples_per_epoch=100, num_devices=1, comm_s=comm)
+    assert rep["comm_s"] == comm and rep["efficiency_source"] == "measured"
+    assert rep["scaling_efficiency"] == pytest.approx(eff, rel=1e-12)
+    assert rep["convergence_rate"] == pytest.approx(1 / 4, rel=1e-12)
+    # T_1 = epochs x samples/epoch / (speed x efficiency), T_N = T_1 / W
+    assert rep["actual_single_gpu_time_s"] == pytest.approx(4 * 100 / (200 * eff), rel=1e-12)
+    assert rep["actual_training_time_s"] == pytest.approx(4 * 100 / (200 * eff) / 2, rel=1e-12)
+
+
 def test_setup_lines_give_each_batch_its_steps_and_samples():
   """precision's rows run at several per-worker batches; an epoch is floor(N / global batch)
   steps, so the samples differ across batches. Its report said "(equal samples)" from the

@@ -208,3 +208,92 @@ def test_simulator_bias_correction_uses_the_step_pushed_with_g_prev(dampening):
   del d["alpha_pushed"]
   s.load_state_dict(d)
   np.testing.assert_array_equal(s.alpha_pushed, s.alpha_carry)
+
+
+def _quad_inputs(theta, theta_prev, g_prev, alpha_prev, *, k=1.0, r=0.0, has_prev=True,
+                 k_grew=False):
+  f = np.float32
+  return bb_lib.BBInputs(jnp.asarray(theta, f), jnp.asarray(theta_prev, f),
+                         jnp.asarray(g_prev, f), f(alpha_prev), np.bool_(has_prev), f(k),
+                         np.bool_(k_grew), f(r), f(0.0), f(0.0))
+
+
+def test_bb_update_is_skipped_on_a_degenerate_pair():
+  """Spec §3.1 safeguards: with <s, y> = 0 (the gradient did not change), with ||s||^2 <= 1e-12
+  (the worker pulled almost the same version) or with a non-finite <s, y> (an overflowed
+  previous gradient), nu is meaningless (0, a tiny-difference quotient, inf) and alpha_prev is
+  kept; using it pushed the step to the clamp's 10 alpha_0 or 1e-6 end."""
+  cfg = sim.BBConfig(alpha0=0.1, max_bt=0)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=1, dataset_size=2))
+  a = jnp.full(3, 2.0)  # L = sum(th^2), g = 2 th
+  th = np.array([1.0, -0.5, 0.25], np.float32)
+  cases = {
+      "y = 0": _quad_inputs(th, th + 0.5, 2 * th, 0.05),  # s != 0, g_prev = g
+      "tiny s": _quad_inputs(np.zeros(3), [1e-7, 0, 0], [1.0, 0, 0], 0.05),  # <s,y> = 1e-7
+      "inf y": _quad_inputs(th, th - 0.5, [-np.inf, 0, 0], 0.05),  # <s,y> = +inf
+  }
+  for name, inp in cases.items():
+    out = step(inp, a, None)
+    assert not bool(out.bb_applied), name
+    assert float(out.alpha) == np.float32(0.05), (name, float(out.alpha))
+  # and a regular pair does apply it: s = -0.5, y = -1 per coordinate, nu = 2, w = 1/2
+  out = step(_quad_inputs(th, th + 0.5, 2 * th + 1.0, 0.05), a, None)
+  assert bool(out.bb_applied)
+  np.testing.assert_allclose(float(out.alpha), 0.5 * 0.05 + 0.5 * 0.5, rtol=1e-6)
+
+
+def test_bb_deterministic_case_and_default_clamp():
+  """Eq. 26 with B = k b >= N (here B = N exactly): alpha = clip(1/nu) with weight 1 and no
+  noise factor (r is ignored), and the default clamp's top is 10 alpha_0. Treating B = N as
+  the noisy case scaled the step by 1 - r."""
+  a = jnp.full(3, 2.0)
+  th = np.ones(3, np.float32)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, sim.BBConfig(alpha0=0.1, max_bt=0),
+                                     batch_size=4, dataset_size=8))
+  # s = -0.5, y = -1 per coordinate: nu = 2, 1/nu = 0.5 (inside [1e-6, 1])
+  out = step(_quad_inputs(th, th + 0.5, 2 * th + 1.0, 0.05, k=2.0, r=0.5), a, None)
+  assert bool(out.bb_applied)
+  np.testing.assert_allclose(float(out.alpha), 0.5, rtol=1e-6)
+  # y = -1e-3: nu = 2e-3, 1/nu = 500 is clamped to 10 alpha_0 = 1
+  out = step(_quad_inputs(th, th + 0.5, 2 * th + 1e-3, 0.05, k=2.0, r=0.5), a, None)
+  np.testing.assert_allclose(float(out.alpha), 1.0, rtol=1e-6)
+
+
+def test_armijo_accepts_the_first_step_that_satisfies_it():
+  """Backtracking returns the largest alpha_prev rho^j satisfying Armijo (19) with c = 0.1 and
+  rho = 1/2 (the defaults). L = 0.5 ||th||^2 at th = 1: L(th - a g) <= L - c a ||g||^2 iff
+  (1 - a)^2 <= 1 - 2 c a iff a <= 2 - 2c = 1.8, so 1.7 is accepted at once and 13.6 after 3
+  halvings; a stricter test (or a first trial skipped) backtracked further than needed."""
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, sim.BBConfig(alpha0=1.0), batch_size=1,
+                                     dataset_size=2))
+  th = np.ones(3, np.float32)
+  for alpha_prev, want, nb in ((1.7, 1.7, 0), (13.6, 1.7, 3), (1.9, 0.95, 1)):
+    out = step(_quad_inputs(th, th, th, alpha_prev, has_prev=False), jnp.ones(3), None)
+    assert not bool(out.bb_applied) and not bool(out.hit_limit)
+    np.testing.assert_allclose(float(out.alpha), want, rtol=1e-6)
+    assert int(out.num_backtracks) == nb, alpha_prev
+
+
+def test_floor_lifts_the_carried_step_by_alpha0():
+  """The optional floor is alpha_floor_factor x alpha_0 and applies to the step carried to the
+  next step only: the pushed step stays the Armijo-accepted one (here 1.0, from 8 after 3
+  halvings on L = 0.5 ||th||^2, accepted for a <= 1.8) and the carried one is 0.5 x 4 = 2."""
+  cfg = sim.BBConfig(alpha0=4.0, alpha_floor_factor=0.5)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=1, dataset_size=2))
+  th = np.ones(3, np.float32)
+  out = step(_quad_inputs(th, th, th, 8.0, has_prev=False), jnp.ones(3), None)
+  np.testing.assert_allclose([float(out.alpha), float(out.alpha_carry)], [1.0, 2.0], rtol=1e-6)
+
+
+def test_doubling_on_k_increase_needs_a_previous_step():
+  """double_on_k_increase (ensmallen's reset rule) doubles alpha_prev when k grew since the
+  worker's previous pull; on a worker's first step there is no previous step and alpha_0 is
+  used as it is (the first pull sees k grow from nothing)."""
+  cfg = sim.BBConfig(alpha0=0.5, double_on_k_increase=True, max_bt=0)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=1, dataset_size=2))
+  th = np.ones(3, np.float32)
+  first = step(_quad_inputs(th, th, th, 0.5, has_prev=False, k_grew=True), jnp.ones(3), None)
+  # with a previous pull of the same version (s = 0: no BB update) the doubling applies
+  later = step(_quad_inputs(th, th, th, 0.5, has_prev=True, k_grew=True), jnp.ones(3), None)
+  assert not bool(first.bb_applied) and not bool(later.bb_applied)
+  np.testing.assert_allclose([float(first.alpha), float(later.alpha)], [0.5, 1.0], rtol=1e-6)

@@ -110,6 +110,39 @@ def test_signal_plus_noise_gives_intermediate_k():
   assert abs(np.median(ks) - predicted) <= 2.5, ks
 
 
+def test_test_a_boundary_is_inclusive():
+  """Test A is E <= theta^2 ||g||^2 (spec eq. 13), equality included. Two 1-D gradients 3 and
+  1: mean 2, s^2 = 2, E = s^2/2 = 1 = 0.5^2 x 2^2 exactly; and all-zero gradients (E = 0 =
+  ||g||^2) pass at k_min instead of waiting for k_max."""
+  w = sim.Welford(1)
+  for g in (3.0, 1.0):
+    w.add(np.array([g]))
+  res = sim.k_test(w, sim.KTestConfig(theta=0.5, ci_mode="off"))
+  assert (res.e_hat, res.grad_sq_norm) == (1.0, 4.0) and res.test_a and res.passed
+  k, res = sim.choose_k(np.zeros((6, 5)), sim.KTestConfig(), num_workers=6)
+  assert k == 2 and res.passed
+
+
+def test_k_needs_both_tests_to_pass():
+  """The update waits until Test A and Test B pass (spec §2.2 decision rule). 1-D gradients
+  3, 1, 2, 2 with theta = 0.9 and ci_mode = lower_abs: Test A passes from n = 2 (E = 1 <=
+  0.81 x 4), but the interval's lower end max(2 - t* s/sqrt(n), 0) is 0 at n = 2, 3 (t* =
+  12.706, 4.303) and 2 - 3.182 sqrt(1/6) = 0.70 at n = 4, where E = 1/6 <= 0.81 x 0.49."""
+  grads = [np.array([v]) for v in (3.0, 1.0, 2.0, 2.0, 2.0, 2.0)]
+  k, res = sim.choose_k(grads, sim.KTestConfig(ci_mode="lower_abs"), num_workers=6)
+  assert k == 4 and res.test_a and res.test_b
+  assert sim.choose_k(grads, sim.KTestConfig(ci_mode="off"), num_workers=6)[0] == 2
+
+
+def test_k_max_above_the_worker_count_is_capped_at_it():
+  """k_max bounds k by the BSP limit M: a preset's k_max = 8 with 4 workers stops at 4 (there
+  are never more than M fresh gradients at a version), it does not wait for an 8th."""
+  cfg = sim.KTestConfig(theta=0.5, k_max=8)
+  assert cfg.resolved_k_max(4) == 4 and cfg.resolved_k_max(16) == 8
+  k, res = sim.choose_k(np.random.default_rng(5).normal(size=(4, 1000)), cfg, num_workers=4)
+  assert k == 4 and not res.test_a  # zero-mean noise never passes Test A
+
+
 def test_ktest_config_errors_name_the_argument():
   with pytest.raises(ValueError, match="ci_mode"):
     sim.KTestConfig(ci_mode="upper")
