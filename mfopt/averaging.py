@@ -507,6 +507,18 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
                        f"{sorted(map(str, dtypes))}; pass flat_anchor=None or False")
     return uniform
 
+  # The layouts (structure, shapes, dtypes) of the trees init made a flat anchor for. A flat
+  # anchor cannot tell a different tree of the same size: update unravelled the anchor and the
+  # outer momentum into it silently (optax's tree-shaped states raise a shape error). Kept on
+  # the host at trace time, not in the state; a state restored without an init here is not
+  # checked.
+  flat_layouts: set = set()
+
+  def layout(params):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    return treedef, tuple((jax.tree_util.keystr(k), tuple(x.shape), jnp.result_type(x))
+                          for k, x in leaves)
+
   def init_fn(params):
     inner_state = inner.init(params)
     payload = tree_payload_bytes([x for x in jax.tree.leaves(params) if is_floating(x)], comm_dtype)
@@ -526,6 +538,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # Copies, never the caller's arrays: a train step that donates its params
     # (``donate_argnums``) must not delete the anchor (optax's states never alias params).
     if is_flat(params):
+      flat_layouts.add(layout(params))
       anchor = jnp.array(ravel_pytree(params)[0], copy=True)
     else:
       anchor = jax.tree.map(lambda x: jnp.array(x, copy=True), params) if keep_anchor else ()
@@ -577,6 +590,13 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # allocates a conditional's results afresh at every execution (16,386 page faults per
     # step on 2^24 parameters); the loop's carry it does not (2).
     flat = is_flat(params)
+    if flat and flat_layouts and layout(params) not in flat_layouts:
+      (treedef, got), (init_treedef, want) = layout(params), next(iter(flat_layouts))
+      diff = (f"its structure is {treedef}, init's was {init_treedef}" if treedef != init_treedef
+              else next(f"leaf {a[0]} is {a[1]} {a[2]}, init's was {b[1]} {b[2]}"
+                        for a, b in zip(got, want) if a != b))
+      raise ValueError(f"params do not match the tree init was given: {diff} (a flat anchor "
+                       f"holds the values in init's order)")
 
     def sync_body(carry):
       local, inner_state, outer_state, anchor, ctl, param_comm, scalar_comm, diag = carry

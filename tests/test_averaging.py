@@ -744,6 +744,22 @@ def test_a_bool_parameter_leaf_is_never_moved_and_floats_are_unchanged_by_it(mak
   assert float(jnp.abs(got["x"] - floats["x"]).max()) > 1e-3  # the floats did move
 
 
+def test_a_flat_anchor_refuses_a_different_tree_of_the_same_size():
+  """block_momentum's flat anchor (its default) unravelled the anchor and the outer momentum
+  into any tree of the same size: params {a: (2,), b: (3,)} after init on {a: (3,), b: (2,)}
+  moved under zero gradients. optax's tree-shaped states raise; this names the leaf."""
+  tx = mfopt.block_momentum(optax.sgd(0.1), None, 1)
+  state = tx.init({"a": jnp.zeros(3), "b": jnp.zeros(2)})
+  with pytest.raises(ValueError, match=r"leaf \['a'\] is \(2,\) float32, init's was \(3,\)"):
+    tx.update({"a": jnp.zeros(2), "b": jnp.zeros(3)}, state, {"a": jnp.ones(2), "b": jnp.ones(3)})
+  with pytest.raises(ValueError, match=r"its structure is PyTreeDef\(\{'c': \*"):
+    tx.update({"c": jnp.zeros(5)}, state, {"c": jnp.ones(5)})
+  same = {"a": jnp.full(3, 2.0), "b": jnp.ones(2)}  # the init's layout: accepted
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, same), state, same)
+  # one worker, fresh block momentum: the new params are the local step's, p - 0.1 g
+  np.testing.assert_allclose(np.asarray(updates["a"]), np.full(3, -0.1), rtol=1e-6)
+
+
 def test_adpsgd_skips_a_sample_at_learning_rate_zero():
   """S_k / lr_k at lr_k = 0 (a warm-up from 0) is NaN: sampled, it froze the period for good."""
   sched = lambda k: jnp.where(k < 2, 0.0, 0.1)  # noqa: E731
