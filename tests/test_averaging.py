@@ -387,6 +387,13 @@ def test_scheduled_period_boundary_step_takes_the_new_period():
     (lambda: mfopt.periodic_averaging(optax.sgd(0.1), None, 4, comm_dtype=jnp.int8),
      r"comm_dtype must be a floating dtype"),
     (lambda: mfopt.scheduled_period((20,), (5,)), r"periods needs one more entry"),
+    # low = 0 would never grow the period; a repeated boundary names a period never in force
+    (lambda: mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=10, low=0.0),
+     r"low must be in \(0, 1\], got 0.0"),
+    (lambda: mfopt.scheduled_period((8, 4, 2), (5, 5)), r"boundaries must be strictly increasing"),
+    (lambda: mfopt.periodic_averaging(optax.sgd(0.1), None, mfopt.adpsgd_period(
+        learning_rate=0.1, sampling_steps=8), sync_variance=False),
+     r"sync_variance=False but the controller adpsgd\(.*\) needs S_k"),
 ])
 def test_bad_arguments_are_named(bad, match):
   with pytest.raises(ValueError, match=match):
@@ -870,3 +877,101 @@ def test_sync_gradients_exchanges_floating_leaves_only(comm_dtype):
   out, _ = jax.vmap(lambda x: tx.update(x, tx.init(x)), axis_name="w")(grads)
   assert out["n"].dtype == jax.dtypes.float0
   np.testing.assert_allclose(out["w"], 2.0)
+
+
+def test_adpsgd_inclusive_argument_bounds_and_the_first_sample_after_warmup():
+  """The documented bounds are inclusive: ``sampling_steps = warmup_steps + p_init`` (exactly
+  one sampled sync), ``low = 1`` and ``high = 1`` are accepted. With ``p_init = 1`` the sync at
+  ``k = warmup_steps`` is Alg. 2's first and is sampled (the warm-up syncs are not); an
+  off-by-one warm-up test would drop it from C2."""
+  ctl = mfopt.adpsgd_period(learning_rate=0.5, sampling_steps=6, p_init=4, warmup_steps=2,
+                            low=1.0, high=1.0)
+  st = ctl.init()
+  for k in range(6):  # warm-up syncs at k = 0, 1 (period 1); then one round of 4: k = 5
+    st, due = ctl.advance(st)
+    if bool(due):
+      st = ctl.on_sync(st, jnp.asarray(k), jnp.asarray(0.25, jnp.float32))
+  assert int(st.c2_count) == 1 and int(st.count) == 6 and int(st.period) == 4
+  np.testing.assert_allclose(float(st.c2_sum), 0.25 / 0.5, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"sampling_steps must be >= warmup_steps \+ p_init = 6 "
+                                       r"\(at least one sampled sync for C2\), got 5"):
+    mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=5, p_init=4, warmup_steps=2)
+  ctl = mfopt.adpsgd_period(learning_rate=0.5, sampling_steps=4, p_init=1, warmup_steps=2)
+  st = ctl.init()
+  for k, s_k in enumerate([9.0, 9.0, 0.2, 0.6]):  # k = 0, 1 warm-up; k = 2, 3 sampled
+    st = ctl.on_sync(st, jnp.asarray(k), jnp.asarray(s_k, jnp.float32))
+  assert int(st.c2_count) == 2
+  np.testing.assert_allclose(float(st.c2_sum) / 2, (0.2 / 0.5 + 0.6 / 0.5) / 2, rtol=1e-6)
+
+
+def test_one_worker_counts_no_exchange_but_still_syncs():
+  """With ``axis_name=None`` nothing crosses a wire: the parameter exchange, ADPSGD's S_k
+  all-reduce and the variance diagnostic's all-reduces all count 0, while the syncs run
+  (counting the scalar exchanges regardless would bill a single worker for communication)."""
+  ctl = mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=2, p_init=2)
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), None, ctl, track_variance=True)
+  params = {"w": jnp.ones(3)}
+  state, upd = tx.init(params), jax.jit(tx.update)
+  for _ in range(4):
+    _, state = upd({"w": jnp.ones(3)}, state, params)
+  assert int(state.diagnostics.syncs) == 2  # after steps 2 and 4 (S_k = 0 = C2: p stays 2)
+  assert set(mfopt.comm_totals(state).values()) == {0}
+  assert int(state.diagnostics.variance_exchanges) == 0
+
+
+def test_sync_trace_keeps_the_last_syncs_in_order_when_the_ring_wraps():
+  """``trace_length`` is a ring buffer: after 7 syncs with room for 3, ``sync_trace`` gives the
+  last three (steps 10, 12, 14) oldest first. A write index that stops at the end, or a read
+  that ignores where the ring starts, returns stale or rotated records."""
+  tx = mfopt.periodic_averaging(optax.sgd(0.01), None, 2, trace_length=3)
+  params = {"w": jnp.ones(3)}
+  state, upd = tx.init(params), jax.jit(tx.update)
+  for _ in range(14):
+    _, state = upd({"w": jnp.ones(3)}, state, params)
+  trace = averaging.sync_trace(state)
+  np.testing.assert_array_equal(trace["step"], [10, 12, 14])
+  np.testing.assert_array_equal(trace["period"], [2, 2, 2])
+
+
+def test_metrics_c2_is_the_mean_sample_and_parameter_variance_is_across_workers():
+  """``averaging_metrics``' C2 is the mean of the samples S_k / lr_k (not their sum), and
+  ``parameter_variance`` is eq. 7's mean over workers of ||mean_j w_j - w_i||^2: deviations
+  from the worker mean, summed over leaves (not from each worker's own mean)."""
+  ctl = mfopt.adpsgd_period(learning_rate=0.5, sampling_steps=8, p_init=1)
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), None, ctl)
+  st = ctl.init()
+  for k, s_k in enumerate([0.1, 0.3]):
+    st = ctl.on_sync(st, jnp.asarray(k), jnp.asarray(s_k, jnp.float32))
+  m = averaging.averaging_metrics(tx.init({"w": jnp.ones(3)})._replace(controller=st))
+  np.testing.assert_allclose(float(m["c2"]), (0.1 / 0.5 + 0.3 / 0.5) / 2, rtol=1e-6)
+  stacked = {"a": np.asarray([[0.0, 0.0, 0.0], [2.0, 4.0, 6.0]], np.float32),
+             "b": np.asarray([[[1.0]], [[3.0]]], np.float32)}
+  # worker mean a: (1, 2, 3), b: 2; each worker is 1 + 4 + 9 + 1 = 15 from it
+  want = np.mean(sum(np.sum((x - x.mean(0)) ** 2, axis=tuple(range(1, x.ndim)))
+                     for x in stacked.values()))
+  assert want == 15.0
+  np.testing.assert_allclose(float(averaging.parameter_variance(stacked)), want, rtol=1e-6)
+
+
+def test_a_flat_anchor_of_a_single_vector_leaf_owns_its_buffer():
+  """Raveling one 1-D leaf returns that very array, so block momentum's flat anchor must be a
+  copy: an alias of the caller's parameters is deleted by the first donating step. Checked with
+  a donating step against block momentum by hand (2 local steps of -0.05 per round)."""
+  tx = mfopt.block_momentum(optax.sgd(0.1), None, 2, momentum=0.5)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  assert state.anchor.shape == (3,) and state.anchor is not params["w"]
+  assert all(x is not params["w"] for x in jax.tree.leaves(state))
+
+  def step(p, s):
+    u, s = tx.update({"w": jnp.full(3, 0.5)}, s, p)
+    return optax.apply_updates(p, u), s
+
+  donating = jax.jit(step, donate_argnums=(0, 1))
+  for _ in range(4):
+    params, state = donating(params, state)
+  v, w = 0.0, 1.0
+  for _ in range(2):  # d = a - w~ = -0.1 per round; v = 0.5 v + d; w~ += v
+    v = 0.5 * v - 0.1
+    w += v
+  np.testing.assert_allclose(np.asarray(params["w"]), w, rtol=1e-6)

@@ -168,3 +168,31 @@ def test_differentiable_gates_give_reverse_mode_grads_through_the_update(name):
   fd = (float(meta(lr + h)) - float(meta(lr - h))) / (2 * h)
   assert abs(g) > 1e-3, g
   assert g == pytest.approx(fd, rel=2e-2), (g, fd)
+
+
+def test_axis_name_checks_refuse_an_empty_tuple_and_name_an_unbound_axis():
+  """``()`` names no worker axis: refused where the transform is built (taken as "average over
+  nothing", the exchange would be a silent no-op that is still counted). An axis that is not
+  bound where the update runs is a ValueError naming the transform and the axis, not JAX's
+  NameError about psum."""
+  import optax
+  import mfopt
+  for build in (mfopt.sync_gradients, mfopt.qsgd,
+                lambda a: mfopt.periodic_averaging(optax.sgd(0.1), a, 2)):
+    with pytest.raises(ValueError, match=r"axis_name must be None .* got \(\)"):
+      build(())
+  assert comm.check_axis_name(["data", "local"]) == ("data", "local")
+  p = {"w": jnp.ones(3)}
+  for name, tx in (("periodic_averaging", mfopt.periodic_averaging(optax.sgd(0.1), "w", 2)),
+                   ("qsgd", mfopt.qsgd("w")), ("sync_gradients", mfopt.sync_gradients("w"))):
+    with pytest.raises(ValueError, match=rf"{name}.*axis_name='w', but 'w' is not bound"):
+      tx.update(p, tx.init(p), p)
+
+
+def test_a_payload_of_exactly_2_gib_is_split_and_read_back():
+  """2**31 bytes is the first payload an int32 cannot hold: it is stored as (GiB, remainder)
+  and read back exactly; one byte less stays a scalar."""
+  big = comm.init_comm_stats(2**31, comm.CollectiveKind.ALL_REDUCE)
+  assert big.payload_bytes.shape == (2,) and comm.payload_of(big) == 2**31
+  below = comm.init_comm_stats(2**31 - 1, comm.CollectiveKind.ALL_GATHER)
+  assert below.payload_bytes.shape == () and comm.payload_of(below) == 2**31 - 1

@@ -208,3 +208,46 @@ def test_a_nonfinite_gradient_through_qsgd_is_a_reverted_step_under_loss_scaling
     assert float(s2.dynamic_scale.scale) == float(state.dynamic_scale.scale) / 2
     for a, b in zip(jax.tree.leaves(s2.inner_state), jax.tree.leaves(state.inner_state)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # momentum, key: unchanged
+
+
+def test_an_all_zero_bucket_is_sent_as_zeros():
+  """A bucket of zeros (a frozen layer's gradient, the padding of a short vector) has norm 0:
+  it must code as level 0 with norm 0 and decode to exact zeros, not 0/0 = NaN, while the
+  other buckets keep their L2 norm."""
+  v = jnp.asarray([0.0, 0.0, 0.0, 0.0, 3.0, -4.0, 0.0, 0.0], jnp.float32)
+  q, norms = jax.jit(lambda v, k: quantize(v, k, bits=8, bucket_size=4))(v, jax.random.key(0))
+  np.testing.assert_allclose(np.asarray(norms), [0.0, 5.0], rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(q[:4]), 0)
+  out = np.asarray(jax.jit(lambda q, n: dequantize(q, n, bits=8, bucket_size=4))(q, norms))
+  np.testing.assert_array_equal(out[[0, 1, 2, 3, 6, 7]], 0.0)
+  # 3/5 * 127 = 76.2 and 4/5 * 127 = 101.6: each rounds to a neighbouring level
+  assert abs(out[4] - 3.0) <= 5.0 / 127 + 1e-6 and abs(out[5] + 4.0) <= 5.0 / 127 + 1e-6
+  tx = mfopt.qsgd(None)
+  g, _ = jax.jit(tx.update)({"w": jnp.zeros(5)}, tx.init({"w": jnp.zeros(5)}))
+  np.testing.assert_array_equal(np.asarray(g["w"]), np.zeros(5))
+
+
+def test_a_bfloat16_gradient_comes_back_in_bfloat16():
+  """The dequantized mean is float32 arithmetic; the exchanged gradient must return in the
+  gradient's own dtype (a float32 update of a bf16 parameter promotes it). Values where every
+  |v_i| s / ||v|| is an integer level are exact."""
+  tx = mfopt.qsgd(None)
+  g = {"w": jnp.asarray([0.0, 0.0, -2.0], jnp.bfloat16)}
+  out, _ = jax.jit(tx.update)(g, tx.init(g))
+  assert out["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out["w"], np.float32), [0.0, 0.0, -2.0])
+
+
+def test_a_bucket_with_one_nonzero_entry_codes_it_as_exactly_s():
+  """|v_i| = ||v||: the level is exactly s (no randomness), for every draw. In float32 the
+  quotient |v_i| / ||v|| * s can come out a rounding error above s (5.427619 is such a value),
+  and a random draw could then round it up to s + 1, outside the code's range (7 bits: 64 > 63,
+  a biased value). 2**20 independent draws, one per bucket."""
+  bits = 7
+  s = 2 ** (bits - 1) - 1
+  v = jnp.tile(jnp.asarray([5.427619, 0.0], jnp.float32), 1 << 20)
+  q, norms = jax.jit(lambda v: quantize(v, jax.random.key(7), bits, 2))(v)
+  q = np.asarray(q)
+  np.testing.assert_array_equal(q[0::2], s)
+  np.testing.assert_array_equal(q[1::2], 0)
+  np.testing.assert_allclose(np.asarray(norms), 5.427619, rtol=1e-6)
