@@ -72,11 +72,21 @@ def quantize(v: jax.Array, key: jax.Array, bits: int = 8,
   x = jnp.pad(v.astype(jnp.float32), (0, nb * bucket_size - n)).reshape(nb, bucket_size)
   # ||x|| as max|x| * ||x / max|x|||: squaring first overflows float32 once |x_i| > ~1.8e19,
   # and a finite gradient then came back NaN (counted as an overflow under loss scaling).
+  # The divisions are done on the bucket scaled by 2^-e, 2^e just above its max |x| (exact:
+  # the same quotients): XLA divides by multiplying with the reciprocal, which for a norm or
+  # peak >= ~2^126 is subnormal and flushed to 0, and the bucket came back as 0. The power of
+  # two goes in two factors so that neither leaves float32's normal range.
   peak = jnp.max(jnp.abs(x), axis=1)
-  unit = x / jnp.where(peak > 0, peak, 1.0)[:, None]
-  norms = peak * jnp.sqrt(jnp.sum(jnp.square(unit), axis=1))
-  safe = jnp.where(norms > 0, norms, 1.0)
-  scaled = jnp.abs(x) / safe[:, None] * s
+  _, e = jnp.frexp(peak)
+  half = e // 2
+
+  def down(a):  # a * 2^-e, per bucket
+    return a * jnp.ldexp(1.0, -half)[:, None] * jnp.ldexp(1.0, half - e)[:, None]
+
+  ux, upeak = down(x), down(peak[:, None])[:, 0]
+  ratio = jnp.sqrt(jnp.sum(jnp.square(ux / jnp.where(upeak > 0, upeak, 1.0)[:, None]), axis=1))
+  norms, unorm = peak * ratio, upeak * ratio  # unorm = norms * 2^-e
+  scaled = jnp.abs(ux) / jnp.where(unorm > 0, unorm, 1.0)[:, None] * s
   low = jnp.floor(scaled)
   u = jax.random.uniform(key, scaled.shape, jnp.float32)
   level = low + (u < scaled - low).astype(jnp.float32)

@@ -194,6 +194,21 @@ def test_a_huge_finite_gradient_stays_finite():
   np.testing.assert_allclose(np.asarray(n), want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("big", [8e37, 1e38, 2.5e38])
+def test_a_bucket_near_float32s_top_is_quantized_not_zeroed(big):
+  """A bucket whose norm is >= ~2^126 came back as zeros: XLA divides by multiplying with the
+  reciprocal, which is subnormal there and flushed to 0 (all levels 0 at 8e37; at 1e38 the
+  norm itself was 0). Each value must round to a neighbouring level of its own norm, which
+  is float64's (2.5e38: the norm 2.86e38 is still finite)."""
+  v = np.asarray([big, 1.0, -0.5 * big, 0.25 * big], np.float32)
+  q, norms = jax.jit(lambda v: quantize(v, jax.random.key(0), 8, 4))(jnp.asarray(v))
+  norm = np.linalg.norm(v.astype(np.float64))
+  np.testing.assert_allclose(float(norms[0]), norm, rtol=1e-6)
+  out = np.asarray(dequantize(q, norms, 8, 4), np.float64)
+  assert np.all(np.abs(out - v) <= norm / 127 * (1 + 1e-5)), (out, v)
+  assert np.all(np.sign(out[[0, 2, 3]]) == [1, -1, 1])
+
+
 def test_a_nonfinite_gradient_through_qsgd_is_a_reverted_step_under_loss_scaling():
   from mfopt import precision
   tx = precision.dynamic_loss_scale(optax.chain(mfopt.qsgd(None), optax.sgd(0.1, momentum=0.9)),
