@@ -501,3 +501,47 @@ def test_mf_adam_float16_state_steps_as_optax_adam_does():
     ur, sr = ref.update(g, sr, p)
     np.testing.assert_array_equal(np.asarray(um), np.asarray(ur))
   assert np.isneginf(np.asarray(um)[0]) and np.isfinite(np.asarray(um)[1:]).all()
+
+
+def test_a_slowly_decreasing_mf1_schedule_is_refused():
+  """(2b) forbids any decrease of MF1, not only a large one: a schedule falling by 1e-4 per step
+  (hundreds of float32 ulps at 0.95) is refused by the default check and with validate_steps;
+  a tolerance wider than float32 rounding would let such a schedule through."""
+  slow = lambda t: 0.95 - 1e-4 * t  # noqa: E731
+  for kwargs in ({}, {"validate_steps": 5}):
+    with pytest.raises(ValueError, match=r"mf1 must not decrease .* got mf1=0\.9[45]\d* at step 0 "
+                                         r"then 0\.949\d* at step 1"):
+      mfopt.mf_adam(1e-3, mf1=slow, **kwargs)
+
+
+def test_mf_adam_paper_phi_adds_eps_outside_the_square_root():
+  """The printed phi divides by (sqrt(v) + eps). With gradients of 1e-6, sqrt(v) ~ 3e-8 is
+  comparable to eps = 1e-8, so eps inside the root (sqrt(v + eps) ~ 1e-4) would shrink the
+  step about 2000-fold; checked against the formula evaluated in float64 over two steps."""
+  mf1, mf2, eps, g = 0.9, 0.999, 1e-8, 1e-6
+  tx = mfopt.scale_by_mf_adam(mf1, mf2, eps, phi="paper")
+  state = tx.init(jnp.zeros(2))
+  m = v = 0.0
+  for _ in range(2):
+    u, state = tx.update(jnp.full(2, g, jnp.float32), state)
+    m, v = mf1 * m + (1 - mf1) * g, mf2 * v + (1 - mf2) * g * g
+    want = m * np.sqrt(1 - mf2) / ((np.sqrt(v) + eps) * (1 - mf1))
+    assert want > 0.5  # eps is not negligible here, nor dominant
+    np.testing.assert_allclose(np.asarray(u), want, rtol=1e-5)
+
+
+def test_check_mf_conditions_takes_the_worst_case_of_varying_values():
+  """With per-step values, (2a) is evaluated at the largest MF and the largest learning rate
+  (its left side grows with MF, its right side falls with lr): one step at lr = 50, or MF
+  decaying from 0.99, violates the closed form even though the smallest lr or the final MF
+  would satisfy it."""
+  T = 100
+  lhs = (1 - 0.99**T) / (1 - 0.99)  # 63.4, the printed ratio at MF = 0.99
+  assert T / 50.0 < lhs < T / 1e-3
+  lrs = np.full(T, 1e-3)
+  lrs[10] = 50.0
+  assert not mfopt.check_mf_conditions(0.99, lrs, T)
+  assert mfopt.check_mf_conditions(0.99, 1e-3, T)
+  mfs = np.linspace(0.99, 0.0, T)  # at its final MF = 0 the left side is 1 < 2
+  assert not mfopt.check_mf_conditions(mfs, 50.0, T)
+  assert mfopt.check_mf_conditions(0.0, 50.0, T)

@@ -645,3 +645,73 @@ def test_batchnorm_epsilon_is_the_flax_and_pytorch_default():
   bn = params["bn0"]
   want = conv0 / np.sqrt(1e-4 + 1e-5) * np.asarray(bn["scale"]) + np.asarray(bn["bias"])
   np.testing.assert_allclose(bn0, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_basic_block_downsamples_in_its_first_conv():
+  """A downsampling BasicBlock strides in conv1, as ResNet-18 (He et al.; torchvision) does: on
+  the 1-D ResNet-18 (length 16 into stage 2) conv1 and conv2 both give length 8. Striding in
+  conv2 keeps the block's output shape but runs conv1 at full resolution (another network)."""
+  m, p, s, x = _initialized("resnet18_1d")
+  _, inter = jax.eval_shape(lambda p, s, x: m.apply(
+      {"params": p, **s}, x, train=False, mutable=["intermediates"],
+      capture_intermediates=lambda mdl, _: mdl.name in ("conv1", "conv2")), p, s, x)
+  block = inter["intermediates"]["stage2_block0"]
+  assert x.shape[1] == 16
+  assert block["conv1"]["__call__"][0].shape[1] == 8
+  assert block["conv2"]["__call__"][0].shape[1] == 8
+
+
+def test_group_batch_norm_running_statistics_start_as_flax_batchnorms():
+  """GroupBatchNorm's running statistics start at mean 0 and variance 1 (flax's nn.BatchNorm,
+  the identity normalisation): an initial variance of 0 would make evaluation before or early
+  in training divide by sqrt(epsilon), scaling activations ~300-fold."""
+  x = jnp.ones((4, 3, 2))
+  bn = models.GroupBatchNorm(groups=2, use_running_average=True)  # (no eager training pass)
+  variables = bn.init(KEY, x)
+  np.testing.assert_array_equal(np.asarray(variables["batch_stats"]["mean"]), np.zeros((2, 2)))
+  np.testing.assert_array_equal(np.asarray(variables["batch_stats"]["var"]), np.ones((2, 2)))
+  y = bn.apply(variables, x)  # scale 1, bias 0: x / sqrt(1 + eps)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(x) / np.sqrt(1 + 1e-5), rtol=1e-6)
+
+
+def test_projection_shortcut_is_a_conv_and_a_batchnorm():
+  """Where a residual block changes shape its shortcut is a 1x1 conv followed by BatchNorm
+  (ResNet option B, torchvision's downsample), an ordinary BN (scale 1) with its own running
+  statistics: without it the shortcut adds an unnormalised conv output to the branch."""
+  for case in ("resnet18_2d", "resnet50_2d"):
+    _, params, state, _ = _initialized(case)
+    flat, stats = _flat(params), _flat(state["batch_stats"])
+    convs = sorted(k[: -len("/proj_conv/kernel")] for k in flat if k.endswith("proj_conv/kernel"))
+    assert len(convs) == (3 if "18" in case else 4)
+    for block in convs:
+      width = flat[f"{block}/proj_conv/kernel"].shape[-1]
+      np.testing.assert_array_equal(np.asarray(flat[f"{block}/proj_bn/scale"]), np.ones(width))
+      assert stats[f"{block}/proj_bn/var"].shape == (width,)
+
+
+def test_mlp_is_dense_relu_layers_then_a_dense_head():
+  """The MLP computes relu(x W0 + b0) -> relu(. W1 + b1) -> . W2 + b2 on the flattened input
+  (NumPy forward pass in float64 with the model's own parameters); a missing activation makes
+  it a linear model whatever its depth."""
+  model, params, state, x = _initialized("mlp_1d")
+  logits, _ = apply_jit(model, params, state, x, True)  # (train is ignored; compiled above)
+  h = np.asarray(x, np.float64).reshape(x.shape[0], -1)
+  for name in ("dense0", "dense1", "head"):
+    h = h @ np.asarray(params[name]["kernel"], np.float64) + np.asarray(params[name]["bias"])
+    h = np.maximum(h, 0.0) if name != "head" else h
+  np.testing.assert_allclose(np.asarray(logits), h, rtol=1e-4, atol=1e-5 * np.abs(h).max())
+
+
+def test_cnn_head_reads_the_global_average_of_the_last_block():
+  """The CNN's head sees the spatial mean of its last block's output (global average pooling):
+  NumPy relu -> 2x2 max-pool -> mean over positions -> head from the captured bn1 output (4x4
+  for an 8x8 input). Pooling by max instead changes every logit."""
+  model, params, state, x = _initialized("cnn_2d")
+  logits, inter = jax.jit(lambda p, s, x: model.apply(
+      {"params": p, **s}, x, train=False, mutable=["intermediates"],
+      capture_intermediates=lambda mdl, _: mdl.name == "bn1"))(params, state, x)
+  h = np.maximum(np.asarray(inter["intermediates"]["bn1"]["__call__"][0], np.float64), 0.0)
+  n, _, _, c = h.shape
+  pooled = h.reshape(n, 2, 2, 2, 2, c).max(axis=(2, 4)).mean(axis=(1, 2))
+  want = pooled @ np.asarray(params["head"]["kernel"]) + np.asarray(params["head"]["bias"])
+  np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())

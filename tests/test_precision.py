@@ -515,3 +515,31 @@ def test_skip_nonfinite_passes_extra_arguments_to_the_inner_transform():
   u, state = tx.update({"w": jnp.array([1.0, -2.0])}, state, value=3.0)
   np.testing.assert_array_equal(np.asarray(u["w"]), [3.0, -6.0])
   assert type(state) is precision.SkipNonfiniteState
+
+
+def test_loss_scale_growth_saturates_at_the_largest_float32():
+  """A scale at float32's largest value that is due to grow stays there (flax's rule clamps the
+  growth): an unclamped doubling gives inf, inf times the backoff stays inf, and every later
+  step would then overflow and be reverted for good."""
+  big = float(np.finfo(np.float32).max)
+  tx = precision.dynamic_loss_scale(optax.sgd(1.0), init_scale=big, growth_interval=1)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for _ in range(3):  # fin_steps 0 -> 1, then a growth is due at every step
+    u, state = tx.update({"w": jnp.ones(2)}, state, params)
+    assert float(state.dynamic_scale.scale) == big and bool(state.finite)
+    np.testing.assert_array_equal(np.asarray(u["w"]), [-1.0, -1.0])
+
+
+def test_skip_nonfinite_skips_any_number_of_consecutive_overflows():
+  """A local optimizer under fp16 may overflow many steps in a row while its scale backs off
+  (15 halvings from 2**15 to 1): every such step is skipped. A wrapper that gives up after a
+  few (optax.apply_if_finite's max_consecutive_errors) lets an inf update into the weights."""
+  tx = precision.skip_nonfinite(optax.sgd(0.1, momentum=0.9))
+  state = tx.init({"w": jnp.zeros(3)})
+  update = jax.jit(tx.update)
+  for _ in range(20):
+    u, state = update({"w": jnp.full(3, jnp.inf)}, state)
+    np.testing.assert_array_equal(np.asarray(u["w"]), np.zeros(3))
+  u, state = update({"w": jnp.ones(3)}, state)  # momentum untouched: the first step is -lr * g
+  np.testing.assert_allclose(np.asarray(u["w"]), np.full(3, -0.1), rtol=1e-6)
