@@ -204,7 +204,9 @@ def test_all_corrupt_is_an_error_not_a_silent_restart(tmp_path):
 @pytest.mark.parametrize("failure", [
     MemoryError("RESOURCE_EXHAUSTED: out of memory while restoring"),
     OSError(errno.EMFILE, "Too many open files"),
-    PermissionError(errno.EACCES, "Permission denied")])
+    PermissionError(errno.EACCES, "Permission denied"),
+    MemoryError(),  # (no text naming the cause: the type alone must tell)
+    OSError(errno.ENOSPC, "No space left on device")])
 def test_a_failure_that_is_not_corruption_is_raised_and_the_checkpoint_kept(tmp_path, failure):
   """Out of memory, file handles or permission say nothing about the checkpoint: it stays in
   place (it used to be moved aside as corrupt, and the next run started over silently)."""
@@ -281,6 +283,134 @@ def test_config_diff_and_bad_keep():
   for keep in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match=f"keep must be a positive integer, got {keep!r}"):
       checkpoint.RunCheckpointer("/tmp/x", keep=keep)
+
+
+def test_config_diff_sees_a_shorter_list_and_a_key_added_inside_one():
+  """A sweep's list of seeds or of per-run settings is part of a fingerprint: a list that lost
+  its last item, or one of whose dicts gained a key, is another run (comparing pairwise up to
+  the shorter length, or only the saved dict's keys, called them equal)."""
+  assert checkpoint.config_diff({"seeds": [0, 1, 2]}, {"seeds": (0, 1)}) == [
+      "seeds: [0, 1, 2] -> [0, 1]"]
+  assert checkpoint.config_diff({"runs": [{"lr": 0.1}]}, {"runs": [{"lr": 0.1, "m": 0.9}]}) == [
+      "runs: [{'lr': 0.1}] -> [{'lr': 0.1, 'm': 0.9}]"]
+
+
+def test_a_fingerprint_from_before_chunk_events_left_it_still_resumes(tmp_path):
+  """Checkpoints written while run_resumable fingerprinted its chunk size hold a chunk_events
+  field that today's fingerprint lacks: they resume, while a field that still counts (the
+  engine's limits) is refused as before."""
+  limits = {"run_kwargs": {"max_samples": 320}}
+  ckpt = checkpoint.RunCheckpointer(tmp_path, fingerprint={**limits, "chunk_events": 8})
+  ckpt.save(4, make_state(4), {})
+  ckpt.close()
+  restored = checkpoint.RunCheckpointer(tmp_path, fingerprint=limits).restore_latest(make_state(0))
+  assert restored.step == 4
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match=r"\(checkpoint -> now\): run_kwargs.max_samples: 320 -> 640\.") as info:
+    checkpoint.RunCheckpointer(tmp_path, fingerprint={"run_kwargs": {"max_samples": 640}}
+                               ).restore_latest(make_state(0))
+  assert "chunk_events" not in str(info.value)
+
+
+def test_saving_a_step_that_exists_is_refused_and_keeps_what_was_saved(tmp_path):
+  """A second save of a step already on disk is an error: orbax alone skips it and returns,
+  so the caller believed the new state saved while the disk still held the old one."""
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  ckpt.save(10, make_state(10), {"history": [10]})
+  with pytest.raises(checkpoint.CheckpointError, match="checkpoint step 10 already exists"):
+    ckpt.save(10, make_state(11), {"history": [11]})
+  ckpt.close()
+  restored = checkpoint.RunCheckpointer(tmp_path, keep=3).restore_latest(make_state(0))
+  assert restored.meta["history"] == [10]
+  assert_tree_equal(restored.state, make_state(10))
+
+
+def test_a_state_of_another_shape_is_refused_and_the_checkpoint_kept(tmp_path):
+  """Restoring into a state whose arrays have other shapes (another model width) is a
+  different run, not a damaged checkpoint: refused by name, and the checkpoint stays in place
+  (taken for corruption, it was moved aside and the run started over)."""
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  ckpt.save(10, make_state(10), {})
+  ckpt.close()
+  host = jax.device_get(make_state(0))
+  narrow = host._replace(params={**host.params, "w": np.zeros((8, 3, 4), np.float32)})
+  with pytest.raises(checkpoint.ConfigMismatchError, match="state of a different structure"):
+    checkpoint.RunCheckpointer(tmp_path).restore_latest(
+        parallel.shard_workers(narrow, parallel.make_mesh()))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["10"]
+
+
+def test_a_step_set_aside_twice_is_reported_under_its_newest_name(tmp_path, capsys):
+  """The second corrupt copy of a step goes to corrupt-<step>-1 beside the first, and the
+  message names that one (the directory a user would open to inspect this failure)."""
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=3)
+  for step in (10, 20):
+    ckpt.save(step, make_state(step), {})
+  ckpt.close()
+  for _ in range(2):
+    _drop_meta(tmp_path / "20")
+    again = checkpoint.RunCheckpointer(tmp_path, keep=3)
+    assert again.restore_latest(make_state(0)).step == 10
+    again.save(20, make_state(20), {})
+    again.close()
+  err = capsys.readouterr().err
+  assert "moved it to corrupt-20-0;" in err and "moved it to corrupt-20-1;" in err
+  assert (tmp_path / "corrupt-20-0").is_dir() and (tmp_path / "corrupt-20-1").is_dir()
+
+
+def test_interval_elapsed_at_its_bound_and_without_an_interval():
+  """Exactly the interval counts as elapsed, so min_interval_s=0 never skips a save (on a
+  coarse clock two readings are often equal); None means a save after every chunk."""
+  assert checkpoint.interval_elapsed(5.0, 0.0, clock=lambda: 5.0)
+  assert checkpoint.interval_elapsed(0.0, 10.0, clock=lambda: 10.0)
+  assert not checkpoint.interval_elapsed(0.0, 10.0, clock=lambda: 9.5)
+  assert checkpoint.interval_elapsed(1e9, None, clock=lambda: 0.0)
+
+
+class _CountingEngine:
+  """run_resumable's engine protocol in plain Python: each event adds 4 samples and 1 to w."""
+
+  def __init__(self):
+    self.samples, self.version, self.now, self.w = 0, 0, 0.0, np.zeros(3)
+
+  def run(self, max_events, max_samples=None, max_time=None, **unused):
+    for _ in range(max_events):
+      if (max_samples is not None and self.samples >= max_samples
+          or max_time is not None and self.now >= max_time):
+        return
+      self.samples, self.version, self.now, self.w = (self.samples + 4, self.version + 1,
+                                                      self.now + 0.5, self.w + 1.0)
+
+  def state_dict(self):
+    return {"samples": self.samples, "version": self.version, "now": self.now, "w": self.w}
+
+  def load_state_dict(self, d):
+    self.samples, self.version, self.now, self.w = d["samples"], d["version"], d["now"], d["w"]
+
+
+def test_run_resumable_saves_each_chunk_once_and_a_finished_run_not_again(tmp_path):
+  """24 samples at 4 per event are 6 events, 2 chunks of 3: two saves, the second marked
+  final as soon as the limit is met (not after an empty third chunk); a rerun finds the final
+  checkpoint and returns its state without running or saving again."""
+  saves = []
+  engine = checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3,
+                                    on_checkpoint=saves.append, max_samples=24)
+  assert saves == [1, 2] and engine.samples == 24
+  again = []
+  engine = checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3,
+                                    on_checkpoint=again.append, max_samples=24)
+  assert again == [] and engine.samples == 24 and engine.version == 6
+  np.testing.assert_array_equal(engine.w, np.full(3, 6.0))
+  assert checkpoint.RunCheckpointer(tmp_path).steps() == [1, 2]
+
+
+def test_run_resumable_refuses_a_rerun_with_another_time_limit(tmp_path):
+  """Every engine limit is part of the fingerprint: a finished run to max_time=2 rerun with
+  max_time=3 is another run (refused by name), not the old result returned as the new one."""
+  engine = checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3, max_time=2.0)
+  assert engine.now == 2.0 and engine.version == 4  # 0.5 per event
+  with pytest.raises(checkpoint.ConfigMismatchError, match=r"run_kwargs.max_time: 2.0 -> 3.0"):
+    checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3, max_time=3.0)
 
 
 def saver_main(directory):

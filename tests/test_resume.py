@@ -712,6 +712,55 @@ def test_json_files_are_strict_json_with_nonfinite_numpy_values(tmp_path):
   assert len((tmp_path / "old.jsonl").read_text().splitlines()) == 1
 
 
+def test_a_failed_json_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+  """summary.json, config.json and attempts.json are replaced atomically: a write that fails
+  half-way (disk full, or a kill) leaves the previous version readable, not a torn file."""
+  path = tmp_path / "summary.json"
+  report.write_json(path, {"attempts": 1})
+
+  def half_then_full(self, text, *args, **kwargs):
+    with open(self, "w") as f:
+      f.write(text[:len(text) // 2])
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(pathlib.Path, "write_text", half_then_full)
+  with pytest.raises(OSError, match="No space left"):
+    report.write_json(path, {"attempts": 2, "wall_time_s": 1.5})
+  monkeypatch.undo()
+  assert json.loads(path.read_text()) == {"attempts": 1}
+
+
+def test_a_log_holding_an_old_duplicate_keeps_comparing_with_its_first_row(tmp_path, capsys):
+  """A log written before rows were deduplicated may hold a data point twice; the writer keeps
+  the first as the logged value, so a recomputed row equal to it is neither added nor reported
+  as differing."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 5, "loss": 1.0}\n{"step": 5, "loss": 1.5}\n')
+  report.JsonlWriter(path)({"step": 5, "loss": 1.0})
+  assert len(report.read_jsonl(path)) == 2 and "differs" not in capsys.readouterr().err
+
+
+def test_mean_std_is_the_sample_standard_deviation_over_seeds():
+  """SPEC's spread over seeds is the sample standard deviation (ddof=1): for 1, 2, 3, 4 it is
+  sqrt(5/3), not the population value sqrt(5/4) that makes a 2-std claim easier to pass; one
+  seed has no spread (0)."""
+  mean, std = report.mean_std([1.0, 2.0, 3.0, 4.0])
+  assert mean == pytest.approx(2.5, rel=1e-15)
+  assert std == pytest.approx(np.sqrt(5 / 3), rel=1e-12)
+  assert report.mean_std([0.75]) == (0.75, 0.0)
+
+
+def test_markdown_table_reads_cells_by_column_and_shows_booleans_as_words():
+  """Headers only label the columns (the cells are read by column key), and a bool cell reads
+  True/False rather than the 1/0 it would print as an int."""
+  rows = [{"lr": 0.1, "acc": 0.912345, "diverged": False, "steps": 12000},
+          {"lr": 1.0, "acc": None, "diverged": True, "steps": 300}]
+  assert report.markdown_table(rows, ["lr", "acc", "diverged", "steps"],
+                               headers=["LR", "Accuracy", "Diverged", "Steps"]) == (
+      "| LR | Accuracy | Diverged | Steps |\n|---|---|---|---|\n"
+      "| 0.1 | 0.9123 | False | 12,000 |\n| 1 | – | True | 300 |\n")
+
+
 def test_an_attempt_killed_before_its_first_checkpoint_is_counted(tmp_path):
   """Its run starts over (resumed=False) but its time was spent: it stays in attempts.json,
   closed at its last write (here its metrics rows, 25 s after it started)."""
@@ -725,6 +774,23 @@ def test_an_attempt_killed_before_its_first_checkpoint_is_counted(tmp_path):
   totals = runner.end_attempt(tmp_path, attempts, 3.0)
   assert totals == {"attempts": 2, "wall_time_all_attempts_s": pytest.approx(28, abs=1e-3),
                     "wall_time_all_attempts_is_lower_bound": True}
+
+
+def test_an_attempt_closed_as_interrupted_keeps_its_time_at_later_starts(tmp_path):
+  """An attempt already closed as killed (25 s to its last write) keeps those 25 s when a
+  third attempt starts: re-closing it at the workdir's newest write (80 s, written by the
+  second attempt) counted the second attempt's time twice."""
+  started = time.time() - 100
+  (tmp_path / runner.ATTEMPTS).write_text(json.dumps([
+      {"started": started, "wall_time_s": None, "interrupted": True, "wall_time_at_least_s": 25.0},
+      {"started": started + 30, "wall_time_s": None}]))
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+  os.utime(tmp_path / "metrics.jsonl", (started + 80, started + 80))
+  attempts = runner.begin_attempt(tmp_path, tmp_path, resumed=True)
+  assert [a.get("wall_time_at_least_s") for a in attempts] == [
+      25.0, pytest.approx(50, abs=1e-3), None]
+  totals = runner.end_attempt(tmp_path, attempts, 5.0)
+  assert totals["wall_time_all_attempts_s"] == pytest.approx(80, abs=1e-3)
 
 
 def test_runner_allowed_config_change_after_a_kill_keeps_one_trajectory(tmp_path, monkeypatch):

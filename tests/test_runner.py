@@ -321,6 +321,53 @@ def test_restart_lists_only_what_was_there(tmp_path):
   assert list(tmp_path.iterdir()) == []
 
 
+def test_restart_also_removes_outputs_of_the_first_of_several_attempts(tmp_path):
+  """The discarded run began with its first attempt: a plot the first attempt wrote before it
+  was killed is that run's output too (dating the run from its last attempt left it behind);
+  a file from before the first attempt stays."""
+  import os
+  import time
+  began = time.time() - 100
+  (tmp_path / "attempts.json").write_text(json.dumps([{"started": began},
+                                                      {"started": began + 50}]))
+  for name, mtime in (("loss.png", began + 20), ("mine.md", began - 60),
+                      ("attempts.json", began + 60)):
+    if not (tmp_path / name).exists():
+      (tmp_path / name).write_text("{}")
+    os.utime(tmp_path / name, (mtime, mtime))
+  removed = runner.discard_run_data(tmp_path)
+  assert sorted(f.name for f in removed) == ["attempts.json", "loss.png"]
+  assert [f.name for f in tmp_path.iterdir()] == ["mine.md"]
+
+
+def test_results_of_another_config_without_checkpoints_are_refused_not_deleted(tmp_path):
+  """An interrupted run that logged metrics rows but saved no checkpoint (a simulator run)
+  still holds results: a rerun with another config is refused and the rows stay (only a
+  workdir with no results at all is taken over afresh)."""
+  saved = {"experiment": "x", "quick": True, "config": {"seed": 0}}
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  (tmp_path / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n')
+  other = {**saved, "config": {"seed": 1}}
+  with pytest.raises(runner.ConfigError, match=r"holds results of a different experiment or "
+                     r"config; differing fields \(saved -> now\): config.seed: 0 -> 1\."):
+    runner.check_resumable(tmp_path, other)
+  assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "metrics.jsonl"]
+  (tmp_path / "metrics.jsonl").unlink()  # no results: the corrected command may start afresh
+  assert runner.check_resumable(tmp_path, other) is False
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_checkpoint_folder_is_nothing_to_resume(tmp_path):
+  """A checkpoints folder without a checkpoint in it (the run was killed before its first
+  save) means the run starts over: not reported as resumed, and not refused as holding
+  checkpoints of another config."""
+  record = {"experiment": "x", "quick": True, "config": {"seed": 0}}
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "config.json").write_text(json.dumps(record))
+  assert runner.check_resumable(tmp_path, record) is False
+  assert runner.check_resumable(tmp_path, {**record, "config": {"seed": 1}}) is False
+
+
 def test_worker_counts_that_do_not_split_over_the_processes_are_named(monkeypatch):
   import jax
   import ml_collections
