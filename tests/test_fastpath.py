@@ -223,8 +223,9 @@ def test_rejects_a_communicating_inner(inner):
 def test_rejects_synchronised_bn():
   mesh = mfopt.make_mesh(jax.devices()[:1])
   model = models.get_model("cnn", features=(4,), num_classes=3, bn_axis_name="data")
-  with pytest.raises(ValueError, match="bn_axis_name='data'"):
-    fastpath.make_train_step(model, optax.sgd(0.1), mesh=mesh, num_workers=2)
+  for num_workers in (2, 1):  # also at W = D, where the model itself has no BN groups to refuse
+    with pytest.raises(ValueError, match="fast path needs per-worker BatchNorm .*'data'"):
+      fastpath.make_train_step(model, optax.sgd(0.1), mesh=mesh, num_workers=num_workers)
 
 
 @pytest.mark.parametrize("devices,comm_dtype", [(1, None), (2, np.float16)])
@@ -298,3 +299,34 @@ def test_counter_reports_the_dtype_the_step_exchanges():
     state, _ = step(state, batch)
     totals = fastpath.comm_report(state)
     assert totals["all_reduces"] == 1 and totals["payload_bytes"] == num_params * size
+
+
+def test_a_model_without_bn_groups_equals_sgd_on_the_global_batch():
+  """A model without a bn_groups field (here an MLP, no BatchNorm) takes the vmap-over-groups
+  path by default, and one step from the seeded initial point is plain SGD on the concatenated
+  global batch of W*B examples (the fast path's claim: the mean of the per-worker losses is the
+  global batch's loss); each worker's loss is its own batch's."""
+  mesh = mfopt.make_mesh(jax.devices()[:1])
+  model = models.get_model("mlp", hidden=(8,), num_classes=3)
+  rng = np.random.default_rng(4)
+  batch = {"x": rng.normal(size=(4, 2, 6)).astype(np.float32),
+           "y": rng.integers(0, 3, size=(4, 2)).astype(np.int32)}
+  state = fastpath.init_train_state(model, optax.sgd(LR), batch["x"][0], num_workers=4, mesh=mesh,
+                                    seed=3)
+  p0 = jax.tree.map(lambda a: a[0], jax.device_get(state.params))
+  # the replica starts from the model initialised with the given seed (as the stacked step's)
+  seeded, _ = models.init_model(model, jax.random.PRNGKey(3), batch["x"][0])
+  jax.tree.map(np.testing.assert_array_equal, p0, seeded)
+  step = fastpath.make_train_step(model, optax.sgd(LR), mesh=mesh, num_workers=4)
+  state, metrics = step(state, parallel.shard_workers(batch, mesh))
+
+  def loss(p, x, y):
+    return train_lib.classification_loss(models.apply_model(model, p, {}, x, train=True)[0], y)[0]
+  g = jax.jit(jax.grad(loss))(p0, batch["x"].reshape(8, 6), batch["y"].reshape(8))
+  want = jax.tree.map(lambda p, d: p - LR * d, p0, g)
+  got = jax.tree.map(lambda a: a[0], jax.device_get(state.params))
+  _assert_tree_close(got, want, rtol=1e-5, atol=1e-6)
+  assert max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(got),
+                                                         jax.tree.leaves(p0))) > 1e-4
+  per_worker = jax.jit(jax.vmap(loss, in_axes=(None, 0, 0)))(p0, batch["x"], batch["y"])
+  np.testing.assert_allclose(metrics["loss"], per_worker, rtol=1e-5)

@@ -41,3 +41,21 @@ def test_make_mesh_takes_any_iterable_of_devices_and_scheduled_period_names_the_
     mfopt.scheduled_period((20, 0), (100,))
   with pytest.raises(ValueError, match=r"boundaries\[0\] must be a positive integer, got -5"):
     mfopt.scheduled_period((20, 5), (-5,))
+
+
+def test_unstack_worker_refuses_the_first_index_past_the_last_worker():
+  """Index W (one past the last of W workers) is refused: JAX clamps an out-of-range index, so
+  it would silently return worker W-1's slice; index W-1 is the last worker's own row."""
+  import jax.numpy as jnp
+  import numpy as np
+  stacked = {"w": jnp.arange(8.0).reshape(4, 2)}
+  np.testing.assert_array_equal(parallel.unstack_worker(stacked, 3)["w"], [6.0, 7.0])
+  with pytest.raises(ValueError, match=r"index must be < the number of workers 4, got 4"):
+    parallel.unstack_worker(stacked, 4)
+
+
+def test_make_mesh_refuses_an_empty_device_list_by_name():
+  """An empty device list is refused by make_mesh with the argument's name, not by a failure
+  inside jax.make_mesh about a zero-sized mesh."""
+  with pytest.raises(ValueError, match=r"devices must be a non-empty sequence, got \[\]"):
+    parallel.make_mesh([])

@@ -255,9 +255,24 @@ def test_policy_interval_rounds_up_to_each_runs_logging_interval(tmp_path):
 def test_finished_run_extended_with_allow_mismatch_trains_on(tmp_path):
   """fit(num_steps=10, allow_mismatch=True) on a finished 6-step checkpoint continues to step 10
   (it returned the 6-step result unchanged) and equals an uninterrupted 10-step run; a
-  num_steps below the checkpoint's step is refused."""
-  _small_fit(6, checkpoint_dir=tmp_path)
-  longer = _small_fit(10, checkpoint_dir=tmp_path, allow_mismatch=True)
+  num_steps below the checkpoint's step is refused. The timings resume from the checkpoint's:
+  compile_s is the first run's (the resumed run compiles again, uncounted) and train_s adds the
+  resumed steps' time to the saved one (here on a fake clock that ticks 1 s per step)."""
+  first = _small_fit(6, checkpoint_dir=tmp_path)
+  import types
+  now = [0.0]
+  real_wait = train.wait_for_old_steps
+
+  def tick_per_step(window, limit=None):  # fit calls this once per dispatched step
+    now[0] += 1.0
+    return real_wait(window, limit)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    patch.setattr(train, "wait_for_old_steps", tick_per_step)
+    longer = _small_fit(10, checkpoint_dir=tmp_path, allow_mismatch=True)
+  assert longer.summary["compile_s"] == first.summary["compile_s"] > 0
+  assert longer.summary["train_s"] == pytest.approx(first.summary["train_s"] + 4.0, abs=1e-9)
   straight = _small_fit(10)
   assert longer.summary["steps"] == 10 and longer.history[-1]["step"] == 10
   # the same rows, except that the 6-step run evaluated the test set at its last step, 6

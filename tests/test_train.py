@@ -41,8 +41,15 @@ def test_sync_step_equals_single_worker_on_concatenated_batch(num_workers, num_d
   b = _batch(np.random.default_rng(num_workers), num_workers, 4)
   state = train.init_train_state(model, tx, b["x"][0], num_workers=num_workers, mesh=mesh, seed=3)
   params0 = parallel.unstack_worker(state.params)
+  # every worker starts from the model initialised with init_train_state's seed
+  seeded, _ = models.init_model(model, jax.random.PRNGKey(3), b["x"][0])
+  jax.tree.map(lambda a, e: np.testing.assert_array_equal(a, np.broadcast_to(e, a.shape)),
+               jax.device_get(state.params), seeded)
   step = train.make_train_step(model, tx, mesh=mesh, num_workers=num_workers)
-  state, _ = step(state, parallel.shard_workers(b, mesh))
+  old, (state, _) = state, step(state, parallel.shard_workers(b, mesh))
+  # the step donates its input state (default donate=True): no second copy of the parameters
+  # and optimizer state stays alive on the devices
+  assert all(x.is_deleted() for x in jax.tree.leaves(old.params))
 
   expected = _single_worker_sgd(model, params0, b["x"].reshape(-1, 6), b["y"].reshape(-1))
   stacked = jax.device_get(state.params)
@@ -143,6 +150,24 @@ def test_eval_uses_worker_average():
   avg, _ = train.averaged_model(state)
   expected = jax.tree.map(lambda p: p + 3.5, params)
   jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6), avg, expected)
+
+
+def test_eval_uses_the_worker_average_of_the_bn_statistics():
+  """The evaluated model's BatchNorm running statistics are the mean over workers too (per-worker
+  BN keeps a different mean/var on each worker); evaluating with one worker's statistics would
+  mismatch the averaged weights, and fit's evaluations compare averaged_model with itself."""
+  mesh = parallel.make_mesh()
+  rng = np.random.default_rng(0)
+  mean = rng.normal(size=(8, 3)).astype(np.float32)
+  var = rng.uniform(0.5, 2.0, size=(8, 3)).astype(np.float32)
+  ms = {"batch_stats": {"bn0": {"mean": mean, "var": var}}}
+  params = {"w": np.zeros((8, 2), np.float32)}
+  state = train.TrainState(parallel.shard_workers(params, mesh), parallel.shard_workers(ms, mesh),
+                           ())
+  _, avg_ms = jax.device_get(train.averaged_model(state))
+  np.testing.assert_allclose(avg_ms["batch_stats"]["bn0"]["mean"], mean.mean(0), rtol=1e-6,
+                             atol=1e-7)
+  np.testing.assert_allclose(avg_ms["batch_stats"]["bn0"]["var"], var.mean(0), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- lowering (issue 8, 4b)
@@ -450,6 +475,9 @@ def test_fused_tree_norm_equals_optax_and_is_one_reduction():
     # the model's logits against the labels (NaN "divergence" at step 1, or optax's shape error)
     (dict(model=models.get_model("mlp", hidden=(8,), num_classes=3), num_workers=8),
      r"model MLP outputs 3 classes but dataset 'digits' has num_classes=10"),
+    # one class short (the largest label gathered out of range)
+    (dict(model=models.get_model("mlp", hidden=(8,), num_classes=9)),
+     r"model MLP outputs 9 classes but dataset 'digits' has num_classes=10"),
     (dict(dataset=mfopt.data.load("textcorpus"), num_workers=8),
      r"model MLP's outputs of shape \(10,\) per example do not match dataset 'textcorpus''s labels"),
     (dict(model=models.get_model("cnn", features=(4,), num_classes=10),
@@ -576,6 +604,7 @@ def test_fit_rows_equal_a_hand_written_loop():
                                  np.mean([np.mean(m[key]) for m in metrics[lo:hi]]), rtol=1e-6)
     np.testing.assert_allclose(row["learning_rate"], float(sched(hi - 1)), rtol=1e-6)
     assert row["samples"] == hi * 8 and row["all_reduces"] == hi
+    assert row["epoch"] == hi * 8 / 128  # samples / train examples, global batch 2 x 4
     assert ("test_accuracy" in row) == (hi in evals)
     if hi in evals:
       assert row["test_loss"] == evals[hi]["test_loss"]
@@ -584,6 +613,10 @@ def test_fit_rows_equal_a_hand_written_loop():
     np.testing.assert_array_equal(a, b)
   assert res.summary["test_loss"] == evals[7]["test_loss"] and res.summary["steps"] == 7
   assert res.summary["epochs"] == 7 * 8 / 128  # steps x global batch / train examples
+  # the final train metrics are the last window's (step 7 alone) means over workers
+  for key in ("loss", "accuracy"):
+    np.testing.assert_allclose(res.summary[f"final_train_{key}"], np.mean(metrics[6][key]),
+                               rtol=1e-6)
 
 
 def test_evaluate_equals_one_full_batch_computation():
