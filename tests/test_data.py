@@ -792,3 +792,73 @@ def test_imagenet_train_preprocess_flips_horizontally_half_the_time():
     assert x[8, -1, 0] != x[8, 0, 0]
     flipped += bool(x[8, -1, 0] < x[8, 0, 0])
   assert 3 <= flipped <= 17  # Binomial(20, 1/2): outside [3, 17] has probability 4e-4
+
+
+def test_mnist1d_drops_the_generators_last_examples_when_rounding_up(tmp_path, monkeypatch):
+  """95 + 12 examples are generated as 110 (whole classes); the first 95 of make_dataset's
+  shuffled order are the training set and the next 12 the test set, the last 3 dropped.
+  Cutting the extra examples from the front would shift both splits by 3."""
+  from mnist1d.data import get_dataset_args, make_dataset
+  monkeypatch.setenv("MFOPT_CACHE", str(tmp_path))
+  ds = data.load("mnist1d", num_train=95, num_test=12, seed=3, cache=False)
+  args = get_dataset_args()
+  args.num_samples, args.seed = 110, 3
+  state = np.random.get_state(), random.getstate()
+  ref = make_dataset(args)
+  np.random.set_state(state[0])
+  random.setstate(state[1])
+  x = np.concatenate([ref["x"], ref["x_test"]])
+  y = np.concatenate([ref["y"], ref["y_test"]])
+  np.testing.assert_array_equal(ds.train.y, y[:95])
+  np.testing.assert_array_equal(ds.test.y, y[95:107])
+  mean, std = x[:95].mean(dtype=np.float64), x[:95].std(dtype=np.float64)
+  np.testing.assert_allclose(ds.test.x[..., 0], (x[95:107] - mean) / std, rtol=1e-5, atol=1e-5)
+
+
+def test_batcher_epoch_order_and_augmentation_streams_follow_the_documented_seeds():
+  """The order of epoch e is default_rng([seed, e]).permutation(N), and with per-example
+  streams the example at position j of step s draws from default_rng([seed, s, 1, j]): a run
+  resumes and matches across versions only if these seeds are exactly as documented, and one
+  stream shared by all examples would give every example of a step the same crop."""
+
+  class Draws:
+    per_example_rng, augments = True, True
+
+    def __len__(self):
+      return 30
+
+    def get(self, indices, rng):
+      rngs = [None] * len(indices) if rng is None else rng
+      return {"x": np.array([r.random() if r is not None else -1.0 for r in rngs]),
+              "y": np.asarray(indices)}
+
+  b = data.WorkerBatcher(Draws(), num_workers=2, per_worker_batch=3, seed=4)  # 5 steps/epoch
+  for step in (0, 7, 13):
+    epoch, pos = divmod(step, 5)
+    order = np.random.default_rng([4, epoch]).permutation(30)
+    got = b.batch(step)
+    np.testing.assert_array_equal(got["y"].reshape(-1), order[pos * 6:(pos + 1) * 6])
+    want = [np.random.default_rng([4, step, 1, j]).random() for j in range(6)]
+    np.testing.assert_array_equal(got["x"].reshape(-1), want)
+
+
+def test_batcher_allows_a_global_batch_of_the_whole_dataset():
+  """A global batch equal to the dataset size is full-batch training: one step per epoch whose
+  workers together see every example once; only a larger batch is refused."""
+  src = data.ArraySource(np.arange(12.0)[:, None], np.arange(12))
+  b = data.WorkerBatcher(src, num_workers=3, per_worker_batch=4, seed=0)
+  assert b.steps_per_epoch == 1
+  for step in (0, 1):
+    np.testing.assert_array_equal(np.sort(b.batch(step)["y"].reshape(-1)), np.arange(12))
+
+
+def test_tfds_loaders_evaluate_on_their_held_out_splits():
+  """CIFAR evaluates on its "test" split and ImageNet on "validation" (its TFDS "test" split
+  has no labels); a loader whose test source read the training split would report training
+  accuracy as test accuracy."""
+  with _mock(4):
+    for name, held_out in [("cifar10", "test"), ("cifar100", "test"), ("mnist", "test"),
+                           ("imagenet2012", "validation")]:
+      ds = data.load(name, data_dir="/nonexistent")
+      assert (ds.train.split, ds.test.split) == ("train", held_out), name
+      assert ds.meta["splits"] == ["train", held_out], name

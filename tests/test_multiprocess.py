@@ -706,3 +706,78 @@ def test_distributed_outside_a_cluster_says_what_to_pass_instead(tmp_path):
   assert re.search(r"error: --distributed \(MFOPT_DISTRIBUTED=1\): JAX detected no cluster here"
                    r" .*pass --coordinator HOST:PORT --num-processes N --process-id I", out.stderr)
   assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_distributed_flags_win_over_the_environment_for_every_setting():
+  """Flags come first, then MFOPT_*: a launcher's environment must not override an explicit
+  --coordinator or --num-processes (a mixed-up job would join the wrong coordinator); empty
+  variables count as unset, and "0" in MFOPT_DISTRIBUTED does not ask for cluster detection."""
+  env = {"MFOPT_COORDINATOR": "10.0.0.1:8476", "MFOPT_NUM_PROCESSES": "4", "MFOPT_PROCESS_ID": "3",
+         "MFOPT_HEARTBEAT_TIMEOUT": "20"}
+  got = distributed.resolve("h:99", 2, 1, 7, environ=env)
+  assert got == distributed.DistributedConfig("h:99", 2, 1, 7)
+  blank = {"MFOPT_COORDINATOR": "", "MFOPT_NUM_PROCESSES": "", "MFOPT_PROCESS_ID": "",
+           "MFOPT_HEARTBEAT_TIMEOUT": ""}
+  assert distributed.resolve(environ=blank) is None
+  assert distributed.resolve(environ={"MFOPT_DISTRIBUTED": "0"}) is None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(heartbeat_timeout_s=0), r"heartbeat_timeout_s must be positive, got 0"),
+    (dict(coordinator_address=":8476"), r"coordinator_address must look like host:port"),
+])
+def test_distributed_settings_refuse_a_zero_heartbeat_and_an_address_without_host(kwargs, match):
+  """A heartbeat timeout of 0 s would abort the job at once, and ':8476' names no host; both are
+  refused before JAX starts, like the other malformed settings."""
+  settings = dict(coordinator_address="h:1", num_processes=2, process_id=0) | kwargs
+  with pytest.raises(ValueError, match=match):
+    distributed.resolve(**settings, environ={})
+
+
+def test_distributed_address_is_split_at_its_last_colon():
+  """The port is what follows the last colon, so a bracketed IPv6 coordinator is accepted."""
+  got = distributed.resolve("[::1]:8476", 2, 0, environ={})
+  assert got.coordinator_address == "[::1]:8476"
+
+
+def _fake_join(monkeypatch, count):
+  """jax.distributed stand-ins: records initialize's arguments and the port checks."""
+  calls, ports = [], []
+  for name in ("MFOPT_COORDINATOR", "MFOPT_NUM_PROCESSES", "MFOPT_PROCESS_ID",
+               "MFOPT_HEARTBEAT_TIMEOUT", "MFOPT_INIT_TIMEOUT", "MFOPT_DISTRIBUTED",
+               "MFOPT_NUM_CPU_DEVICES"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+  monkeypatch.setattr(jax, "process_count", lambda: count)
+  monkeypatch.setattr(distributed, "_check_port_free", ports.append)
+  return calls, ports
+
+
+def test_initialize_passes_jax_its_own_keywords_and_checks_the_port_on_process_0(
+    monkeypatch, capsys):
+  """initialize forwards the timeouts under the names jax.distributed.initialize takes (a
+  misspelt keyword fails only in a real multi-process job), waits 300 s by default, and only
+  process 0, which hosts the coordination service, checks that its port is free."""
+  import inspect
+  real = inspect.signature(jax.distributed.initialize).parameters
+  calls, ports = _fake_join(monkeypatch, 2)
+  distributed.initialize("127.0.0.1:5", 2, 1, heartbeat_timeout_s=9, cpu_collectives=None)
+  assert calls == [(("127.0.0.1:5", 2, 1),
+                    {"initialization_timeout": 300, "heartbeat_timeout_seconds": 9})]
+  assert set(calls[0][1]) <= set(real) and ports == []
+  distributed.initialize("127.0.0.1:5", 2, 0, cpu_collectives=None)
+  assert ports == ["127.0.0.1:5"]
+  assert "waits up to 300 s" in capsys.readouterr().err
+
+
+def test_initialize_refuses_a_zero_timeout_and_a_process_count_other_than_the_jobs(monkeypatch):
+  """An initialization timeout of 0 s could never let the peers join; and a process told the
+  job has 2 processes when the coordinator's job has 3 must stop, not train on a wrong split."""
+  calls, _ = _fake_join(monkeypatch, 3)
+  with pytest.raises(ValueError, match=r"initialization_timeout_s must be positive, got 0"):
+    distributed.initialize("127.0.0.1:5", 2, 1, cpu_collectives=None, initialization_timeout_s=0)
+  assert calls == []
+  with pytest.raises(ValueError, match=r"num_processes .* is 2 here but the job that process 0 "
+                                       r"started has 3 processes"):
+    distributed.initialize("127.0.0.1:5", 2, 1, cpu_collectives=None)

@@ -824,3 +824,102 @@ def test_every_server_version_is_in_the_k_trace(ds, linear, make):
   assert result.summary["mean_k"] == k
   times = [t for _, t, _ in result.k_trace]
   assert times == sorted(times) and times[-1] <= result.summary["sim_time_s"]
+
+
+def test_suite_run_passes_the_runs_workers_epochs_evaluation_and_payload(monkeypatch):
+  """suite.run turns the config into simulator arguments: the run's own worker count and epoch
+  budget (async_scaling varies both), evaluation every eval_every_epochs of the *training* set,
+  and a payload of 4 bytes per float32 parameter; a diverged run's final metrics become NaN."""
+  import types
+  from mfopt.sim import run as run_lib
+  seen = {}
+
+  def fake(strategy, **kw):
+    seen.update(kw)
+    return run_lib.SimResult("s", [], {"diverged": True, "test_accuracy": 0.1, "test_loss": 2.3,
+                                       "final_train_loss": 2.2}, [], {}, [], [])
+
+  monkeypatch.setattr(run_lib, "simulate", fake)
+  c = suite.base_config(quick=True)
+  c.epochs, c.eval_every_epochs, c.payload_params, c.progress = 2.0, 0.5, 1000, False
+  dataset = types.SimpleNamespace(train=range(1000), test=range(200))
+  res = suite.run(c, None, dataset=dataset, model=None, network=None, seed=3, num_workers=2,
+                  epochs=1.5)
+  assert (seen["num_workers"], seen["max_samples"], seen["eval_every_samples"]) == (2, 1500, 500)
+  assert (seen["payload_bytes"], seen["seed"], seen["per_worker_batch"]) == (4000, 3, 16)
+  assert all(np.isnan(res.summary[k]) for k in ("test_accuracy", "test_loss", "final_train_loss"))
+  suite.run(c, None, dataset=dataset, model=None, network=None, seed=0)
+  assert (seen["num_workers"], seen["max_samples"]) == (c.num_workers, 2000)
+
+
+def test_to_target_counts_worker_steps_as_samples_over_the_global_batch():
+  """The seed's "training steps (counted by the worker)" at the first evaluation reaching the
+  target are samples / (M b): 640 samples at M = 4, b = 16 are 10 steps, not 160."""
+  from mfopt.sim import run as run_lib
+  hist = [{"test_accuracy": 0.2, "server_step": 3, "sim_time": 1.0, "samples": 320},
+          {"test_accuracy": 0.5, "server_step": 7, "sim_time": 3.5, "samples": 640},
+          {"test_accuracy": 0.6, "server_step": 9, "sim_time": 5.0, "samples": 960}]
+  res = run_lib.SimResult("s", hist, {"num_workers": 4, "per_worker_batch": 16}, [], {}, [], [])
+  assert suite.to_target(res, 0.45) == {"steps_to_target": 7.0, "time_to_target": 3.5,
+                                        "samples_to_target": 640.0, "worker_steps_to_target": 10.0}
+
+
+def test_suite_groups_and_selects_rows_on_every_key():
+  """Tables group by all their keys (network and strategy): pooling two networks' runs would
+  average unlike settings; per_seed selects rows matching every given key, not any of them."""
+  rows = [{"net": n, "s": s, "seed": seed, "t": t}
+          for n, s, seed, t in [("a", "X", 0, 1.0), ("a", "X", 1, 3.0), ("b", "X", 0, 10.0),
+                                ("b", "X", 1, 14.0), ("a", "Y", 0, 7.0)]]
+  table = {(r["net"], r["s"]): r for r in suite.aggregate(rows, ("net", "s"), ("t",))}
+  assert set(table) == {("a", "X"), ("b", "X"), ("a", "Y")}
+  assert table[("a", "X")]["t_mean"] == 2.0 and table[("b", "X")]["t_mean"] == 12.0
+  assert table[("b", "X")]["t_std"] == pytest.approx(np.std([10.0, 14.0], ddof=1))
+  assert suite.per_seed(rows, "t", net="a", s="X") == {0: 1.0, 1: 3.0}
+  assert suite.per_seed(rows, "t", net="b", s="X") == {0: 10.0, 1: 14.0}
+
+
+def test_paired_claim_uses_the_sample_std_of_the_differences():
+  """Two seeds with gains 1 and 2.5: mean 1.75, sample std (ddof=1) 1.06, so 2 std = 2.12 is
+  not exceeded (not reproduced); the population std 0.75 would have called it reproduced."""
+  d = np.array([1.0, 2.5])
+  assert d.mean() < 2 * d.std(ddof=1) and d.mean() > 2 * d.std()
+  assert suite.paired_claim({0: 10.0, 1: 10.0}, {0: 11.0, 1: 12.5}).startswith("not reproduced")
+
+
+def test_suite_strategies_and_full_config_follow_the_seeds_tables():
+  """The full preset uses Table 3's decay 0.99 per epoch and ResNet101's EASGD interval 10;
+  each registry entry gets its own config field (SSP its staleness), the reaverage variant its
+  stale merge, and the decay-schedule variant of the seed's model the baselines' schedule."""
+  c = suite.base_config(quick=False)
+  assert (c.decay_rate, c.easgd_interval) == (0.99, 10)
+  c.ssp_staleness, c.easgd_interval = 5, 7
+  assert suite.STRATEGIES["SSP"](c).staleness == 5
+  assert suite.STRATEGIES["EASGD"](c).interval == 7
+  assert suite.STRATEGIES["KSync[working,reaverage]"](c).config.stale_merge == "reaverage"
+  assert suite.STRATEGIES["KSync[working]"](c).config.stale_merge == "additive"
+  decay = suite.ksync_variant("working", bb=False)(c).config
+  assert decay.bb is None
+  assert decay.lr_fallback == sim.BaseSGD(c.learning_rate, c.decay_rate, None)
+
+
+def test_ksync_presets_match_the_specs_defaults_and_remedies():
+  """faithful is the spec's [A] table (gamma 0.9 undampened, theta 0.9, 95 %, k in [2, M], cheap
+  nu, Armijo 0.1 / 0.5 / 10, clamp [1e-6, 10 alpha_0], no floor); working adds dampening,
+  exact nu, k_max = 8 and the floor 1e-3 alpha_0 (section 7), and nothing else."""
+  f = sim.ksync_config("faithful", alpha0=0.07)
+  assert (f.gamma, f.dampening, f.stale_merge, f.stale_cutoff) == (0.9, False, "additive", None)
+  kt = f.ktest
+  assert (kt.theta, kt.confidence, kt.ci_mode, kt.k_min, kt.k_max) == (
+      0.9, 0.95, "upper_signed", 2, None)
+  bb = f.bb
+  assert (bb.alpha0, bb.nu, bb.armijo_c, bb.backtrack, bb.max_bt) == (0.07, "cheap", 0.1, 0.5, 10)
+  assert (bb.clamp, bb.alpha_min, bb.alpha_max_factor, bb.alpha_floor_factor) == (
+      True, 1e-6, 10.0, None)
+  w = sim.ksync_config("working", alpha0=0.07)
+  assert w.dampening is True and w.ktest.k_max == 8
+  assert (w.bb.nu, w.bb.alpha_floor_factor, w.bb.alpha0) == ("exact", 1e-3, 0.07)
+  same = dataclasses.replace(w, dampening=False, ktest=dataclasses.replace(w.ktest, k_max=None),
+                             bb=dataclasses.replace(w.bb, nu="cheap", alpha_floor_factor=None))
+  assert same == f
+  assert sim.ksync_preset("working", label="mine").label == "mine"
+  assert sim.ksync_preset("working").label == "KSync[working]"
