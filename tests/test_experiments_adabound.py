@@ -463,3 +463,13 @@ def test_setup_lines_give_each_batch_its_steps_and_samples():
   assert "BN per row" in text and "BN strategy" not in text
   one = "\n".join(common.setup_lines(c, ds, batches=(16,)))
   assert "2 epochs = 14 steps (7 steps/epoch) for every algorithm (equal samples)" in one
+
+
+def test_auto_target_is_95_percent_of_the_best_mean():
+  """The target accuracy is 95 % of the best algorithm's mean final accuracy (every algorithm
+  can be judged against it), floored to 3 digits: means 0.85 and 0.55 give 0.807, not 0.522."""
+  from experiments import _seed004_common as common
+  c = common.base_config(True)
+  assert common.auto_target(c, {"weak": [0.5, 0.6], "strong": [0.9, 0.8]}) == 0.807
+  c.target_accuracy = 0.5  # given: used as is
+  assert common.auto_target(c, {"strong": [0.9, 0.8]}) == 0.5

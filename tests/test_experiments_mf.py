@@ -242,3 +242,49 @@ def test_a_diverged_seed_voids_a_seed000_claim_as_in_the_other_families():
   assert d["n"] == 2 and d["excluded"] == 1
   assert _mf_common.claim_verdict(d, +1).startswith(
       "not reproduced at this scale (1 seed(s) diverged)")
+
+
+def test_aggregate_means_the_finite_seeds_and_counts_the_diverged():
+  """A cell's mean and sample std (ddof=1) are over its seeds that did not diverge, and the
+  diverged one is counted: accuracies 0.5, nan (diverged), 0.7 give 0.6 ± 0.1414 (1/3)."""
+  from experiments import _mf_common
+  rows = [{"mf": 0.9, "seed": s, "test_accuracy": a, "diverged": d}
+          for s, (a, d) in enumerate([(0.5, False), (float("nan"), True), (0.7, False)])]
+  rows.append({"mf": 0.99, "seed": 0, "test_accuracy": 0.4, "diverged": False})
+  agg = {a["mf"]: a for a in _mf_common.aggregate(rows, ["mf"], ["test_accuracy"])}
+  a = agg[0.9]
+  assert a["seeds"] == 3 and a["diverged"] == 1
+  assert a["test_accuracy_mean"] == pytest.approx(0.6)
+  assert a["test_accuracy_std"] == pytest.approx(math.sqrt(0.02))  # (0.1^2 + 0.1^2) / (2 - 1)
+  assert _mf_common.cell_text(a, "test_accuracy") == "0.600 ± 0.141 (1/3 diverged)"
+  # one seed: its value, with no spread shown (not "± 0.000")
+  assert _mf_common.cell_text(agg[0.99], "test_accuracy") == "0.400"
+  assert _mf_common.cell_text(None, "test_accuracy") == "skipped"
+
+
+def test_seed000_claim_needs_the_papers_sign_and_two_sample_stds():
+  """claim_verdict on paired differences: a clear difference of the wrong sign is not
+  reproduced, nor are differences 1, 1.5, 3 (mean 1.83 > 1 sample std 1.04 but < 2)."""
+  from experiments import _mf_common
+
+  def diff(values_a, values_b):
+    rows = [{"mf": mf, "seed": s, "test_accuracy": v}
+            for mf, vals in ((0.99, values_a), (0.9, values_b)) for s, v in enumerate(vals)]
+    return _mf_common.paired_difference(rows, "test_accuracy", {"mf": 0.99}, {"mf": 0.9})
+
+  clear = diff([0.9, 0.91, 0.92], [0.5, 0.5, 0.5])
+  assert clear["mean"] == pytest.approx(0.41) and clear["significant"]
+  assert _mf_common.claim_verdict(clear, +1).startswith("reproduced: +0.4100 ± 0.0100 over 3")
+  assert _mf_common.claim_verdict(clear, -1).startswith("not reproduced at this scale: +0.41")
+  loose = diff([2.0, 2.5, 4.0], [1.0, 1.0, 1.0])
+  assert not loose["significant"]
+  assert _mf_common.claim_verdict(loose, +1).startswith("not reproduced at this scale")
+
+
+def test_steps_for_rounds_to_the_nearest_whole_step():
+  """Equal samples: the step count whose samples are nearest the budget (1,000 at batch 64:
+  16 steps = 1,024 samples, nearer than 15 = 960), and at least one step."""
+  from experiments import _mf_common
+  assert _mf_common.steps_for(1000, 64) == 16
+  assert _mf_common.steps_for(2000, 64) == 31  # 1,984 is nearer than 2,048
+  assert _mf_common.steps_for(10, 64) == 1

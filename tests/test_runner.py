@@ -494,3 +494,28 @@ def test_load_sized_passes_sizes_only_to_loaders_that_take_them():
   assert (len(ds.train), len(ds.test)) == (300, 70)
   ds = data.load_sized("digits", 300, 70)  # fixed splits, whole
   assert (len(ds.train), len(ds.test)) == (1437, 360)
+
+
+def test_quickstart_report_columns_and_labels(tmp_path):
+  """quickstart's report from hand-built rows (no training): each number sits under its own
+  header (test accuracy, train loss, exchanges, bytes), the BN setting and steps are stated as
+  configured, and a dataset named once is labelled by itself, twice by dataset/model."""
+  from experiments import quickstart
+  _, c = runner.prepare("quickstart", quick=True, overrides=["datasets=digits", "models=mlp",
+                                                             "algorithms=('sync Adam (optax)',)",
+                                                             "sim_runs=()", "num_steps=7"])
+  row = {"dataset": "digits", "model": "mlp", "algorithm": "sync Adam (optax)", "peak_lr": 0.001,
+         "test_accuracy": 0.875, "final_train_loss": 0.25, "collectives": 7,
+         "payload_bytes": 700, "train_s": 1.5}
+  quickstart._write_report(c, tmp_path, [row], {"digits": {"train": 1437, "test": 360}})
+  text = (tmp_path / "report.md").read_text()
+  header = next(line for line in text.splitlines() if line.startswith("| dataset |"))
+  cells = next(line for line in text.splitlines() if line.startswith("| digits |"))
+  table = dict(zip([h.strip() for h in header.strip("|").split("|")],
+                   [v.strip() for v in cells.strip("|").split("|")]))
+  assert float(table["test acc"]) == 0.875 and float(table["final train loss"]) == 0.25
+  assert table["exchanges/worker"] == "7" and table["bytes sent/worker"] == "700"
+  assert "(BatchNorm off)" in text and "- Steps: 7 per run for every algorithm" in text
+  assert quickstart._label(c, "digits", "mlp") == "digits"
+  c.datasets, c.models = ("digits", "digits"), ("mlp", "cnn")
+  assert quickstart._label(c, "digits", "cnn") == "digits/cnn"
