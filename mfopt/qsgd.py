@@ -80,8 +80,9 @@ def quantize(v: jax.Array, key: jax.Array, bits: int = 8,
   _, e = jnp.frexp(peak)
   half = e // 2
 
-  def down(a):  # a * 2^-e, per bucket
-    return a * jnp.ldexp(1.0, -half)[:, None] * jnp.ldexp(1.0, half - e)[:, None]
+  def down(a):  # a * 2^-e, per bucket (float32 factors: a Python 1.0 is float64 under x64)
+    one = jnp.float32(1)
+    return a * jnp.ldexp(one, -half)[:, None] * jnp.ldexp(one, half - e)[:, None]
 
   ux, upeak = down(x), down(peak[:, None])[:, 0]
   ratio = jnp.sqrt(jnp.sum(jnp.square(ux / jnp.where(upeak > 0, upeak, 1.0)[:, None]), axis=1))

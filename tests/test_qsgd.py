@@ -209,6 +209,25 @@ def test_a_bucket_near_float32s_top_is_quantized_not_zeroed(big):
   assert np.all(np.sign(out[[0, 2, 3]]) == [1, -1, 1])
 
 
+def test_under_x64_the_norms_stay_float32_and_the_exchange_is_the_same():
+  """The norms travel as 4 bytes each inside the int8 buffer: float64 norms (jax_enable_x64
+  turns Python-float constants into float64) were packed as 8 bytes and unpacked as two
+  float32s each, and the mean came back as garbage (-619.6 for -1) without an error."""
+  v = jnp.asarray(np.linspace(-1.0, 1.0, 8), jnp.float32)
+  g = {"a": jnp.stack([v, -v, 2 * v])}
+
+  def exchange():
+    tx = mfopt.qsgd("w", 8, 4)
+    return jax.vmap(tx.update, axis_name="w")(g, jax.vmap(tx.init, axis_name="w")(g))[0]
+
+  want = exchange()
+  with jax.enable_x64(True):
+    assert quantize(v, jax.random.key(0), 8, 4)[1].dtype == jnp.float32
+    got = exchange()
+  np.testing.assert_array_equal(np.asarray(got["a"]), np.asarray(want["a"]))
+  np.testing.assert_allclose(np.asarray(want["a"][0]), np.asarray(2 * v / 3), atol=0.05)
+
+
 def test_a_nonfinite_gradient_through_qsgd_is_a_reverted_step_under_loss_scaling():
   from mfopt import precision
   tx = precision.dynamic_loss_scale(optax.chain(mfopt.qsgd(None), optax.sgd(0.1, momentum=0.9)),
