@@ -103,3 +103,38 @@ def test_the_suites_conftest_registers_the_plugin_on_the_controller_only():
     conftest.pytest_configure(config)
     assert len(registered) == want and all(isinstance(p, _crash_rerun.CrashRerun)
                                            for p in registered)
+
+
+HANGS_PY = """
+import os, pathlib, time
+
+def test_hangs():
+  runs = pathlib.Path(os.environ["MARK_DIR"]) / "runs"
+  runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
+  time.sleep(60)
+
+def test_passes():
+  pass
+"""
+
+
+def test_a_test_stopped_by_the_timeout_fails_once_with_its_stack_and_is_not_rerun(tmp_path):
+  """pytest-timeout's thread method (the one that also stops a hang inside XLA) exits the
+  worker like a native crash; rerunning the test would hang again for another timeout, so the
+  marked test fails at once, with the stack of the hung line and the reason in the summary."""
+  (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST))
+  (tmp_path / "test_hang.py").write_text(textwrap.dedent(HANGS_PY))
+  mark = tmp_path / "marks"
+  mark.mkdir()
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "-q", "-rA",
+       "-o", "timeout=2", "-o", "timeout_method=thread", "test_hang.py"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120,
+      env={"PATH": "/usr/bin:/bin", "MARK_DIR": str(mark)})
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 1, out
+  assert (mark / "runs").read_text() == "x", out  # ran once
+  assert "in test_hangs\n    time.sleep(60)" in out, out  # the hung line's stack
+  assert ("test_hang.py::test_hangs: crashed 1 time(s), failed: stopped by pytest-timeout "
+          "(stacks below), not rerun") in out, out
+  assert "1 passed" in out, out
