@@ -510,8 +510,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   # The layouts (structure, shapes, dtypes) of the trees init made a flat anchor for. A flat
   # anchor cannot tell a different tree of the same size: update unravelled the anchor and the
   # outer momentum into it silently (optax's tree-shaped states raise a shape error). Kept on
-  # the host at trace time, not in the state; a state restored without an init here is not
-  # checked.
+  # the host at trace time, not in the state (a field would change every checkpoint's
+  # structure), so the check is partial: a state restored without an init here is not checked,
+  # and a transform initialised on two trees accepts either tree's params with either state.
   flat_layouts: set = set()
 
   def layout(params):
@@ -591,7 +592,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # step on 2^24 parameters); the loop's carry it does not (2).
     flat = is_flat(params)
     if flat and flat_layouts and layout(params) not in flat_layouts:
-      (treedef, got), (init_treedef, want) = layout(params), next(iter(flat_layouts))
+      treedef, got = layout(params)
+      # the init tree to compare with: one of the same structure if there is one
+      init_treedef, want = min(flat_layouts, key=lambda lay: lay[0] != treedef)
       diff = (f"its structure is {treedef}, init's was {init_treedef}" if treedef != init_treedef
               else next(f"leaf {a[0]} is {a[1]} {a[2]}, init's was {b[1]} {b[2]}"
                         for a, b in zip(got, want) if a != b))
