@@ -220,6 +220,100 @@ def test_progressive_momentum_matches_the_unrolled_sum(ds, linear):
     np.testing.assert_allclose(s.theta, theta, rtol=0, atol=5e-6, err_msg=merge)
 
 
+def test_reaverage_keeps_a_slot_the_mean_of_every_gradient_merged_into_it(ds, linear):
+  """With ``stale_merge="reaverage"`` slot v is the mean of all gradients computed at v received
+  so far (spec §1.2), so its count must grow with each merged stale gradient: a count left at
+  the fresh k averages the second stale gradient of a version with the wrong weight."""
+  lr, gamma = 0.1, 0.6
+  cfg = sim.KSyncConfig(gamma=gamma, k_rule=2, bb=None, stale_merge="reaverage",
+                        lr_fallback=sim.BaseSGD(lr, decay_rate=1.0))
+  strat = sim.KSync(cfg)
+  s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=4, per_worker_batch=8,
+                    network=None, compute=sim.ComputeModel(0.01, speeds=[1.0, 1.1, 2.9, 3.3]))
+  theta = s.theta.astype(np.float64).copy()
+  received = []  # (arrival version, computed version, grad)
+  orig = strat.on_push
+
+  def spy(sim_, w):
+    received.append((sim_.version, sim_.msg[w].version, sim_.msg[w].grad.astype(np.float64)))
+    orig(sim_, w)
+
+  strat.on_push = spy
+  s.run(max_server_steps=10)
+  # two stale gradients of one version were merged (the case that needs the growing count)
+  stale = [v for a, v, _ in received if a > v]
+  assert max(stale.count(v) for v in stale) >= 2 and s.dropped == 0
+  for t in range(s.version):  # u_t = sum_j gamma^(t-j) lr mean(grads of version j received by t)
+    u = sum(gamma ** (t - j) * lr * np.mean([g for a, v, g in received if a <= t and v == j], 0)
+            for j in range(t + 1))
+    theta -= u
+  np.testing.assert_allclose(s.theta, theta, rtol=0, atol=5e-6)
+
+
+def test_a_bb_workers_extra_compute_is_drawn_for_the_step_it_belongs_to(ds, linear):
+  """Exact nu costs one more gradient at the jittered time of the same step (spec §3.1), so with
+  Armijo trials free one worker's clock is sum_n t_n + sum_{n>=1} t_n; drawing the extra work
+  from another step's jitter would charge a different, wrong amount."""
+  cm = sim.ComputeModel(0.05, jitter_sigma=0.5, forward_cost=0.0, extra_gradient_cost=1.0)
+  s = sim.Simulator(sim.ksync_preset("working", alpha0=0.05), model=linear, dataset=ds,
+                    num_workers=1, per_worker_batch=8, network=None, compute=cm)
+  s.run(max_samples=8 * 12)
+  t = [cm.time(s.speeds, 0, 0, n) for n in range(12)]
+  assert s.strategy.bb.nu == "exact" and np.std(t) > 0.01  # jitter makes steps differ
+  assert s.now == pytest.approx(sum(t) + sum(t[1:]), rel=1e-9)
+  assert s.result().summary["bb_extra_compute_s"] == pytest.approx(sum(t[1:]), rel=1e-9)
+
+
+def test_stale_cutoff_keeps_a_gradient_whose_weight_equals_the_cutoff(ds, linear):
+  """``stale_cutoff`` drops a stale gradient once ``gamma^tau < cutoff``; at gamma = 0.5 and
+  cutoff 0.25 (both exact in binary) tau = 2 is kept and tau >= 3 dropped, so an off-by-one
+  (``<=``) comparison would drop the tau = 2 gradients as well."""
+  cfg = sim.KSyncConfig(gamma=0.5, k_rule=1, bb=None, stale_cutoff=0.25,
+                        lr_fallback=sim.BaseSGD(0.1, decay_rate=1.0))
+  strat = sim.KSync(cfg)
+  s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=3, per_worker_batch=8,
+                    network=None, compute=sim.ComputeModel(0.01, speeds=[1.0, 2.3, 3.7]))
+  taus = []
+  orig = strat.on_push
+
+  def spy(sim_, w):
+    taus.append(sim_.version - sim_.msg[w].version)
+    orig(sim_, w)
+
+  strat.on_push = spy
+  s.run(max_server_steps=12)
+  assert taus.count(2) > 0 and any(t >= 3 for t in taus)
+  assert strat.merged == sum(1 <= t <= 2 for t in taus)
+  assert s.dropped == sum(t >= 3 for t in taus)
+
+
+def test_ksync_logs_the_mean_bb_step_of_the_gradients_in_each_update(ds, linear):
+  """With per-worker BB steps KSync's server learning-rate trace records, for each version, the
+  mean step alpha_i of the fresh gradients that made it (the step the update took on average);
+  the max or another worker's step would misreport the schedule the run followed."""
+  # (the BB engine of the test above, two workers: k = 2 makes every update a mean of two steps)
+  cfg = dataclasses.replace(sim.ksync_preset("working", alpha0=0.05).config, k_rule=2)
+  strat = sim.KSync(cfg)
+  s = sim.Simulator(strat, model=linear, dataset=ds, num_workers=2, per_worker_batch=8,
+                    network=None, compute=sim.ComputeModel(0.01, speeds=[1.0, 1.7]))
+  received = []  # (arrival version, computed version, alpha)
+  orig = strat.on_push
+
+  def spy(sim_, w):
+    received.append((sim_.version, sim_.msg[w].version, sim_.msg[w].alpha))
+    orig(sim_, w)
+
+  strat.on_push = spy
+  s.run(max_server_steps=8)
+  trace = s.result().server_lr_trace
+  assert [int(v) for v, _, _ in trace] == list(range(1, s.version + 1))
+  for v, _, lr in trace:
+    alphas = [al for a, c, al in received if a == c == int(v) - 1]
+    assert len(alphas) == 2
+    assert lr == pytest.approx(np.mean(alphas), rel=1e-12)
+  assert len({round(al, 9) for _, _, al in received}) > 2  # the workers' steps differ
+
+
 def test_strategy_errors_name_the_argument():
   with pytest.raises(ValueError, match="drop_rate"):
     sim.DropWorker(1.0)
