@@ -79,12 +79,9 @@ def quantize(v: jax.Array, key: jax.Array, bits: int = 8,
   peak = jnp.max(jnp.abs(x), axis=1)
   _, e = jnp.frexp(peak)
   half = e // 2
-
-  def down(a):  # a * 2^-e, per bucket (float32 factors: a Python 1.0 is float64 under x64)
-    one = jnp.float32(1)
-    return a * jnp.ldexp(one, -half)[:, None] * jnp.ldexp(one, half - e)[:, None]
-
-  ux, upeak = down(x), down(peak[:, None])[:, 0]
+  one = jnp.float32(1)  # (float32 factors: a Python 1.0 is float64 under x64)
+  ux = x * jnp.ldexp(one, -half)[:, None] * jnp.ldexp(one, half - e)[:, None]  # x 2^-e
+  upeak = jnp.max(jnp.abs(ux), axis=1)  # peak 2^-e, exactly
   ratio = jnp.sqrt(jnp.sum(jnp.square(ux / jnp.where(upeak > 0, upeak, 1.0)[:, None]), axis=1))
   norms, unorm = peak * ratio, upeak * ratio  # unorm = norms * 2^-e
   scaled = jnp.abs(ux) / jnp.where(unorm > 0, unorm, 1.0)[:, None] * s
