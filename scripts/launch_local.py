@@ -17,7 +17,9 @@ When a process exits non-zero or is killed, the launcher says which one and how
 (``process 1 (pid 4242) died: killed by SIGKILL``), waits up to ``--grace``
 seconds for the others (JAX's coordination service aborts them once heartbeats
 stop), reports how each ended, kills any still running, and exits non-zero. SIGTERM or
-SIGINT to the launcher is passed on to every process; any still running 10 s later is killed.
+SIGINT to the launcher (also during that grace period) is passed on to every process; any
+still running 10 s later is killed. Signals and kills go to each process's group, so what a
+process started itself is stopped with it.
 This is for one machine; on a cluster use the scheduler (README: "Multi-host /
 GPU cluster launch").
 """
@@ -130,21 +132,31 @@ def main(argv: list[str] | None = None) -> int:
   def report(message: str) -> None:
     print(f"launch_local: {message}", file=sys.stderr, flush=True)
 
+  def signal_group(p: subprocess.Popen, signum: int) -> None:
+    # Each child leads its own process group (start_new_session), so its pid is the group's
+    # id: signalling the group also reaches what the child started (a data loader, a shell
+    # pipeline), which signalling the pid alone left running after the launcher exited.
+    try:
+      os.killpg(p.pid, signum)
+    except (ProcessLookupError, PermissionError):  # the group is gone: nothing left in it
+      pass
+
+  def kill_leftovers() -> None:
+    for p in procs:
+      signal_group(p, signal.SIGKILL)
+      p.wait()
+
   def stop(signum: int) -> int:
     # SIGTERM/SIGINT to the launcher (a scheduler's cancel, Ctrl-C): pass it on, then kill
     # whoever is left; the children used to be left running, re-parented to init.
     name = signal.Signals(signum).name
     report(f"got {name}; stopping the {len(procs)} processes")
     for p in procs:
-      if p.poll() is None:
-        p.send_signal(signum)
+      signal_group(p, signum)
     deadline = time.monotonic() + min(args.grace, 10.0)
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
       time.sleep(0.05)
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
+    kill_leftovers()
     return 128 + signum
 
   first_failure = None
@@ -167,16 +179,19 @@ def main(argv: list[str] | None = None) -> int:
   report(f"process {first_failure} (pid {dead.pid}) died: {describe_exit(dead.returncode)}")
   deadline = time.monotonic() + args.grace
   while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    if received:  # a cancel during the grace period is still a cancel (it used to be dropped)
+      return stop(received[0])
     time.sleep(0.05)
   for i, p in enumerate(procs):
     if i == first_failure:
       continue
     if p.poll() is None:
-      p.kill()
+      signal_group(p, signal.SIGKILL)
       p.wait()
       report(f"process {i} (pid {p.pid}) did not exit within {args.grace:g} s; killed it")
     else:
       report(f"process {i} (pid {p.pid}) then ended: {describe_exit(p.returncode)}")
+  kill_leftovers()  # what the children started, if it outlived them
   for t in pumps:
     t.join(timeout=5)
   code = dead.returncode

@@ -604,6 +604,66 @@ def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
 
 
 @pytest.mark.slow  # child processes (no JAX in them: seconds)
+def test_sigterm_during_the_grace_period_still_stops_the_processes(tmp_path):
+  """After one process failed, the launcher waits up to --grace for the others; a cancel in
+  that window used to be recorded and dropped (the launcher sat out the whole grace period and
+  exited with the child's code). It is forwarded now, and the launcher exits 128 + 15."""
+  child = ("import os, pathlib, sys, time; i = os.environ['MFOPT_PROCESS_ID']\n"
+           "if i == '0': sys.exit(3)\n"
+           "pathlib.Path(os.environ['OUT'], 'up').write_text(str(os.getpid())); time.sleep(120)")
+  proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", "2", "--grace", "60", "--",
+                           "-c", child], env=dict(os.environ, OUT=str(tmp_path)),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and not (tmp_path / "up").exists():
+    time.sleep(0.05)
+  # the launcher has seen process 0's exit once it reports it (its poll loop: 50 ms)
+  time.sleep(1.0)
+  t0 = time.monotonic()
+  proc.send_signal(signal.SIGTERM)
+  try:
+    _, err = proc.communicate(timeout=20)
+  finally:
+    proc.kill()
+    try:  # (so that a failure leaves nothing running)
+      os.kill(int((tmp_path / "up").read_text()), signal.SIGKILL)
+      survivor = True
+    except ProcessLookupError:
+      survivor = False
+  assert "process 0" in err and "died: exit code 3" in err, err
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "got SIGTERM" in err
+  assert time.monotonic() - t0 < 15
+  assert not survivor
+
+
+@pytest.mark.slow  # child processes (no JAX in them: seconds)
+def test_a_failed_job_leaves_no_process_its_children_started(tmp_path):
+  """Each process leads its own group; the launcher used to kill the process alone, so
+  whatever it had started (here a ``sleep``) outlived the job. The whole group goes now."""
+  child = ("import os, pathlib, subprocess, sys, time; i = os.environ['MFOPT_PROCESS_ID']\n"
+           "if i == '0': time.sleep(1); sys.exit(3)\n"
+           "g = subprocess.Popen(['sleep', '120'])\n"
+           "pathlib.Path(os.environ['OUT'], 'g').write_text(str(g.pid)); time.sleep(120)")
+  proc = subprocess.run([sys.executable, str(LAUNCH), "-n", "2", "--grace", "1", "--", "-c",
+                         child], env=dict(os.environ, OUT=str(tmp_path)), capture_output=True,
+                        text=True, timeout=60)
+  grandchild = int((tmp_path / "g").read_text())
+  try:
+    alive = True
+    os.kill(grandchild, 0)
+    # a zombie has not been reaped by its (dead) parent yet: dead all the same
+    alive = "Z" not in pathlib.Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+  except (ProcessLookupError, FileNotFoundError):
+    alive = False
+  finally:
+    if alive:
+      os.kill(grandchild, signal.SIGKILL)
+  assert proc.returncode == 3, proc.stderr
+  assert not alive
+
+
+@pytest.mark.slow  # child processes (no JAX in them: seconds)
 def test_sigterm_while_the_launcher_starts_its_processes_stops_them(tmp_path):
   """A cancel that lands while the children are being started: the handlers used to be
   installed after the last start, so SIGTERM then killed the launcher alone (exit -15) and
