@@ -157,7 +157,7 @@ def _ints(values) -> str:
   return "/".join("n/a" if not np.isfinite(v) else str(int(v)) for v in values)
 
 
-def _algorithms(c, schedule_for, n, warmup, k_s, boundary=None):
+def _algorithms(c, schedule_for, n, warmup, k_s, boundary=None, *, seed):
   axes = mfopt.WORKER_AXES
 
   def local(ctl_fn):
@@ -185,7 +185,10 @@ def _algorithms(c, schedule_for, n, warmup, k_s, boundary=None):
       (p1, p2), (boundary or n // 2,))), "lr": c.learning_rate, "group": "DECREASING",
       "boundary": boundary or n // 2}
   algos[f"QSGD-{c.qsgd_bits}bit"] = {
-      "make": lambda: optax.chain(mfopt.qsgd(axes, bits=c.qsgd_bits, bucket_size=c.qsgd_bucket),
+      # the run's seed draws QSGD's rounding too (a fixed key gave every seed the same noise,
+      # so the spread over seeds left it out)
+      "make": lambda: optax.chain(mfopt.qsgd(axes, bits=c.qsgd_bits, bucket_size=c.qsgd_bucket,
+                                             seed=seed),
                                   optax.sgd(schedule_for(c.learning_rate), momentum=c.momentum)),
       "lr": c.learning_rate, "group": "QSGD"}
   return algos
@@ -211,7 +214,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
 
   per_seed: dict[str, list[dict[str, Any]]] = {}
   for seed in c.seeds:
-    for name, spec in _algorithms(c, lambda lr: None, n, warmup, k_s).items():
+    for name, spec in _algorithms(c, lambda lr: None, n, warmup, k_s, seed=seed).items():
       workers = spec.get("workers", w)
       steps = n * w // workers
       schedule_for = lambda lr, steps=steps: common.step_decay(lr, steps)  # noqa: E731
@@ -220,7 +223,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         adp = per_seed["ADPSGD"][-1]
         boundary = (dec_boundary(tuple(c.decreasing_periods), steps, adp["param_syncs"])
                     if not adp["diverged"] else None)  # (diverged: half way, as printed)
-      spec = _algorithms(c, schedule_for, steps, warmup, k_s, boundary)[name]
+      spec = _algorithms(c, schedule_for, steps, warmup, k_s, boundary, seed=seed)[name]
       log_every = c.log_every * (w // workers)
       res = common.run(dataset=dataset, model_name=c.model, tx=spec["make"](),
                        num_workers=workers, per_worker_batch=b, num_steps=steps, seed=seed,

@@ -157,6 +157,24 @@ def test_pick_best_never_picks_a_diverged_candidate():
   assert common.pick_best({"a": rows(np.nan), "b": rows(np.nan)}) is None
 
 
+def test_adpsgd_table_qsgd_rounding_follows_the_seed(monkeypatch):
+  """Each experiment seed must draw its own QSGD rounding noise; a fixed key (the builder's
+  default seed 0) gave every seed the same noise, so the spread over seeds understated it."""
+  import mfopt
+  real, seeds = mfopt.qsgd, []
+
+  def recording(*args, **kwargs):
+    seeds.append(kwargs.get("seed", 0))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(mfopt, "qsgd", recording)
+  c = adpsgd_table.get_config(quick=True)
+  for seed in (3, 5):
+    algos = adpsgd_table._algorithms(c, lambda lr: lr, 16, 0, 4, seed=seed)
+    algos[f"QSGD-{c.qsgd_bits}bit"]["make"]()
+  assert seeds == [3, 5]
+
+
 def test_adpsgd_table_records_diverged_runs(tmp_path):
   # SMALL_BATCH lr=1e6 diverges (lr=0.1 does not); the only FULLSGD lr, 1e4, diverges.
   summary = runner.run_experiment("adpsgd_table", quick=True, workdir=tmp_path, overrides=[
