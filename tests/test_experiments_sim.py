@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from mfopt import runner
 
@@ -67,6 +68,23 @@ def test_ksync_trace_quick(tmp_path):
   # with 4 workers k < 5 always: the Fig. 13 claim tests non-monotonicity only, and says so
   fig13, = [c for c in res["claims"] if "Fig. 13" in c["claim"]]
   assert "'mostly < 5' not testable with 4 workers" in fig13["claim"]
+
+
+def test_ksync_trace_fixed_k_m_follows_num_workers():
+  """Fig. 14's "fixed k = M" must be the run's worker count: the full preset took M from the
+  default num_workers (16) before overrides, so num_workers=32 ran k=16 and num_workers=8 was
+  refused (k=16 > M). 0 in fixed_k now stands for M."""
+  from experiments import ksync_trace
+  for m, ks in ((32, (2, 3, 8, 32)), (8, (2, 3, 8))):
+    c = ksync_trace.get_config(quick=False)
+    c.num_workers = m
+    ksync_trace.validate(c)
+    assert [n for n in ksync_trace._variants(c) if n.startswith("fixed")] == [
+        f"fixed k={k} [working]" for k in ks]
+  c.num_workers = 4  # k = 8 > M: refused, naming the field
+  with pytest.raises(runner.ConfigError, match="'fixed_k' must hold integers 0 <= k <= "
+                                               "num_workers=4"):
+    ksync_trace.validate(c)
 
 
 def test_bb_lr_quick(tmp_path):
