@@ -73,8 +73,14 @@ def mesh_for(num_workers: int) -> tuple[Any, str]:
 def run_cell(*, model, dataset, optimizer: str, learning_rate: float, mf: float, num_workers: int,
              per_worker_batch: int, num_steps: int, seed: int, log_every: int,
              progress: bool, desc: str, on_log: Callable[[dict], None] | None = None,
-             mf2: float = 0.999) -> dict[str, Any]:
+             mf2: float = 0.999, train_set_loss: bool = False) -> dict[str, Any]:
   """Trains one configuration; returns its summary, with ``diverged=True`` on a non-finite loss.
+
+  ``final_train_loss`` is ``fit``'s: the mean minibatch loss of the last logging window, whose
+  length in samples depends on the batch and on where the run's steps fall against
+  ``log_every``. ``train_set_loss=True`` adds ``train_set_loss``: the final (worker-averaged)
+  model's loss over the whole training set in inference mode, the same examples for every
+  cell, so comparable across batch sizes (``nan`` for a diverged run).
 
   A diverged run (``mfopt.train.fit`` raises ``NonFiniteError``) is recorded with
   ``mfopt.train.diverged_summary`` (``nan`` metrics, its error and first non-finite
@@ -90,9 +96,15 @@ def run_cell(*, model, dataset, optimizer: str, learning_rate: float, mf: float,
         log_every=min(log_every, num_steps), progress=progress, desc=desc, on_log=on_log,
         run_info={"optimizer": optimizer, "learning_rate": learning_rate, "mf": mf, "mf2": mf2})
     out = {**result.summary, "diverged": False, "error": None, "diverged_at_step": None}
+    if train_set_loss:
+      params, model_state = train.averaged_model(result.state)
+      out["train_set_loss"] = train.evaluate(train.make_eval_fn(model), params, model_state,
+                                             dataset.train)["test_loss"]
   except train.NonFiniteError as e:
     out = train.diverged_summary(e, num_steps=num_steps, num_workers=num_workers,
                                  per_worker_batch=per_worker_batch)
+    if train_set_loss:
+      out["train_set_loss"] = math.nan
     print(f"{desc}: diverged: {out['error']}", file=sys.stderr)
   out.update(optimizer=optimizer, learning_rate=learning_rate, mf=mf, seed=seed, mesh=mesh_note)
   return out

@@ -18,8 +18,17 @@ def _run(name, tmp_path, *overrides):
   return summary, (tmp_path / "report.md").read_text()
 
 
-def test_mf_batch_workers_quick(tmp_path):
+def test_mf_batch_workers_quick(tmp_path, monkeypatch):
   # workers=128 > batch 64: that cell must be skipped and reported, not run.
+  from mfopt import train
+  real, evaluated = train.evaluate, []
+
+  def recording(eval_fn, params, model_state, source, *args, **kwargs):
+    out = real(eval_fn, params, model_state, source, *args, **kwargs)
+    evaluated.append((len(source), out["test_loss"]))
+    return out
+
+  monkeypatch.setattr(train, "evaluate", recording)
   summary, text = _run("mf_batch_workers", tmp_path, "workers=(1, 8, 128)")
   cells = summary["cells"]
   assert {(c["optimizer"], c["global_batch"], c["workers"]) for c in cells} == {
@@ -35,6 +44,14 @@ def test_mf_batch_workers_quick(tmp_path):
   runs = json.loads((tmp_path / "runs.json").read_text())
   assert {r["steps"] for r in runs} == {16}  # 1,000 samples / 64 for every cell (equal samples)
   assert {r["learning_rate"] for r in runs} == {0.025}
+  # table.json's loss is the final model's over the whole training set, the same examples in
+  # every cell (fit's last-window minibatch loss spanned 1 % to 100 % of a run by batch size)
+  from experiments import mf_batch_workers
+  train_size = mf_batch_workers.get_config(quick=True).num_train
+  on_train = [loss for n, loss in evaluated if n == train_size]
+  assert sorted(r["train_set_loss"] for r in runs) == sorted(on_train) and len(on_train) == 4
+  table = json.loads((tmp_path / "table.json").read_text())
+  assert all(c["train_set_loss_mean"] == c["train_set_loss_values"][0] for c in table)
   assert "W=1: 1 of 8 device(s)" in text and "W=8: 8 device(s)" in text
   assert any("acc(W=1) - acc(W=8) at batch 64" in k for k in summary["claims"])
   assert (tmp_path / "accuracy_vs_workers.png").stat().st_size > 0
