@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from mfopt import runner
@@ -81,7 +82,24 @@ def test_precision_quick(tmp_path, monkeypatch):
   assert fp16["train_loss_scale"] > 0 and 0 <= fp16["train_overflow"] <= 1
 
 
-def test_bn_strategies_quick(tmp_path):
+def test_bn_strategies_quick(tmp_path, monkeypatch):
+  """The report's content, equal samples, BN's all-reduces; and row 1's data stream. Row 1
+  draws per-worker batches of B/2, B or 3B/2; it used to cut them from a 3B/2 batch,
+  discarding the rest, so some examples went unseen in an epoch and others were seen twice
+  where the fixed rows see each once. It now reads consecutive B/2 pieces of the epoch order."""
+  import types
+
+  from experiments import bn_strategies
+  from mfopt import data as data_lib
+  reads = []
+
+  class Recording(data_lib.WorkerBatcher):  # (row 1's batcher only: fit's is not replaced)
+    def batch(self, step, workers=None):
+      reads.append((self.per_worker_batch, self.indices(step)))
+      return super().batch(step, workers)
+
+  monkeypatch.setattr(bn_strategies, "data_lib",
+                      types.SimpleNamespace(**{**vars(data_lib), "WorkerBatcher": Recording}))
   out = runner.run_experiment("bn_strategies", quick=True, workdir=tmp_path, overrides=TINY)
   text = (tmp_path / "report.md").read_text()
   assert "without moving average" in text and "✓" in text and "×" in text
@@ -94,6 +112,13 @@ def test_bn_strategies_quick(tmp_path):
   assert varying["summary"]["all_reduces"] == steps + 2 * steps * 1
   assert varying["efficiency"]["scaling_efficiency"] < 1
   assert out["target"] > 0
+  half = bn_strategies.get_config(quick=True).per_worker_batch // 2
+  assert {b for b, _ in reads} == {half}
+  trained = [idx.ravel() for _, idx in reads[2:]]  # (after the init and compile probes)
+  assert sum(map(len, trained)) == varying["summary"]["samples"]
+  per_epoch = 512 // (4 * half)  # B/2 pieces in an epoch (TINY: 512 examples, 4 workers)
+  seen = np.concatenate(trained[:per_epoch])
+  assert len(seen) == len(np.unique(seen)) == per_epoch * 4 * half  # each example once
 
 
 def test_bn_strategies_varying_row_resumes_and_skips_when_finished(tmp_path, monkeypatch):
