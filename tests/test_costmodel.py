@@ -110,3 +110,43 @@ def test_amounts_that_are_not_numbers_are_refused_naming_them():
   for build, match in cases:
     with pytest.raises(ValueError, match=match):
       build()
+
+
+def test_presets_match_spec_bandwidths_and_documented_latencies():
+  """SPEC.md's presets in bytes/s (1 Gbit/s = 1.25e8 B/s; seed 001's emulated 10 Gbit/s is
+  5 Gbit/s per direction), the describe() example for 10 Gbit/s Ethernet, and latencies that do
+  not fall as links get slower: a misplaced digit in a preset skews every projection made on it."""
+  gbit = 1e9 / 8
+  want = {"1gbit": gbit, "10gbit": 10 * gbit, "10gbit-trickle": 5 * gbit, "100gbit": 100 * gbit,
+          "nvlink": 370e9, "ndr400": 47e9}
+  for name, bandwidth in want.items():
+    assert math.isclose(costmodel.link(name).bandwidth, bandwidth, rel_tol=1e-12), name
+  assert costmodel.link("10gbit").describe() == (
+      "10 Gbit/s Ethernet (1.25 GB/s per direction, latency 20 us)")
+  lat = {name: costmodel.link(name).latency for name in want}
+  assert lat["1gbit"] >= lat["10gbit"] >= lat["100gbit"] >= lat["ndr400"] > 0
+  assert lat["10gbit-trickle"] == lat["10gbit"] and lat["nvlink"] <= lat["100gbit"]
+
+
+def test_describe_reports_gigabytes_per_second_and_microseconds():
+  """describe() writes bandwidth in GB/s (1e9 bytes/s) and latency in us: 2.5e9 B/s and 7e-6 s
+  read "2.5 GB/s" and "7 us"; a wrong power of ten would mislabel every report's projection."""
+  assert costmodel.Link("x", 2.5e9, 7e-6).describe() == "x (2.5 GB/s per direction, latency 7 us)"
+
+
+def test_projected_time_with_zero_compute_is_not_reported_efficient():
+  """With no measured compute time the efficiency 1 / (1 + comm/compute) has no finite value:
+  it is NaN (or its limit 0 when there is communication), never a perfect 1.0."""
+  net = costmodel.Link("x", bandwidth=1e9, latency=0.0)
+  p = costmodel.projected_time(0.0, {"all_reduces": 1, "all_reduce_bytes": 4e8}, 2, net)
+  assert math.isclose(p["comm_s"], 0.4) and math.isclose(p["projected_s"], 0.4)
+  assert math.isnan(p["scaling_efficiency"]) or p["scaling_efficiency"] == 0.0
+
+
+def test_communication_time_refuses_counts_without_their_bytes():
+  """A count without its byte total cannot be modelled: refused, saying which keys it needs,
+  rather than a bare KeyError (count > 0) or a silent 0 s of communication (count 0)."""
+  for totals in ({"all_reduces": 4}, {"all_reduces": 0},
+                 {"all_gathers": 2, "all_reduce_bytes": 8, "all_reduces": 1}):
+    with pytest.raises(ValueError, match=r"totals must hold mfopt.comm_totals"):
+      costmodel.communication_time(totals, 4, "10gbit")

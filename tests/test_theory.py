@@ -177,3 +177,109 @@ def test_estimate_constants_refuses_f_star_equal_to_f_w1():
   with pytest.raises(ValueError, match=r"f_star must be a lower bound of F below F\(w_1\) = 0.5, "
                                        r"got 0.5"):
     theory.estimate_constants(loss, jnp.ones(1), jnp.zeros((4, 1)), f_star=0.5, iters=2)
+
+
+def _g_ref(mu, n, eta, p, b, k, c):
+  """Seed 003 eq. (3) written out again, vectorised over mu or K."""
+  om, den = 1.0 - mu, k - 1 + c.delta
+  return (2 * om * c.f_gap / (n * den * eta)
+          + c.L**2 * eta**2 * c.sigma2 * (2 * k - 1) * k * (k - 1) / (6 * den * b * om**2)
+          + 2 * c.L * k**2 * c.sigma2 * eta / (p * b * den * om) * (1 + mu**2 / (2 * om**2))
+          + c.L * eta * mu**2 * k**2 * c.M / (den * om**3))
+
+
+def _holds_ref(mu, eta, k, c):
+  """Theorem 1's two conditions, written out again (vectorised)."""
+  om = 1.0 - mu
+  step = c.L**2 * eta**2 * (k + 1) * (k - 2) / (2 * om**2) + 2 * eta * c.L * k / om
+  return (step <= 1.0) & (c.L**2 * eta**2 / om**2 <= 1.0 - c.delta)
+
+
+def test_delta_condition_boundary_away_from_half():
+  """1 - delta >= L^2 eta^2 / (1-mu)^2 switches at eta = sqrt(1-delta)(1-mu)/L; at delta = 0.8
+  a bound checked against delta instead of 1 - delta, or a (1-mu) missing its square, moves it."""
+  c = theory.ProblemConstants(L=2.0, sigma2=1.0, M=1.0, f_gap=1.0, delta=0.8)
+  mu = 0.3
+  eta_max = np.sqrt(1 - 0.8) * (1 - mu) / 2.0
+  # K = 1: the step condition is 2x - x^2 <= 1 with x = eta L / (1-mu), which always holds.
+  below = theory.conditions(mu, eta_max * 0.999, K=1, c=c)
+  above = theory.conditions(mu, eta_max * 1.001, K=1, c=c)
+  assert below["delta_condition"] == pytest.approx(0.2 * 0.999**2, rel=1e-12)
+  assert below["delta_ok"] and below["ok"]
+  assert not above["delta_ok"] and not above["ok"]
+
+
+def test_optimal_momentum_is_the_constrained_grid_minimiser():
+  """optimal_momentum is the argmin of eq. (3) over mu = 0, 0.0025, ..., 0.995 among the mu
+  where Theorem 1's conditions hold: with eta = 0.05 the unconstrained minimiser violates them,
+  and with many learners and a small M the optimum lies above 0.9 (a shorter grid misses it)."""
+  grid = np.arange(0.0, 0.9951, 0.0025)
+  cases = [(dict(L=1.0, sigma2=20.0, M=0.05, f_gap=50.0), 48, 2e6, 0.05, 32, 8),
+           (dict(L=1.0, sigma2=20.0, M=0.001, f_gap=500.0), 64, 1e8, 0.001, 32, 4)]
+  wants, free = [], []
+  for kw, p, s, eta, b, k in cases:
+    c = theory.ProblemConstants(**kw, delta=0.5)
+    vals = _g_ref(grid, s / (p * b * k), eta, p, b, k, c)
+    wants.append(grid[np.argmin(np.where(_holds_ref(grid, eta, k, c), vals, np.inf))])
+    free.append(grid[np.argmin(vals)])
+    got = theory.optimal_momentum(p, samples=s, eta=eta, B=b, K=k, c=c)
+    assert got == pytest.approx(wants[-1], abs=1e-9), (kw, got, wants[-1])
+  assert free[0] > wants[0] + 0.1 and wants[1] > 0.9  # the cases probe what they claim to
+
+
+@pytest.mark.parametrize("mu,sigma2,f_gap,k_max", [(0.5, 1.0, 100.0, 256), (0.0, 1.0, 100.0, 6),
+                                                   (0.0, 10.0, 0.01, 256)])
+def test_optimal_period_is_the_constrained_minimiser_over_1_to_k_max(mu, sigma2, f_gap, k_max):
+  """optimal_period is the argmin of eq. (3) with N = S/K over K = 1..k_max (both ends
+  included) where the conditions hold: the optimum can sit at k_max (6, below the free
+  optimum 55) or at K = 1 (noise-dominated, where Lemma 5's condition fails)."""
+  c = theory.ProblemConstants(L=1.0, sigma2=sigma2, M=0.1, f_gap=f_gap, delta=0.5)
+  s, eta, p, b = 5e4, 0.005, 8, 16
+  ks = np.arange(1, k_max + 1)
+  vals = np.where(_holds_ref(mu, eta, ks, c), _g_ref(mu, s / ks, eta, p, b, ks, c), np.inf)
+  want = int(ks[np.argmin(vals)])
+  assert theory.optimal_period(mu, samples=s, eta=eta, P=p, B=b, c=c, k_max=k_max) == want
+  if k_max == 6:
+    assert want == 6
+  if f_gap == 0.01:
+    assert want == 1 and not theory.lemma5_condition(mu, samples=s, eta=eta, P=p, B=b, c=c)
+
+
+def test_theory_refuses_degenerate_inputs_naming_them():
+  """delta = 0 makes K - 1 + delta = 0 at K = 1, a fractional learner/batch/period count and
+  N = 0 have no meaning in Theorem 1, a negative M turns the momentum term into a bonus, and
+  conditions() at mu = 1 divides by zero: each is refused with its name."""
+  with pytest.raises(ValueError, match=r"delta must be in \(0, 1\), got 0.0"):
+    theory.ProblemConstants(L=1.0, sigma2=1.0, M=1.0, f_gap=1.0, delta=0.0)
+  with pytest.raises(ValueError, match=r"M must be a non-negative number, got -1.0"):
+    theory.ProblemConstants(L=1.0, sigma2=1.0, M=-1.0, f_gap=1.0)
+  with pytest.raises(ValueError, match=r"K must be >= 1, got 0.5"):
+    theory.bound(0.0, 10, 0.01, P=4, B=8, K=0.5, c=C)
+  with pytest.raises(ValueError, match=r"P must be >= 1, got 0.5"):
+    theory.bound(0.0, 10, 0.01, P=0.5, B=8, K=2, c=C)
+  with pytest.raises(ValueError, match=r"N must be positive, got 0"):
+    theory.bound(0.0, 0, 0.01, P=4, B=8, K=2, c=C)
+  with pytest.raises(ValueError, match=r"mu must be in \[0, 1\), got 1.0"):
+    theory.conditions(1.0, 0.01, K=2, c=C)
+  with pytest.raises(ValueError, match=r"eta must be a positive number, got -0.01"):
+    theory.conditions(0.5, -0.01, K=2, c=C)
+
+
+def test_estimate_constants_power_iteration_rises_to_max_abs_eigenvalue():
+  """Hessian eigenvalues {5, -4.8, 4.6, 1}: ||H v|| from a random unit start stays <= max|lambda|
+  = 5 and reaches it within 1e-4 after 200 steps (slowly: ratio 0.96, so a loop cut short
+  stops well below). The start vector follows ``seed`` (one step gives different estimates),
+  and ``delta`` is passed through to the constants rather than reset to its default."""
+  a = jnp.diag(jnp.asarray([5.0, -4.8, 4.6, 1.0]))
+
+  def loss(p, batch):
+    return 0.5 * p @ a @ p + 0.0 * jnp.sum(batch)
+
+  def est(iters, seed=0, delta=0.5):
+    return theory.estimate_constants(loss, jnp.full(4, 0.1), jnp.ones((2, 1)), iters=iters,
+                                     seed=seed, delta=delta)
+
+  one, one_b, long = est(1).L, est(1, seed=1).L, est(200, delta=0.8)
+  assert one != pytest.approx(one_b, rel=1e-3)
+  assert max(one, one_b) <= long.L + 1e-5 and long.L <= 5.0 * (1 + 1e-6)
+  assert long.L == pytest.approx(5.0, rel=1e-4) and long.delta == 0.8
