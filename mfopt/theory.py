@@ -38,6 +38,7 @@ Seed: ``seeds/003_d45cb4f33beceb9d.txt`` Theorem 1, Lemmas 5-7.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -134,8 +135,8 @@ def optimal_momentum(P: float, *, samples: float, eta: float, B: float, K: float
     if not conditions(mu, eta, K=K, c=c)["ok"]:
       continue
     val = bound(mu, n, eta, P=P, B=B, K=K, c=c)
-    if val < best:
-      best, best_mu = val, float(mu)
+    if val < best or math.isnan(best_mu):  # (the first admissible mu, even at an infinite
+      best, best_mu = val, float(mu)        # bound: NaN is reserved for "none holds")
   return best_mu
 
 
@@ -154,8 +155,8 @@ def optimal_period(mu: float, *, samples: float, eta: float, P: float, B: float,
     if not conditions(mu, eta, K=k, c=c)["ok"]:
       continue
     val = bound(mu, samples / k, eta, P=P, B=B, K=k, c=c)
-    if val < best:
-      best, best_k = val, k
+    if val < best or best_k == 0:  # (the first admissible K, even at an infinite bound: 0 is
+      best, best_k = val, k        # reserved for "none holds")
   return best_k
 
 

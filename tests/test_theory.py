@@ -283,3 +283,15 @@ def test_estimate_constants_power_iteration_rises_to_max_abs_eigenvalue():
   assert one != pytest.approx(one_b, rel=1e-3)
   assert max(one, one_b) <= long.L + 1e-5 and long.L <= 5.0 * (1 + 1e-6)
   assert long.L == pytest.approx(5.0, rel=1e-4) and long.delta == 0.8
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the point)
+def test_searches_return_an_admissible_value_when_the_bound_overflows():
+  """NaN (mu) and 0 (K) mean "no value satisfies Theorem 1's conditions". With f_gap = 1e308 the
+  bound is +inf wherever they hold, and the searches used to return those markers anyway (no
+  value was < inf); they return the first admissible value now."""
+  c = theory.ProblemConstants(L=1.0, sigma2=1.0, M=1.0, f_gap=1e308, delta=0.5)
+  assert theory.conditions(0.0, 1e-3, K=4, c=c)["ok"]
+  assert theory.bound(0.0, 1e-3, 1e-3, P=8, B=32, K=4, c=c) == np.inf
+  assert theory.optimal_momentum(8, samples=1.0, eta=1e-3, B=32, K=4, c=c) == 0.0
+  assert theory.optimal_period(0.0, samples=1e-3, eta=1e-3, P=8, B=32, c=c, k_max=4) == 1
