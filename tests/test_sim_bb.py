@@ -297,3 +297,83 @@ def test_doubling_on_k_increase_needs_a_previous_step():
   later = step(_quad_inputs(th, th, th, 0.5, has_prev=True, k_grew=True), jnp.ones(3), None)
   assert not bool(first.bb_applied) and not bool(later.bb_applied)
   np.testing.assert_allclose([float(first.alpha), float(later.alpha)], [0.5, 1.0], rtol=1e-6)
+
+
+def test_bb_update_skips_a_step_whose_squared_length_equals_min_step_sq():
+  """Spec §3.1 skips the BB update when ||s||^2 <= min_step_sq, so a step exactly at the
+  threshold (0.25 here, exact in binary) keeps alpha_prev and only a longer one applies eq. 26;
+  a '>=' test let the boundary step through."""
+  cfg = sim.BBConfig(alpha0=0.1, max_bt=0, min_step_sq=0.25)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=1, dataset_size=2))
+  a = jnp.full(3, 2.0)  # g = 2 th
+  th = np.array([1.0, -0.5, 0.25], np.float32)
+  # s = (-0.5, 0, 0): ||s||^2 = 0.25; y = (-1, 0, 0): <s, y> = 0.5 > 0
+  at = step(_quad_inputs(th, th + [0.5, 0, 0], 2 * th + [1.0, 0, 0], 0.05), a, None)
+  assert not bool(at.bb_applied) and float(at.alpha) == np.float32(0.05)
+  # s = (-0.5, -0.5, 0): ||s||^2 = 0.5, <s, y> = 1, nu = 2; w = 1/2: 0.5 x 0.05 + 0.5 x 0.5
+  past = step(_quad_inputs(th, th + [0.5, 0.5, 0], 2 * th + [1.0, 1.0, 0], 0.05), a, None)
+  assert bool(past.bb_applied)
+  np.testing.assert_allclose(float(past.alpha), 0.5 * 0.05 + 0.5 * 0.5, rtol=1e-6)
+
+
+def test_a_bb_step_with_b_above_n_is_the_clipped_pure_step():
+  """Eq. 26 with B = k b > N: the weight is min(1, B/N) = 1, so alpha = clip(1/nu, 1e-6,
+  10 alpha_0) whatever alpha_prev was (a weight B/N = 1.5 extrapolated past 1/nu); and the
+  default clamp's lower end 1e-6 lifts a very sharp curvature's 1/nu = 1.25e-7 to it (without
+  it the step collapsed towards 0)."""
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, sim.BBConfig(alpha0=0.1, max_bt=0),
+                                     batch_size=4, dataset_size=8))
+  th = np.ones(3, np.float32)
+  a = jnp.full(3, 2.0)  # g = 2 th
+  # s = -0.5 per coordinate; y = -1 gives nu = 2, y = -4e6 gives nu = 8e6; B = 3 x 4 = 12 > 8
+  for y, want in ((1.0, 0.5), (4e6, 1e-6)):
+    out = step(_quad_inputs(th, th + 0.5, 2 * th + y, 0.05, k=3.0, r=0.5), a, None)
+    assert bool(out.bb_applied)
+    np.testing.assert_allclose(float(out.alpha), want, rtol=1e-6)
+
+
+def test_alpha_min_may_be_zero_but_not_negative():
+  """The clamp's lower end is documented '>= 0': 0 (no floor beyond positivity) is a valid
+  setting and must not be refused, while a negative minimum is refused by name."""
+  assert sim.BBConfig(alpha_min=0.0).alpha_min == 0.0
+  with pytest.raises(ValueError, match="alpha_min"):
+    sim.BBConfig(alpha_min=-1e-6)
+
+
+def test_armijo_accepts_a_step_that_meets_the_bound_with_equality():
+  """Eq. 19 accepts alpha when L(th - alpha g) <= L(th) - c alpha ||g||^2, equality included.
+  L = 0.5 ||th||^2 at th = 1 (3 coordinates), c = 1/4, alpha = 1.5: both sides are 0.375 exactly
+  in binary, so the step is taken at once; a strict '<' halved it to 0.75."""
+  cfg = sim.BBConfig(alpha0=1.0, armijo_c=0.25)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=1, dataset_size=2))
+  th = np.ones(3, np.float32)
+  out = step(_quad_inputs(th, th, th, 1.5, has_prev=False), jnp.ones(3), None)
+  assert 0.5 * 3 * (1 - 1.5) ** 2 == 1.5 - 0.25 * 1.5 * 3 == 0.375
+  assert int(out.num_backtracks) == 0 and not bool(out.hit_limit)
+  assert float(out.alpha) == 1.5
+
+
+def test_hit_limit_is_false_when_the_last_allowed_backtrack_satisfies_armijo():
+  """hit_limit means 'max_bt backtracks and Armijo still violated'. On L = 0.5 ||th||^2 at th = 1
+  (accepted iff alpha <= 1.8) 13.6 needs exactly 3 halvings (1.7): with max_bt = 3 that step is
+  accepted and must not be counted as a limit hit, while 27.2 stops at 3.4 and is one."""
+  cfg = sim.BBConfig(alpha0=1.0, max_bt=3)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=1, dataset_size=2))
+  th = np.ones(3, np.float32)
+  for alpha_prev, want, hit in ((13.6, 1.7, False), (27.2, 3.4, True)):
+    out = step(_quad_inputs(th, th, th, alpha_prev, has_prev=False), jnp.ones(3), None)
+    assert int(out.num_backtracks) == 3
+    np.testing.assert_allclose(float(out.alpha), want, rtol=1e-6)
+    assert bool(out.hit_limit) == hit, alpha_prev
+
+
+def test_a_clamp_whose_ends_coincide_is_accepted_and_pins_the_step():
+  """alpha_min equal to alpha_max_factor x alpha_0 is a legitimate (fixed-step) clamp, only a
+  minimum *above* the maximum is contradictory: it is accepted, and every BB step is clipped
+  to that one value (here 1.0 = 2 x 0.5, whatever 1/nu is)."""
+  cfg = sim.BBConfig(alpha0=0.5, alpha_max_factor=2.0, alpha_min=1.0, max_bt=0)
+  step = jax.jit(bb_lib.make_bb_step(quad_loss, cfg, batch_size=2, dataset_size=2))
+  th = np.ones(3, np.float32)
+  for y in (1.0, 1e-3, 1e3):  # nu = 2 y: 1/nu from 5e-4 to 500
+    out = step(_quad_inputs(th, th + 0.5, 2 * th + y, 0.05), jnp.full(3, 2.0), None)
+    assert bool(out.bb_applied) and float(out.alpha) == 1.0, y

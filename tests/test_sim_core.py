@@ -64,6 +64,87 @@ def test_compute_model_is_stateless_and_seeded():
     sim.ComputeModel(straggler_prob=2.0)
 
 
+def test_event_queue_keeps_fifo_ties_across_a_state_dict_round_trip():
+  """The scheduling counter must survive a checkpoint: events already queued keep their seq, so
+  a later push at the same instant has to come after them (FIFO), exactly as in the queue that
+  was never saved. Restarting the counter (at 0 or at the number of queued events) let the new
+  event overtake the old ones. An empty queue's next time is inf, so a max_time never stops it."""
+  q = sim.EventQueue()
+  assert q.next_time() == float("inf")
+  for w in range(3):
+    q.push(1.0, clock.COMPUTE_DONE, w)
+  q.pop(), q.pop()  # seq 2 (worker 2) is left, the counter is at 3
+  q2 = sim.EventQueue.from_state_dict(pickle.loads(pickle.dumps(q.state_dict())))
+  for queue in (q, q2):
+    queue.push(1.0, clock.PUSH_ARRIVE, 7)
+    queue.push(0.5, clock.PULL_ARRIVE, 8)
+    assert queue.next_time() == 0.5
+    assert [queue.pop()[3] for _ in range(3)] == [8, 2, 7]
+    assert len(queue) == 0 and queue.next_time() == float("inf")
+
+
+def test_compute_times_follow_the_documented_lognormal_and_straggler_laws():
+  """time = base * speed * exp(sigma z) * (slowdown if u < p): over 4,000 stateless draws the
+  log jitter has mean 0 and std 1 (in units of sigma), stragglers occur with frequency p, and the
+  mean is the closed form base * speed * exp(sigma^2 / 2) * (1 - p + p s), each within 4 standard
+  errors. A 'mean-one' lognormal (z - sigma / 2) or a mis-scaled slowdown shifts one of them."""
+  n, base, speed, sigma, p, slow = 4000, 0.1, 2.0, 0.4, 0.2, 3.0
+  sp = np.array([1.0, speed])
+  jit = sim.ComputeModel(base, speeds=[1.0, speed], jitter_sigma=sigma)
+  z = np.log([jit.time(sp, 5, 1, i) / (base * speed) for i in range(n)]) / sigma
+  assert abs(z.mean()) < 4 / np.sqrt(n) and abs(z.std() - 1) < 4 / np.sqrt(2 * n)
+  strag = sim.ComputeModel(base, speeds=[1.0, speed], straggler_prob=p, straggler_slowdown=slow)
+  t = np.array([strag.time(sp, 5, 1, i) for i in range(n)])
+  hit = np.isclose(t, base * speed * slow, rtol=1e-12)
+  assert np.all(hit | np.isclose(t, base * speed, rtol=1e-12))  # two values only
+  assert abs(hit.mean() - p) < 4 * np.sqrt(p * (1 - p) / n)
+  both = sim.ComputeModel(base, speeds=[1.0, speed], jitter_sigma=sigma, straggler_prob=p,
+                          straggler_slowdown=slow)
+  t = np.array([both.time(sp, 5, 1, i) for i in range(n)])
+  mean = base * speed * np.exp(sigma ** 2 / 2) * (1 - p + p * slow)
+  second = (base * speed) ** 2 * np.exp(2 * sigma ** 2) * (1 - p + p * slow ** 2)
+  assert abs(t.mean() - mean) < 4 * np.sqrt((second - mean ** 2) / n)
+
+
+def test_compute_model_refuses_speeds_and_slowdowns_outside_their_domain():
+  """A speed factor multiplies the step time, so 0 would make a worker's steps free and the run
+  never advance; a slowdown below 1 would make a straggler faster; and a speeds list longer than
+  the cluster would silently ignore its tail (a mismatched config), so each is refused."""
+  with pytest.raises(ValueError, match="speeds"):
+    sim.ComputeModel(speeds=[1.0, 0.0])
+  with pytest.raises(ValueError, match="straggler_slowdown"):
+    sim.ComputeModel(straggler_slowdown=0.5)
+  cm = sim.ComputeModel(speeds=[1.0, 2.0, 3.0])
+  np.testing.assert_array_equal(cm.speed_factors(3, seed=0), [1.0, 2.0, 3.0])
+  for m in (2, 4):
+    with pytest.raises(ValueError, match="num_workers"):
+      cm.speed_factors(m, seed=0)
+
+
+def test_an_ideal_link_still_counts_the_bytes_and_transfers_of_each_direction():
+  """net=None makes transfers instantaneous, but the traffic itself (bytes and message counts per
+  direction, kept in the checkpoint) does not depend on the network model, so it is counted
+  the same as on a real link."""
+  for net in (None, costmodel.Link("test", bandwidth=1000.0, latency=0.5)):
+    link = sim.ServerLink(net)
+    link.transfer(0.0, 100.0, 0)
+    link.transfer(0.0, 100.0, 0)
+    link.transfer(1.0, 30.0, 1)
+    d = link.state_dict()
+    assert (d["bytes"], d["transfers"]) == ([200.0, 30.0], [2, 1]), net
+
+
+def test_link_utilisation_before_any_simulated_time_is_zero():
+  """At sim_time 0 (a result taken before the first event, or a run whose events all happen at
+  time 0) no busy time has elapsed: the utilisation is 0, not a 0 / 0 division error."""
+  net = costmodel.Link("test", bandwidth=1000.0, latency=0.5)
+  for duplex in (True, False):
+    link = sim.ServerLink(net, duplex=duplex)
+    assert link.utilisation(0.0) == {"push": 0.0, "pull": 0.0}
+    link.transfer(0.0, 100.0, 0)
+    assert link.utilisation(0.0) == {"push": 0.0, "pull": 0.0}
+
+
 def test_simulated_time_of_asp_bsp_and_all_reduce(ds, linear):
   S = 4 * 410  # float32 parameters of the linear model
   net = costmodel.Link("slow", bandwidth=1e5, latency=1e-3)
