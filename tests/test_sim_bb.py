@@ -167,15 +167,20 @@ def test_simulator_bias_correction_uses_the_step_pushed_with_g_prev(dampening):
   """c_a (spec caution 2) is g_prev's coefficient inside s = theta - theta_prev: the server
   summed alpha_pushed x g_prev and divided by k (x (1 - gamma) when dampened). With a floor the
   carried step differs from the pushed one (Armijo cut it below the floor), and c_a built from
-  the carried step over-corrected nu."""
+  the carried step over-corrected nu. A g_prev that arrived stale was merged into u after the
+  version its worker then pulled was built: it is not in s, and c_a is 0 (it was not)."""
   ds = data.load("mnist1d")
   model = models.get_model("mlp", hidden=(), num_classes=10)
   bb = sim.BBConfig(alpha0=50.0, clamp=False, nu_bias_correction=True, alpha_floor_factor=0.5)
   cfg = sim.KSyncConfig(bb=bb, gamma=0.9, dampening=dampening)
   s = sim.Simulator(sim.KSync(cfg), model=model, dataset=ds, num_workers=3, per_worker_batch=16,
                     network=None, compute=sim.ComputeModel(0.01, speed_spread=0.3))
-  seen = []
-  bb_fn, flush = s._bb, s._flush
+  seen, stale = [], np.zeros(3, bool)  # (was worker w's last push stale on arrival?)
+  bb_fn, flush, on_push = s._bb, s._flush, s.strategy.on_push
+
+  def spy_push(sim_, w):
+    stale[w] = sim_.msg[w].version != sim_.version
+    on_push(sim_, w)
 
   def spy_flush():
     pending = [w for w in range(s.num_workers) if s.w_phase[w] == COMPUTING
@@ -186,7 +191,7 @@ def test_simulator_bias_correction_uses_the_step_pushed_with_g_prev(dampening):
       for i, w in enumerate(pending):
         if bool(inputs.has_prev[i]):
           seen.append((float(inputs.c_a[i]), pushed[i], float(inputs.k[i]),
-                       float(s.alpha_carry[w])))
+                       float(s.alpha_carry[w]), bool(stale[w])))
       return bb_fn(inputs, x, y)
 
     s._bb = spy_bb
@@ -195,19 +200,31 @@ def test_simulator_bias_correction_uses_the_step_pushed_with_g_prev(dampening):
     finally:
       s._bb = bb_fn
 
-  s._flush = spy_flush
+  s._flush, s.strategy.on_push = spy_flush, spy_push
   s.run(max_samples=16 * 30)
   damp = 0.1 if dampening else 1.0
   assert len(seen) >= 20
-  for c_a, pushed, k, _ in seen:
-    np.testing.assert_allclose(c_a, pushed * damp / max(k, 1.0), rtol=1e-6)
-  # the case that tells the two apart happened: the floor lifted the carried step
-  assert any(carry > pushed * (1 + 1e-6) for _, pushed, _, carry in seen)
+  for c_a, pushed, k, _, was_stale in seen:
+    np.testing.assert_allclose(c_a, 0.0 if was_stale else pushed * damp / max(k, 1.0),
+                               rtol=1e-6)
+  # the cases that tell them apart happened: the floor lifted the carried step, and a g_prev
+  # arrived stale
+  assert any(carry > pushed * (1 + 1e-6) for _, pushed, _, carry, _ in seen)
+  assert any(was_stale for *_, was_stale in seen)
   # a checkpoint written before alpha_pushed existed restores c_a's old input, the carried step
   d = s.state_dict()
-  del d["alpha_pushed"]
+  del d["alpha_pushed"], d["w_push_fresh"]
   s.load_state_dict(d)
   np.testing.assert_array_equal(s.alpha_pushed, s.alpha_carry)
+  assert s.w_push_fresh.all()  # (and counted every push as fresh)
+
+
+def test_bias_correction_is_refused_with_exact_nu():
+  """Caution 2's correction removes cheap nu's bias (g_prev inside s); exact nu takes both
+  gradients on one batch and has none, so subtracting c_a V_hat there biased it downwards."""
+  with pytest.raises(ValueError, match="nu_bias_correction=True corrects cheap"):
+    sim.BBConfig(nu="exact", nu_bias_correction=True)
+  assert sim.BBConfig(nu="cheap", nu_bias_correction=True).nu_bias_correction
 
 
 def _quad_inputs(theta, theta_prev, g_prev, alpha_prev, *, k=1.0, r=0.0, has_prev=True,

@@ -60,7 +60,10 @@ class BBConfig:
     alpha_floor_factor: optional floor ``α_carried >= factor * α_0`` (None = off; 1e-3 in ``working``) [A].
     eps: r is capped at ``1 - eps`` in ``1 - min(r, 1-eps)`` [A].
     min_step_sq: skip the BB update if ``‖s‖² <= min_step_sq`` (1e-12) [A].
-    nu_bias_correction: subtract ``c_a V̂`` from ``⟨s,y⟩`` (spec caution 2) [A].
+    nu_bias_correction: subtract ``c_a V̂`` from ``⟨s,y⟩`` (spec caution 2) [A]; ``c_a`` is
+      the coefficient of the worker's previous gradient in ``s``: ``α_pushed·damp/k`` if that
+      gradient arrived fresh, 0 if it arrived stale (merged after the version the worker then
+      pulled was built) or was dropped. Cheap ν only: exact ν has no such bias (refused).
     double_on_k_increase: double α when k grew since the last pull (ensmallen) [A].
   """
 
@@ -89,6 +92,9 @@ class BBConfig:
     _checks.nonnegative_int("max_bt", self.max_bt)
     for flag in ("clamp", "nu_bias_correction", "double_on_k_increase"):
       _checks.flag(flag, getattr(self, flag))
+    if self.nu_bias_correction and self.nu == "exact":  # (spec caution 2: cheap ν's bias)
+      raise ValueError("nu_bias_correction=True corrects cheap ν's bias (spec caution 2); "
+                       "nu='exact' has none to remove: use nu='cheap' or leave it off")
     w("alpha_min", self.alpha_min, lambda v: v >= 0, ">= 0")
     w("alpha_max_factor", self.alpha_max_factor, lambda v: v > 0, "> 0")
     if self.clamp and self.alpha_min > self.alpha_max_factor * self.alpha0:  # (clip then

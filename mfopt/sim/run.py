@@ -252,6 +252,9 @@ class Simulator:
     # from alpha_carry where the floor lifted the carried step)
     self.alpha_pushed = np.full(m, bb.alpha0 if bb else np.nan, np.float32)
     self.has_prev = np.zeros(m, bool)
+    # whether each worker's last push was fresh: a stale one is merged into u after the version
+    # the worker then pulls was built, so it is not in that s = theta - theta_prev (c_a = 0)
+    self.w_push_fresh = np.ones(m, bool)
     self.g_prev = np.zeros((m, self.dim), np.float32) if bb else None
     self.broadcast = {"k": 1.0, "r": 0.0, "v_hat": 0.0}
     self.pushes = np.zeros(m, np.int64)
@@ -418,8 +421,11 @@ class Simulator:
           has_prev=self.has_prev[rows] & (self.w_prev_version[rows] >= 0),
           k=k.astype(np.float32), k_grew=self.w_k_grew[rows],
           r=self.w_bcast[rows, 1].astype(np.float32), v_hat=self.w_bcast[rows, 2].astype(np.float32),
-          # g_prev entered s through the server's update scaled by the step pushed with it
-          c_a=(self.alpha_pushed[rows] * damp / np.maximum(k, 1.0)).astype(np.float32))
+          # g_prev entered s through the server's update scaled by the step pushed with it, if
+          # it arrived fresh (a stale or dropped one is not in s)
+          c_a=np.where(self.w_push_fresh[rows],
+                       self.alpha_pushed[rows] * damp / np.maximum(k, 1.0), 0.0
+                       ).astype(np.float32))
       o = jax.device_get(self._bb(inputs, x, y))
       for i, w in enumerate(pending):
         self.out[w] = WorkerOut(float(o.loss[i]), np.asarray(o.grad[i]), float(o.alpha[i]),
@@ -482,6 +488,7 @@ class Simulator:
     elif kind == clock_lib.PUSH_ARRIVE:
       if self.strategy.logs_staleness:
         self.staleness[self.version - self.msg[w].version] += 1
+      self.w_push_fresh[w] = self.msg[w].version == self.version
       self.strategy.on_push(self, w)
     elif kind == clock_lib.PULL_ARRIVE:
       v = int(self.w_incoming[w])
@@ -638,7 +645,7 @@ class Simulator:
         "w_extra_s": self.w_extra_s.copy(), "compute_busy": self.compute_busy.copy(),
         "out": [as_dict(o) for o in self.out], "msg": [as_dict(m) for m in self.msg],
         "alpha_carry": self.alpha_carry.copy(), "alpha_pushed": self.alpha_pushed.copy(),
-        "has_prev": self.has_prev.copy(),
+        "has_prev": self.has_prev.copy(), "w_push_fresh": self.w_push_fresh.copy(),
         "g_prev": None if self.g_prev is None else self.g_prev.copy(),
         "broadcast": dict(self.broadcast), "pushes": self.pushes.copy(), "pulls": self.pulls.copy(),
         "dropped": self.dropped, "collectives": self.collectives, "bb_stats": dict(self.bb_stats),
@@ -668,6 +675,8 @@ class Simulator:
                 for m in d["msg"]]
     # (checkpoints written before alpha_pushed existed: the carried step, what c_a used then)
     self.alpha_pushed = np.array(d.get("alpha_pushed", d["alpha_carry"]), np.float32)
+    # (checkpoints written before w_push_fresh existed: every push counted as fresh then)
+    self.w_push_fresh = np.array(d.get("w_push_fresh", np.ones_like(self.has_prev)), bool)
     self.g_prev = None if d["g_prev"] is None else np.array(d["g_prev"], np.float32)
     self.broadcast = dict(d["broadcast"])
     self.dropped, self.collectives = int(d["dropped"]), int(d["collectives"])
