@@ -98,8 +98,9 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
               f"simulated time {s['sim_time_s']:.1f} s, to target {row['time_to_target']:.1f} s")
   table = suite.aggregate(rows, ("network", "strategy"), FIELDS)
   claims = _claims(c, table, rows)
-  report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims,
-                                              f"staleness_seed{c.seeds[0]}": staleness})
+  report.write_json(workdir / "results.json", {"time_unit": suite.TIME_UNIT, "runs": rows,
+                                               "table": table, "claims": claims,
+                                               f"staleness_seed{c.seeds[0]}": staleness})
   report.plot_curves(workdir / "accuracy_vs_time.png", curves_time, xlabel="simulated time (s)",
                      ylabel="test accuracy", title=f"test accuracy vs simulated time (seed {c.seeds[0]})")
   report.plot_curves(workdir / "accuracy_vs_step.png", curves_step, xlabel="server step",

@@ -131,7 +131,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         claims.append({"workers": m, "claim": f"KSync[working] speedup in {what} > ASP's",
                        "ours": suite.pm(me, fld), "baseline": suite.pm(asp, fld),
                        "verdict": speedup_verdict(rows, fld, m)})
-  report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims})
+  report.write_json(workdir / "results.json", {"time_unit": suite.TIME_UNIT, "runs": rows,
+                                               "table": table, "claims": claims})
   panels = {"speedup in simulated time": {}, "speedup in worker training steps": {}}
   for name in c.strategies:
     rs = [by[(name, m)] for m in c.worker_counts]

@@ -109,8 +109,9 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                               suite.holds_in_every_seed(
                        {seed: cv > 0.05 for seed, cv in suite.per_seed(
                            rows, "alpha_median_cv", variant=f"BB [{preset}]").items()})})
-  report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims,
-                                              f"lr_traces_seed{c.seeds[0]}": lr_data})
+  report.write_json(workdir / "results.json", {"time_unit": suite.TIME_UNIT, "runs": rows,
+                                               "table": table, "claims": claims,
+                                               f"lr_traces_seed{c.seeds[0]}": lr_data})
   report.plot_curves(workdir / "lr_traces.png", panels, xlabel="simulated time (s)",
                      ylabel="α_i (Armijo-accepted step)", logy=True,
                      title="Fig. 16 analogue: per-worker BB step sizes (first 8 workers)")

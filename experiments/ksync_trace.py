@@ -105,8 +105,9 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
         acc_step[name] = ([h["server_step"] for h in res.history], [h["test_accuracy"] for h in res.history])
         if name.startswith("adaptive"):
           traces[name] = res.k_trace
-          (workdir / f"k_trace_{name.split('[')[1][:-1]}.json").write_text(
-              json.dumps(res.k_trace))
+          (workdir / f"k_trace_{name.split('[')[1][:-1]}.json").write_text(json.dumps(
+              {"columns": ["server_step", "time", "k"], "time_unit": suite.TIME_UNIT,
+               "rows": res.k_trace}))
       print(f"{name:22s} seed {seed}: acc {rows[-1]['test_accuracy']:.3f}, k p50 {rows[-1]['k_p50']:g}, "
             f"simulated time to target {rows[-1]['time_to_target']:.1f} s")
   fields = ("test_accuracy", "k_mean", "k_p10", "k_p50", "k_p90", "frac_k_below_5",
@@ -148,7 +149,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                        "verdict": suite.paired_claim(
                            suite.per_seed(rows, fld, variant="adaptive k [working]"),
                            suite.per_seed(rows, fld, variant=f"fixed k={k} [working]"))})
-  report.write_json(workdir / "results.json", {"runs": rows, "table": table, "claims": claims})
+  report.write_json(workdir / "results.json", {"time_unit": suite.TIME_UNIT, "runs": rows,
+                                               "table": table, "claims": claims})
   report.plot_curves(workdir / "k_trace.png",
                      {n: {"k": ([t for _, t, _ in tr], [k for _, _, k in tr])} for n, tr in traces.items()},
                      xlabel="simulated time (s)", ylabel="k (fresh gradients per server step)",

@@ -17,6 +17,7 @@ def _run(name, tmp_path, overrides=()):
 
 def test_async_convergence_quick(tmp_path):
   _, res, text = _run("async_convergence", tmp_path)
+  assert res["time_unit"].startswith("simulated seconds")
   table = {(r["network"], r["strategy"]): r for r in res["table"]}
   assert set(s for _, s in table) == {"ASP", "BSP", "all-reduce", "KSync[working]"}
   bsp, ar, asp = table[("100gbit", "BSP")], table[("100gbit", "all-reduce")], table[("100gbit", "ASP")]
@@ -33,6 +34,7 @@ def test_async_convergence_quick(tmp_path):
 
 def test_async_scaling_quick(tmp_path):
   _, res, _ = _run("async_scaling", tmp_path)
+  assert res["time_unit"].startswith("simulated seconds")
   rows = {(r["strategy"], r["workers"]): r for r in res["table"]}
   assert set(rows) == {(s, m) for s in ("ASP", "KSync[working]") for m in (1, 2, 4)}
   for s in ("ASP", "KSync[working]"):
@@ -68,6 +70,11 @@ def test_ksync_trace_quick(tmp_path):
   # with 4 workers k < 5 always: the Fig. 13 claim tests non-monotonicity only, and says so
   fig13, = [c for c in res["claims"] if "Fig. 13" in c["claim"]]
   assert "'mostly < 5' not testable with 4 workers" in fig13["claim"]
+  # the JSON says its times are simulated (read on its own it passed for measured time)
+  assert res["time_unit"].startswith("simulated seconds")
+  trace = json.loads((tmp_path / "k_trace_working.json").read_text())
+  assert trace["time_unit"] == res["time_unit"] and trace["columns"][1] == "time"
+  assert [r[2] for r in trace["rows"]] and all(2 <= r[2] <= 4 for r in trace["rows"])
 
 
 def test_ksync_trace_fixed_k_m_follows_num_workers():
@@ -97,6 +104,7 @@ def test_bb_lr_quick(tmp_path):
   assert bb["bb_applied_frac_mean"] > 0.5 and dec["alpha_final_min_n"] == 0
   assert bb["test_accuracy_mean"] != dec["test_accuracy_mean"]
   assert len(res["lr_traces_seed1"]["working"]) == 4 and "lr_traces_seed0" not in res
+  assert res["time_unit"].startswith("simulated seconds")
 
 
 def test_quickstart_simulated_rows(tmp_path):

@@ -174,7 +174,10 @@ class Simulator:
     eval_every_samples: evaluate the server model every this many samples processed (a
       positive int; a float such as ``1000.0`` is refused since 2026-11-25).
     init_params: optional flat initial parameters (default: the model initialised from ``seed``).
-    loss_fn: ``(logits, labels) -> (loss, aux)``, default classification loss.
+    loss_fn: ``(logits, labels) -> (loss, aux)``, default classification loss: the loss the
+      workers train on (``train_loss``). Evaluation (``test_loss``, ``test_accuracy`` and the
+      divergence check on them) is always softmax cross-entropy and accuracy, as in
+      :func:`mfopt.train.make_eval_fn`, whatever loss trained the model.
   """
 
   def __init__(self, strategy: server_lib.Strategy, *, model, dataset: data_lib.Dataset,

@@ -145,6 +145,12 @@ def run(c, strategy: server.Strategy, *, dataset, model, network: str | None, se
   return res
 
 
+#: What every time in the simulated experiments' results.json is (``time_to_target``,
+#: ``time_per_local_step``, the lr/k traces' times ...): written next to them as ``time_unit``
+#: so the JSON read on its own does not pass for measured time.
+TIME_UNIT = "simulated seconds (mfopt.sim's virtual clock, not measured)"
+
+
 def to_target(result: run_lib.SimResult, target: float) -> dict[str, float]:
   """Server steps, simulated time, samples and worker steps at the first evaluation reaching ``target``.
 
