@@ -106,6 +106,9 @@ class PeriodController(NamedTuple):
       the averaging of step ``k`` (0-based) with that step's parameter variance
       ``S_k``; resets ``cnt`` and adapts the period.
     uses_variance: whether ``on_sync`` needs ``S_k`` (one scalar all-reduce per sync).
+    variance_from: the first step ``k`` whose sync ``on_sync`` reads ``S_k`` at (ADPSGD:
+      its warm-up's end). Earlier syncs skip the scalar all-reduce and record ``S_k = NaN``,
+      unless the transform was asked for it (``sync_variance=True``).
     name: for reports.
     learning_rate: the schedule the controller reads (``None`` if it reads none);
       recorded in the sync trace.
@@ -123,6 +126,7 @@ class PeriodController(NamedTuple):
   name: str
   learning_rate: Callable[[Any], Any] | None = None
   host_period: Callable[[int, int], tuple[int, int]] | None = None
+  variance_from: int = 0
 
 
 def _init_period_state(p: int) -> PeriodState:
@@ -257,7 +261,8 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
     low, high: the thresholds (paper: 0.7 and 1.3), ``0 < low <= 1 <= high``.
 
   Returns:
-    A :class:`PeriodController` that needs ``S_k`` (one scalar all-reduce per sync).
+    A :class:`PeriodController` that needs ``S_k`` (one scalar all-reduce per sync after
+    the warm-up; warm-up syncs average only).
 
   Example:
     >>> import mfopt
@@ -311,7 +316,11 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
                           f"adpsgd(p_init={p_init}, K_s={sampling_steps}, warmup={warmup_steps})",
                           schedule,
                           host_period=lambda count, period: (
-                              1 if count < warmup_steps else period, period))
+                              1 if count < warmup_steps else period, period),
+                          # Alg. 2 starts after the warm-up (plain period-1 averaging in the
+                          # paper): warm-up syncs need no S_k, whose all-reduce used to double
+                          # the collectives of every warm-up step
+                          variance_from=warmup_steps)
 
 
 # ----------------------------------------------------------------------------- transform
@@ -434,7 +443,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       keeps its own offset for good (the same holds with ``outer``, as in the papers'
       ``w_1``, though there the gap shrinks by the outer momentum at each sync).
     sync_variance: compute ``S_k`` at every sync (one scalar all-reduce, counted
-      in ``scalar_comm``); default: only if the controller needs it.
+      in ``scalar_comm``); default: only at the syncs where the controller reads it
+      (ADPSGD: after its warm-up; the warm-up syncs record NaN).
     track_variance: opt-in diagnostic ``Var[W_k]`` (eq. 7) at every step, two
       extra all-reduces per step (counted apart, see
       :class:`AveragingDiagnostics`); ``V_t`` (eq. 11) goes into the trace.
@@ -484,6 +494,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   track_variance = _checks.flag("track_variance", track_variance)
   sync_variance = _checks.flag("sync_variance", sync_variance, allow_none=True)
   compute_s = controller.uses_variance if sync_variance is None else sync_variance
+  # S_k only from the controller's first reading (unless asked for at every sync)
+  skip_s_before = controller.variance_from if sync_variance is None else 0
   if controller.uses_variance and not compute_s:
     raise ValueError(f"sync_variance=False but the controller {controller.name} needs S_k")
   # a bool or None, not 0/1 (``0 in (None, True, False)`` is true, and ``0 is False`` is not)
@@ -612,7 +624,13 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         mean = _pmean_floats(local, axis_name)
       if average_inner_state:
         inner_state = _pmean_floats(inner_state, axis_name)
-      if compute_s:
+      if compute_s and skip_s_before:  # (a collective in a branch: k is the same everywhere)
+        needed = k >= skip_s_before
+        s_k = jax.lax.cond(needed, lambda: pmean_tree(
+            _sq_norm(jax.tree.map(_subtract, mean, local)), axis_name).astype(jnp.float32), nan)
+        if communicates:
+          scalar_comm = scalar_comm._replace(count=scalar_comm.count + needed.astype(jnp.int32))
+      elif compute_s:
         s_k = pmean_tree(_sq_norm(jax.tree.map(_subtract, mean, local)), axis_name)
         scalar_comm = scalar_comm._replace(
             count=scalar_comm.count + (1 if communicates else 0))

@@ -117,7 +117,7 @@ def np_adpsgd(p_init, k_s, warmup=0, low=0.7, high=1.3, steps=N):
                                dtype=np.float32))
       w = np.broadcast_to(mean, (W, D)).copy()
       periods.append(p_now)
-      s_trace.append(s_k)
+      s_trace.append(np.float32(np.nan) if k < warmup else s_k)  # (Alg. 2 starts after it)
       if k < warmup:
         continue
       if k < k_s:
@@ -186,13 +186,31 @@ def test_adpsgd_matches_numpy_alg2_period_trace_and_params():
   # The controller really adapted: warm-up period 1, sampling at 4, then grew after the decay.
   assert periods[:6] == [1] * 6 and max(periods) > 4
   totals = mfopt.comm_totals(state)
-  syncs = len(periods)
-  assert totals["all_reduces"] == 2 * syncs  # parameter exchange + S_k scalar, per sync
-  assert totals["payload_bytes"] == syncs * (D * 4 + 4)
+  syncs, after_warmup = len(periods), len(periods) - 6
+  # parameter exchange per sync, S_k scalar per sync of Alg. 2: the paper's warm-up is plain
+  # period-1 averaging, and its S_k all-reduce doubled every warm-up step's collectives
+  assert np.isnan(trace["sync_variance"][:6]).all() and np.isfinite(s_trace[6:]).all()
+  assert totals["all_reduces"] == syncs + after_warmup
+  assert totals["payload_bytes"] == syncs * D * 4 + after_warmup * 4
   s = averaging.find_averaging_state(state)
   assert int(np.asarray(s.param_comm.count)[0]) == syncs
-  assert int(np.asarray(s.scalar_comm.count)[0]) == syncs
+  assert int(np.asarray(s.scalar_comm.count)[0]) == after_warmup
   np.testing.assert_allclose(trace["lr"], [np_lr(k - 1) for k in trace["step"]])
+
+
+def test_adpsgd_warmup_s_k_when_asked_for():
+  """sync_variance=True computes S_k at every sync, warm-up included (a diagnostic the caller
+  asked for and pays one scalar all-reduce per sync for); the controller's own need starts
+  after the warm-up."""
+  ctl = mfopt.adpsgd_period(learning_rate=schedule, sampling_steps=N // 4, p_init=4,
+                            warmup_steps=6)
+  tx = mfopt.periodic_averaging(optax.sgd(schedule), mfopt.WORKER_AXES, ctl, trace_length=256,
+                                sync_variance=True)
+  _, state = run_jax(tx)
+  _, periods, _ = np_adpsgd(4, N // 4, warmup=6)
+  trace = averaging.sync_trace(state)
+  assert np.isfinite(trace["sync_variance"]).all() and len(trace["step"]) == len(periods)
+  assert mfopt.comm_totals(state)["all_reduces"] == 2 * len(periods)
 
 
 @pytest.mark.parametrize("mu,nesterov", [(0.0, False), (0.6, False), (0.6, True)])
