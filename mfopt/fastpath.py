@@ -73,6 +73,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -336,16 +337,22 @@ def to_train_state(state: FastPathState, *, num_workers: int, mesh) -> train_lib
   workers; BN statistics are already per worker. Use it for evaluation
   (:func:`mfopt.train.averaged_model`) or to continue with the generic step.
   """
-  per_device = parallel.local_workers(num_workers, mesh)
+  out = _expand_fn(mesh, parallel.local_workers(num_workers, mesh))(*state)
+  return train_lib.TrainState(*out)
+
+
+@functools.lru_cache(maxsize=None)
+def _expand_fn(mesh, per_device: int):
+  """:func:`to_train_state`'s program, one per (mesh, W/D): a fresh closure per call compiled
+  again at every evaluation or checkpoint that called it."""
 
   def expand(params, model_state, opt_state):
     params, opt_state = jax.tree.map(
         lambda a: jnp.broadcast_to(a, (per_device,) + a.shape[1:]), (params, opt_state))
     return params, model_state, opt_state
 
-  out = jax.jit(jax.shard_map(expand, mesh=mesh, in_specs=P(parallel.DATA_AXIS),
-                              out_specs=P(parallel.DATA_AXIS), check_vma=False))(*state)
-  return train_lib.TrainState(*out)
+  return jax.jit(jax.shard_map(expand, mesh=mesh, in_specs=P(parallel.DATA_AXIS),
+                               out_specs=P(parallel.DATA_AXIS), check_vma=False))
 
 
 def comm_report(state: FastPathState) -> dict[str, Any]:

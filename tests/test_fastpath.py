@@ -182,6 +182,21 @@ def test_to_train_state_matches_worker_stacked_layout(run):
   state = fastpath.to_train_state(r["fast_state"], num_workers=num_workers, mesh=r["mesh"])
   _assert_tree_close(jax.device_get(state.params), r["ref"].params, rtol=2e-5, atol=2e-6)
   assert jax.tree.structure(state.opt_state) == jax.tree.structure(r["ref"].opt_state)
+  # called again (each evaluation or checkpoint does), it traces and compiles nothing: a jit
+  # of a fresh closure per call traced, lowered and compiled its program every time (the
+  # persistent cache may spare the compile, not the trace)
+  compiles = []
+
+  def listen(event, secs, **_):
+    if event.startswith("/jax/core/compile/"):
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    fastpath.to_train_state(r["fast_state"], num_workers=num_workers, mesh=r["mesh"])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == []
 
 
 def test_group_bn_runs_the_model_on_the_flat_batch():
