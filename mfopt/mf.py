@@ -416,7 +416,8 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
     if phi == "adam":
       # A schedule, or a value injected by optax.inject_hyperparams (which may be a schedule's
       # current value): 1 - prod(MF1_s), the exact sum of the EMA's weights. A constant:
-      # 1 - MF1**t, as optax.tree_bias_correction (bitwise optax.adam).
+      # 1 - MF1**t, as optax.tree_bias_correction (optax.adam to float32 rounding: optax
+      # computes the power in its own jitted helper, so eager steps can differ by ~1e-5).
       c1 = 1 - product if callable(mf1) or _checks.is_array(mf1) else 1 - b1**count
       c2 = 1 - mf2**count
       direction = jax.tree.map(
@@ -438,13 +439,16 @@ def mf_adam(learning_rate: ScalarOrSchedule, mf1: ScalarOrSchedule = 0.9, mf2: f
 
   .. math::  \theta_t = \theta_{t-1} - \xi_t\, \phi(m_t, v_t, \mathrm{MF}_1, \mathrm{MF}_2)
 
-  ``phi="adam"`` equals ``optax.adam(lr, b1=mf1, b2=mf2, eps=eps)``; ``phi="paper"``
-  is the printed §3.2 function (see :func:`scale_by_mf_adam` for both and for
+  ``phi="adam"`` equals ``optax.adam(lr, b1=mf1, b2=mf2, eps=eps)`` (to float32 rounding);
+  ``phi="paper"`` is the printed §3.2 function (see :func:`scale_by_mf_adam` for both and for
   how the printed one differs). Here the learning rate sits outside the moments,
   as in Algorithm 2 line 7, so optax's ``scale_by_learning_rate`` is reused.
   With float16 parameters (and so float16 moments) it steps ``-inf`` where ``v`` underflowed
   to 0, as ``optax.adam`` does (``eps=1e-8`` is 0 in float16: g = 1e-4 steps -inf in both).
-  Keep the state float32, as :mod:`mfopt.precision`'s policies do (float32 master weights).
+  With bfloat16 parameters the moments are bfloat16 too (as in ``optax.adam``), and
+  ``MF2 = 0.999`` is below bfloat16's resolution near 1: ``0.999 v`` rounds back to ``v``, so
+  ``v`` stops decaying and steps shrink after the gradients do. Keep the parameters and state
+  float32, as :mod:`mfopt.precision`'s policies do (float32 master weights).
 
   Args:
     learning_rate: ``xi_t``, constant >= 0 or schedule.
