@@ -498,3 +498,210 @@ def test_auto_target_is_95_percent_of_the_best_mean():
   assert common.auto_target(c, {"weak": [0.5, 0.6], "strong": [0.9, 0.8]}) == 0.807
   c.target_accuracy = 0.5  # given: used as is
   assert common.auto_target(c, {"strong": [0.9, 0.8]}) == 0.5
+
+
+def test_seed004_config_defaults_are_the_papers():
+  """The seed's §3.1 hyperparameters (SPEC.md: lr 0.1 per worker, decay 0.9, momentum 0.9,
+  weight decay 1e-4, LARS trust coefficient 1e-3 as in You et al., AdaBound alpha 1e-3) in
+  both the --quick and the full configuration: a changed default silently changes every
+  seed-004 run."""
+  from experiments import _seed004_common as common
+  for quick in (True, False):
+    c = common.base_config(quick)
+    assert (c.base_lr, c.decay, c.momentum, c.weight_decay, c.trust_coefficient, c.alpha) == (
+        0.1, 0.9, 0.9, 1e-4, 1e-3, 1e-3), quick
+
+
+def test_warmup_sgd_schedule_rises_linearly_then_decays_per_epoch():
+  """Goyal et al.'s gradual warm-up: lr rises linearly from base_lr to base_lr N over
+  round(T x steps/epoch) steps, then decays by `decay` once per epoch counted from the end
+  of the warm-up. By hand: base 0.1, N = 4 (peak 0.4), 10 steps/epoch, T = 0.27 (3 steps),
+  decay 0.9: 0.1, 0.2, 0.3, then 0.4 for steps 3..12, 0.36 from 13, 0.324 from 23."""
+  import jax
+  from experiments import _seed004_common as common
+  sched = common.warmup_sgd_schedule(base_lr=0.1, num_workers=4, steps_per_epoch=10,
+                                     warmup_epochs=0.27, decay=0.9)
+  steps = [0, 1, 2, 3, 12, 13, 22, 23]
+  want = [0.1, 0.2, 0.3, 0.4, 0.4, 0.36, 0.36, 0.324]
+  np.testing.assert_allclose(jax.jit(sched)(np.asarray(steps)), want, rtol=1e-6)
+
+
+def _trajectory(tx, offsets, steps):
+  """Parameters after each of ``steps`` updates of ``tx`` by every worker of a (data, local)
+  worker grid (``offsets``: (1, W, D); worker gradient ``2 w + offset``), under the worker
+  vmap's axis names."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from mfopt import parallel
+
+  def one(off):
+    def step(carry, _):
+      p, s = carry
+      u, s = tx.update(2.0 * p + off, s, p)
+      p = optax.apply_updates(p, u)
+      return (p, s), p
+
+    p = jnp.linspace(-1.0, 1.0, off.shape[-1])
+    return jax.lax.scan(step, (p, tx.init(p)), length=steps)[1]
+
+  f = jax.vmap(jax.vmap(one, axis_name=parallel.LOCAL_AXIS), axis_name=parallel.DATA_AXIS)
+  return np.asarray(jax.jit(f)(jnp.asarray(offsets, jnp.float32)))[0]
+
+
+def test_make_tx_passes_the_configs_hyperparameters_through():
+  """Each algorithm on the workers' mean gradient with the config's hyperparameters (module
+  docstring, SPEC.md): warmup_sgd by a NumPy re-derivation (weight decay added to the
+  gradient, heavy-ball momentum, the schedule above with the T given to make_tx); adabound
+  with final lr base_lr x N; the hybrid with every config field. Non-default values, so a
+  dropped or defaulted argument shows."""
+  import mfopt
+  from experiments import _seed004_common as common
+  c = common.base_config(True)  # warmup_epochs 1.0: the explicit T = 0.5 must win
+  c.update(dict(base_lr=0.1, momentum=0.8, weight_decay=0.05, decay=0.5, alpha=1e-5,
+                trust_coefficient=0.1))
+  offs = np.array([[[0.5, -1.0, 2.0], [-0.1, 0.3, 0.0]]])  # 2 workers
+  mean = offs.mean(axis=1)[0]
+  n, spe, t, steps = 3, 4, 0.5, 8
+
+  got = _trajectory(common.make_tx("warmup_sgd", c, num_workers=n, steps_per_epoch=spe,
+                                   warmup_epochs=t), offs, steps)
+  np.testing.assert_array_equal(got[0], got[1])
+  w, v, want = np.linspace(-1.0, 1.0, 3), np.zeros(3), []
+  for k in range(steps):  # warm = 2 steps; peak 0.3
+    lr = 0.1 + 0.2 * k / 2 if k < 2 else 0.3 * 0.5 ** ((k - 2) // spe)
+    v = (2 * w + mean + 0.05 * w) + 0.8 * v
+    w = w - lr * v
+    want.append(w)
+  np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
+
+  refs = {"adabound": mfopt.adabound(1e-5, final_lr=0.1 * n),
+          "hybrid": mfopt.hybrid_adabound_lars(
+              num_workers=n, steps_per_epoch=spe, base_lr=0.1, alpha=1e-5, warmup_epochs=t,
+              decay=0.5, momentum=0.8, weight_decay=0.05, trust_coefficient=0.1)}
+  for algo, ref in refs.items():
+    got = _trajectory(common.make_tx(algo, c, num_workers=n, steps_per_epoch=spe,
+                                     warmup_epochs=t), offs, steps)
+    np.testing.assert_allclose(got[0], _trajectory(ref, mean[None, None], steps)[0],
+                               rtol=1e-5, atol=1e-7, err_msg=algo)
+
+
+def test_diverged_run_record_keeps_the_plan_and_the_first_bad_step():
+  """A diverged run's record (run_one's shape): diverged, the error's first line, the first
+  non-finite step (plot legends and reports name it), no history, nan metrics, and the planned
+  steps, batch (4 x 8 = 32) and steps per epoch."""
+  from experiments import _seed004_common as common
+  from mfopt import train
+  err = train.NonFiniteError("non-finite loss at step 6\ndetail", step=6, workers=[1],
+                             metric="loss", detected_at=8, checkpoint="none")
+  r = common.diverged_run(err, seed=2, desc="", num_workers=4, per_worker_batch=8,
+                          num_steps=24, steps_per_epoch=12, num_devices=4)
+  assert common.is_diverged(r) and r["diverged_at_step"] == 6 and r["seed"] == 2
+  assert r["error"] == "non-finite loss at step 6" and r["history"] == []
+  assert (r["steps_per_epoch"], r["num_devices"], r["per_worker_batch"]) == (12, 4, 8)
+  s = r["summary"]
+  assert s["steps"] == 24 and s["global_batch"] == 32 and s["diverged_at_step"] == 6
+  assert np.isnan(s["test_accuracy"])
+  assert common.curve_label("hybrid", r) == "hybrid (diverged at step 6)"
+
+
+def test_add_efficiency_times_each_build_once_and_projects_by_hand(monkeypatch):
+  """One timing per build (algorithm, batch, ...), shared by its seeds, and the projection of
+  seed 004 §1 from it: 10 steps x 0.01 s = 0.1 s of compute for 400 / 2 samples per worker
+  (2,000 samples/s), no communication (efficiency 1), target at epoch 2 of a 100-example
+  training set: single-GPU time 2 x 100 / 2,000 = 0.1 s, over W = 2 workers 0.05 s."""
+  import types
+  from experiments import _seed004_common as common
+  calls = []
+
+  def timing(c, dataset, **build):
+    calls.append(build)
+    return 0.01 * build["per_worker_batch"] / 16
+
+  monkeypatch.setattr(common, "one_worker_step_s", timing)
+  history = [{"epoch": 1.0, "test_accuracy": 0.3}, {"epoch": 2.0, "test_accuracy": 0.6}]
+  summary = {"steps": 10, "train_s": 1.0, "num_workers": 2, "samples": 400, "all_reduces": 0,
+             "all_reduce_bytes": 0}
+
+  def run(seed, b):
+    return {"seed": seed, "diverged": False, "history": history, "summary": summary,
+            "num_devices": 1, "per_worker_batch": b, "build": {"algo": "hybrid"}}
+
+  runs = [run(0, 16), run(1, 16), run(0, 32)]
+  c = common.base_config(True)
+  common.add_efficiency(runs, 0.5, c, types.SimpleNamespace(train=range(100)))
+  assert calls == [{"algo": "hybrid", "per_worker_batch": 16},
+                   {"algo": "hybrid", "per_worker_batch": 32}]
+  eff = runs[1]["efficiency"]
+  assert eff["compute_s"] == pytest.approx(0.1) and eff["epochs_to_target"] == 2.0
+  assert eff["single_device_speed"] == pytest.approx(2000.0)
+  assert eff["scaling_efficiency"] == pytest.approx(1.0)
+  assert eff["actual_single_gpu_time_s"] == pytest.approx(0.1)
+  assert eff["actual_training_time_s"] == pytest.approx(0.05)
+  assert runs[2]["efficiency"]["compute_s"] == pytest.approx(0.2)
+
+
+def test_seed004_builders_follow_the_config():
+  """The run's model is the config's CNN width (features (4,), not the class default
+  (32, 64)) with the dataset's classes; decay = 1 (no decay) is a legal setting, outside
+  (0, 1] is refused."""
+  import types
+  from experiments import _seed004_common as common
+  c = common.base_config(True)
+  c.features = (4,)
+  m = common.build_model(c, types.SimpleNamespace(num_classes=3))
+  assert tuple(m.features) == (4,) and m.num_classes == 3
+  c.decay = 1.0
+  common.validate_common(c)
+  for bad in (0.0, 1.5):
+    c.decay = bad
+    with pytest.raises(runner.ConfigError, match="'decay' must be in \\(0, 1\\]"):
+      common.validate_common(c)
+
+
+def test_a_timing_differing_over_seeds_is_not_called_shared():
+  """Only values equal to rounding are one shared timing: runs 1e-4 apart (75,320 and
+  75,328) were measured separately and keep their spread."""
+  from experiments import _seed004_common as common
+  runs = [{"diverged": False, "v": v} for v in (75320.0, 75328.0)]
+  assert "one timing" not in common.fmt_shared(runs, lambda r: r["v"])
+
+
+def test_make_tx_all_reduces_in_the_configs_comm_dtype():
+  """comm_dtype (seed 004 §2.2.2: half-precision gradient all-reduce) reaches the exchange:
+  10 float32 parameters are 40 bytes a step in fp32 and 20 in bfloat16 / float16, whichever
+  algorithm follows; ignoring it leaves the precision experiment comparing fp32 to fp32."""
+  import jax.numpy as jnp
+  from experiments import _seed004_common as common
+  from mfopt import comm
+  c = common.base_config(True)
+  for dtype, want in (("none", 40), ("bfloat16", 20), ("float16", 20)):
+    c.comm_dtype = dtype
+    for algo in common.ALGORITHMS:
+      state = common.make_tx(algo, c, num_workers=4, steps_per_epoch=8).init(jnp.zeros(10))
+      assert comm.payload_of(state[0].comm) == want, (dtype, algo)
+
+
+def test_run_one_trains_whole_epochs_and_evaluates_each(monkeypatch):
+  """A run is `epochs` whole epochs of floor(N / global batch) steps, logged and evaluated
+  once an epoch (the curves' x axis is epochs): N = 512, 8 workers x 32 = 256 a step, 2
+  steps an epoch, 2 epochs = 4 steps. A divergence is returned as a record, not raised."""
+  import types
+  from experiments import _seed004_common as common
+  from mfopt import train
+  calls = []
+
+  def fit(**kw):
+    calls.append(kw)
+    raise train.NonFiniteError("non-finite loss at step 3", step=3, workers=[0], metric="loss",
+                               detected_at=4, checkpoint="none")
+
+  monkeypatch.setattr(train, "fit", fit)
+  c = common.base_config(True)  # 8 workers, 2 epochs
+  ds = types.SimpleNamespace(train=range(512), num_classes=10)
+  r = common.run_one(c, ds, "warmup_sgd", 1, per_worker_batch=32)
+  kw, = calls
+  assert (kw["num_steps"], kw["per_worker_batch"], kw["num_workers"]) == (4, 32, 8)
+  assert kw["log_every"] == kw["eval_every"] == 2 and kw["seed"] == 1
+  assert r["diverged"] and r["diverged_at_step"] == 3 and r["steps_per_epoch"] == 2
+  assert r["summary"]["steps"] == 4 and r["num_devices"] == 8

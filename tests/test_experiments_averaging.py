@@ -2,8 +2,10 @@
 with a diverging cell: recorded and reported as diverged, never a mean, a best choice or a claim."""
 
 import json
+import types
 
 import numpy as np
+import optax
 import pytest
 
 from experiments import _averaging_common as common
@@ -409,3 +411,106 @@ def test_dec_boundary_takes_the_earliest_of_equal_switch_steps():
   assert counts == [8, 7, 7, 7, 7, 6, 6, 6, 6, 5]
   assert adpsgd_table.dec_boundary((4, 2), 16, 6) == 6
   assert adpsgd_table.dec_boundary((4, 2), 16, 7) == 2
+
+
+def test_step_decay_drops_tenfold_at_half_and_three_quarters_of_the_steps():
+  """Seed 001's schedule (Fig. 1: lr decay at 50% / 75%): the peak until step floor(0.5 n),
+  peak / 10 until floor(0.75 n), then peak / 100. A wrong boundary or factor changes the lr
+  every CPSGD/ADPSGD run and the lr-weighted variance use, with no visible error."""
+  import jax
+  sched = common.step_decay(0.4, 10)  # boundaries int(5.0) = 5 and int(7.5) = 7
+  want = [0.4] * 5 + [0.04] * 2 + [0.004] * 3
+  np.testing.assert_allclose(jax.vmap(sched)(np.arange(10)), want, rtol=1e-6)
+  big = jax.vmap(common.step_decay(1.0, 100))(np.array([0, 49, 50, 74, 75, 99]))
+  np.testing.assert_allclose(big, [1.0, 1.0, 0.1, 0.1, 0.01, 0.01], rtol=1e-6)
+
+
+def test_adpsgd_warmup_may_not_cover_the_whole_run():
+  """A warm-up of exactly num_steps steps already averages every step of the run (the FULLSGD
+  row): refused like a longer one, while one step less is kept (16-step run, 8 steps/epoch:
+  T = 2 epochs is 16 steps, T = 1.875 is 15)."""
+  c = types.SimpleNamespace(warmup_epochs=2.0, num_steps=16)
+  with pytest.raises(runner.ConfigError, match="is 16 steps"):
+    common.adpsgd_warmup_steps(c, 8)
+  c.warmup_epochs = 1.875
+  assert common.adpsgd_warmup_steps(c, 8) == 15
+
+
+def test_mesh_for_takes_the_largest_divisor_of_the_workers():
+  """The 8 test devices: W = 6 workers train on 6 devices, W = 8 on 8, W = 16 on 8 and W = 3
+  on 3 (the largest mesh W splits over evenly); a fixed one-device mesh would train every
+  experiment on one device and leave the device counts in the reports wrong."""
+  import jax
+  assert jax.device_count() == 8  # (tests/conftest.py)
+  assert [common.mesh_for(w).devices.size for w in (6, 8, 16, 3, 1)] == [6, 8, 8, 3, 1]
+
+
+def _fake_fit(calls, error=None):
+  """A stand-in for ``train.fit`` that records its keyword arguments (no training)."""
+  from mfopt import train
+
+  def fit(**kw):
+    calls.append(kw)
+    if error is not None:
+      raise error
+    return train.FitResult(history=[{"step": 1}], summary={"test_accuracy": 0.5}, state="S")
+  return fit
+
+
+def test_run_hands_fit_the_schedule_eval_interval_and_mesh(monkeypatch):
+  """run() passes the schedule (logged as each row's learning_rate), the evaluation interval
+  and a mesh of the workers' devices through to fit, and marks a finished run not diverged;
+  dropping any of them still trains, so only the forwarded arguments show it."""
+  from mfopt import train
+  calls = []
+  monkeypatch.setattr(train, "fit", _fake_fit(calls))
+  sched = optax.constant_schedule(0.3)
+  res = common.run(dataset=types.SimpleNamespace(num_classes=10), model_name="mlp",
+                   tx=optax.sgd(0.1), num_workers=6, per_worker_batch=4, num_steps=12, seed=3,
+                   log_every=5, progress=False, desc="x", schedule=sched, eval_every=7)
+  kw, = calls
+  assert kw["learning_rate"] is sched and kw["eval_every"] == 7 and kw["log_every"] == 5
+  assert kw["mesh"].devices.size == 6 and kw["num_steps"] == 12 and kw["seed"] == 3
+  assert not res.diverged and res.state == "S" and res.history == [{"step": 1}]
+  assert res.summary == {"test_accuracy": 0.5, "diverged": False, "error": None,
+                         "diverged_at_step": None}
+
+
+def test_run_records_a_divergence_with_the_planned_sizes(monkeypatch):
+  """A NonFiniteError from fit is an outcome: the run is diverged with the error's first line,
+  the first non-finite step, nan metrics, no state or history, and the planned steps and
+  global batch (6 workers x 4 = 24), so the tables can still name and count it."""
+  from mfopt import train
+  err = train.NonFiniteError("non-finite loss at step 9\nmore", step=9, workers=[2],
+                             metric="loss", detected_at=10, checkpoint="none")
+  monkeypatch.setattr(train, "fit", _fake_fit([], err))
+  res = common.run(dataset=types.SimpleNamespace(num_classes=10), model_name="mlp",
+                   tx=optax.sgd(0.1), num_workers=6, per_worker_batch=4, num_steps=12, seed=3,
+                   log_every=5, progress=False, desc="x")
+  assert res.diverged and res.error == "non-finite loss at step 9"
+  assert res.state is None and res.history == []
+  s = res.summary
+  assert s["diverged"] and s["diverged_at_step"] == 9 and s["error"] == res.error
+  assert s["steps"] == 12 and s["global_batch"] == 24 and np.isnan(s["test_accuracy"])
+
+
+def test_averaging_comm_reads_each_counter_of_the_state():
+  """Parameter syncs, their payload (10 float32 parameters: 40 bytes) and the S_k scalar syncs
+  (ADPSGD's, 4 bytes each) are three separate counters of the state; reading one for another
+  makes the reported syncs or bytes of a run wrong."""
+  import jax.numpy as jnp
+  import mfopt
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES,
+                                mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=4))
+  state = tx.init({"w": jnp.zeros(6), "b": jnp.zeros((2, 2))})
+  state = state._replace(param_comm=state.param_comm._replace(count=jnp.asarray(5)),
+                         scalar_comm=state.scalar_comm._replace(count=jnp.asarray(3)))
+  assert common.averaging_comm((optax.EmptyState(), state)) == {
+      "param_syncs": 5, "param_bytes": 40, "scalar_syncs": 3}
+
+
+def test_fmt_diff_of_a_nan_mean_is_not_a_number():
+  """A paired difference whose mean is nan (a seed's pair was not finite) reads n/a, never
+  '+nan ± nan', whatever the seed count says."""
+  assert common.fmt_diff(float("nan"), float("nan"), 3) == "n/a"
+  assert common.fmt_diff(0.5, 0.0, 0) == "n/a"

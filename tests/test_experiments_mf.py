@@ -305,3 +305,104 @@ def test_steps_for_rounds_to_the_nearest_whole_step():
   assert _mf_common.steps_for(1000, 64) == 16
   assert _mf_common.steps_for(2000, 64) == 31  # 1,984 is nearer than 2,048
   assert _mf_common.steps_for(10, 64) == 1
+
+
+def _trajectory(tx, offsets, steps=4):
+  """Parameters after each of ``steps`` updates of ``tx`` by every worker of a (data, local)
+  worker grid (``offsets``: (1, W, D), gradient ``2 w + offset``), as the library's worker
+  vmap runs it."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  def one(off):
+    def step(carry, _):
+      p, s = carry
+      u, s = tx.update(2.0 * p + off, s, p)
+      p = optax.apply_updates(p, u)
+      return (p, s), p
+
+    p = jnp.linspace(-1.0, 1.0, off.shape[-1])
+    return jax.lax.scan(step, (p, tx.init(p)), length=steps)[1]
+
+  f = jax.vmap(jax.vmap(one, axis_name=mfopt.parallel.LOCAL_AXIS),
+               axis_name=mfopt.parallel.DATA_AXIS)
+  return np.asarray(jax.jit(f)(jnp.asarray(offsets, jnp.float32)))
+
+
+def test_make_optimizer_is_the_named_algorithm_on_the_mean_gradient():
+  """Each worker applies the seed's optimizer (SGD/NAG Alg. 1, Adam Alg. 2 with mf2) with the
+  given lr and MF to the mean of the workers' gradients (SPEC: synchronous, same update
+  everywhere); Adam's second factor defaults to 0.999 (SPEC). A dropped all-reduce, a
+  swapped MF or a wrong default still trains, only to different numbers."""
+  from experiments import _mf_common
+  offs = np.array([[[0.5, -1.0, 2.0], [-0.1, 0.3, 0.0]]])  # 2 workers; mean (0.2, -0.35, 1.0)
+  mean = offs.mean(axis=1, keepdims=True)
+  cases = [(("sgd", 0.1, 0.95), mfopt.mf_sgd(0.1, mf=0.95)),
+           (("nag", 0.1, 0.95), mfopt.mf_nesterov(0.1, mf=0.95)),
+           (("adam", 0.05, 0.8, 0.9), mfopt.mf_adam(0.05, mf1=0.8, mf2=0.9)),
+           (("adam", 0.05, 0.8), mfopt.mf_adam(0.05, mf1=0.8, mf2=0.999))]
+  for args, ref in cases:
+    got = _trajectory(_mf_common.make_optimizer(*args), offs)
+    np.testing.assert_allclose(got[0, 0], got[0, 1], rtol=0, atol=0, err_msg=str(args))
+    np.testing.assert_allclose(got[0, 0], _trajectory(ref, mean)[0, 0], rtol=1e-5, atol=1e-6,
+                               err_msg=str(args))
+
+
+def test_run_cell_hands_fit_its_settings_and_records_a_divergence(monkeypatch):
+  """A cell trains the optimizer it names with its lr, MF and Adam's second factor (mf2 0.9
+  here, not the 0.999 default), logs at least once (log_every capped at a 10-step run's
+  length), and a NonFiniteError becomes a diverged row with the planned global batch (4 x 8)
+  and the cell's keys, so the grid goes on."""
+  import types
+  from experiments import _mf_common
+  from mfopt import train
+  calls = []
+
+  def fit(**kw):
+    calls.append(kw)
+    raise train.NonFiniteError("non-finite loss at step 4\n...", step=4, workers=[0],
+                               metric="loss", detected_at=5, checkpoint="none")
+
+  monkeypatch.setattr(train, "fit", fit)
+  row = _mf_common.run_cell(model=None, dataset=types.SimpleNamespace(), optimizer="adam",
+                            learning_rate=0.01, mf=0.8, mf2=0.9, num_workers=4,
+                            per_worker_batch=8, num_steps=10, seed=2, log_every=50,
+                            progress=False, desc="x", train_set_loss=True)
+  kw, = calls
+  assert kw["log_every"] == 10 and kw["num_steps"] == 10 and kw["mesh"].devices.size == 4
+  hyper = kw["tx"].init(np.zeros(2, np.float32))[1].hyperparams
+  assert (float(hyper["learning_rate"]), float(hyper["mf1"]), float(hyper["mf2"])) == \
+      pytest.approx((0.01, 0.8, 0.9))
+  assert kw["run_info"] == {"optimizer": "adam", "learning_rate": 0.01, "mf": 0.8, "mf2": 0.9}
+  assert row["diverged"] and row["diverged_at_step"] == 4
+  assert row["error"] == "non-finite loss at step 4" and row["global_batch"] == 32
+  assert math.isnan(row["test_accuracy"]) and math.isnan(row["train_set_loss"])
+  assert (row["optimizer"], row["learning_rate"], row["mf"], row["seed"]) == ("adam", 0.01, 0.8, 2)
+  assert row["mesh"] == "4 of 8 device(s) (W not a multiple of 8)"
+
+
+def test_sweep_mf_splits_the_global_batch_and_curves_mean_the_seeds(tmp_path, monkeypatch):
+  """sweep_mf runs every (MF, seed) at per-worker batch global / workers (64 / 4 = 16: equal
+  global batch whatever W), logging each run's rows with its MF and seed; curves_by_mf then
+  gives, per MF, the mean over seeds at each step: the seeds' losses 6 and 8 at step 1 give
+  7, not the first seed's 6."""
+  from experiments import _mf_common
+  calls = []
+
+  def cell(**kw):
+    calls.append(kw)
+    for step in (1, 2):
+      kw["on_log"]({"step": step, "train_loss": kw["mf"] * 10 + step * (1 + 2 * kw["seed"])})
+    return {"test_loss": 0.0, "test_accuracy": 0.5, "diverged": False}
+
+  monkeypatch.setattr(_mf_common, "run_cell", cell)
+  rows = _mf_common.sweep_mf(model=None, dataset=None, mfs=(0.5, 0.9), seeds=(0, 1),
+                             learning_rate=0.1, num_workers=4, global_batch=64, num_steps=5,
+                             log_every=1, progress=False, workdir=tmp_path)
+  assert len(rows) == 4 and {kw["per_worker_batch"] for kw in calls} == {16}
+  assert [(kw["mf"], kw["seed"]) for kw in calls] == [(0.5, 0), (0.5, 1), (0.9, 0), (0.9, 1)]
+  curves = _mf_common.curves_by_mf(tmp_path)
+  # MF 0.5: seed 0 -> 6, 7; seed 1 -> 8, 11 (step x 3): means 7, 9
+  assert curves["MF 0.5"] == ([1, 2], [pytest.approx(7.0), pytest.approx(9.0)])
+  assert curves["MF 0.9"][1] == [pytest.approx(11.0), pytest.approx(13.0)]
