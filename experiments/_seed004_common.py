@@ -137,7 +137,9 @@ def _warmup_text(c) -> str:
 
 
 def warmup_sgd_schedule(*, base_lr, num_workers, steps_per_epoch, warmup_epochs, decay):
-  warm = max(int(round(warmup_epochs * steps_per_epoch)), 1)
+  # the same number of warm-up updates as the hybrid's (ceil(T x steps/epoch)); round() gave
+  # one fewer where T x steps/epoch ends in .5 (T = 0.25 at 10 steps/epoch: 2 against 3)
+  warm = hybrid_switch_step(warmup_epochs, steps_per_epoch)
   peak = base_lr * num_workers
 
   def schedule(count):

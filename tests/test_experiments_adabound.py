@@ -514,13 +514,16 @@ def test_seed004_config_defaults_are_the_papers():
 
 def test_warmup_sgd_schedule_rises_linearly_then_decays_per_epoch():
   """Goyal et al.'s gradual warm-up: lr rises linearly from base_lr to base_lr N over
-  round(T x steps/epoch) steps, then decays by `decay` once per epoch counted from the end
-  of the warm-up. By hand: base 0.1, N = 4 (peak 0.4), 10 steps/epoch, T = 0.27 (3 steps),
-  decay 0.9: 0.1, 0.2, 0.3, then 0.4 for steps 3..12, 0.36 from 13, 0.324 from 23."""
+  ceil(T x steps/epoch) steps (the hybrid's warm-up length: the two are compared "over the
+  same T epochs"), then decays by `decay` once per epoch counted from the end of the warm-up.
+  By hand: base 0.1, N = 4 (peak 0.4), 10 steps/epoch, T = 0.25 (2.5: 3 steps; round() gave
+  2), decay 0.9: 0.1, 0.2, 0.3, then 0.4 for steps 3..12, 0.36 from 13, 0.324 from 23."""
   import jax
   from experiments import _seed004_common as common
+  from mfopt import hybrid_switch_step
   sched = common.warmup_sgd_schedule(base_lr=0.1, num_workers=4, steps_per_epoch=10,
-                                     warmup_epochs=0.27, decay=0.9)
+                                     warmup_epochs=0.25, decay=0.9)
+  assert hybrid_switch_step(0.25, 10) == 3
   steps = [0, 1, 2, 3, 12, 13, 22, 23]
   want = [0.1, 0.2, 0.3, 0.4, 0.4, 0.36, 0.36, 0.324]
   np.testing.assert_allclose(jax.jit(sched)(np.asarray(steps)), want, rtol=1e-6)
