@@ -106,7 +106,7 @@ class PeriodController(NamedTuple):
       the averaging of step ``k`` (0-based) with that step's parameter variance
       ``S_k``; resets ``cnt`` and adapts the period.
     uses_variance: whether ``on_sync`` needs ``S_k`` (one scalar all-reduce per sync).
-    variance_from: the first step ``k`` whose sync ``on_sync`` reads ``S_k`` at (ADPSGD:
+    variance_from: the first step ``k`` at whose sync ``on_sync`` reads ``S_k`` (ADPSGD:
       its warm-up's end). Earlier syncs skip the scalar all-reduce and record ``S_k = NaN``,
       unless the transform was asked for it (``sync_variance=True``).
     name: for reports.
