@@ -708,3 +708,159 @@ def test_run_one_trains_whole_epochs_and_evaluates_each(monkeypatch):
   assert kw["log_every"] == kw["eval_every"] == 2 and kw["seed"] == 1
   assert r["diverged"] and r["diverged_at_step"] == 3 and r["steps_per_epoch"] == 2
   assert r["summary"]["steps"] == 4 and r["num_devices"] == 8
+
+
+def _hand_run(seed, test_accuracy, train_accuracy, epochs_to_target, **extra):
+  """A finished run record as _seed004_common.run_one returns it, with its efficiency."""
+  return {"seed": seed, "diverged": False, "error": None, "diverged_at_step": None,
+          "history": [{"epoch": 1.0, "test_accuracy": test_accuracy,
+                       "train_accuracy": train_accuracy}],
+          "summary": {"test_accuracy": test_accuracy, "final_train_accuracy": train_accuracy,
+                      "diverged": False},
+          "efficiency": {"epochs_to_target": epochs_to_target, "actual_single_gpu_time_s": 1.0},
+          **extra}
+
+
+def test_hybrid_warmup_T_claims_from_hand_built_runs(tmp_path, monkeypatch):
+  """§3.2.1 on hand-built runs (no training), T given in descending order: the training-accuracy
+  claim is train(T_min) - train(T_max) > 0 on the final *training* accuracy, the test claim the
+  same on test accuracy, and "larger T converges in fewer epochs" is epochs(T_max) <
+  epochs(T_min); the table's train column is the training accuracy. Numbers by hand."""
+  from experiments import _seed004_common as common
+  import types
+
+  from experiments import hybrid_warmup_T
+  from mfopt import report as report_lib
+  train = {0.5: lambda s: 0.95 + 0.001 * s, 1.0: lambda s: 0.90 + 0.002 * s}
+  test = {0.5: lambda s: 0.80, 1.0: lambda s: 0.85 + 0.01 * s}
+  epochs = {0.5: lambda s: 1.5 + 0.01 * s, 1.0: lambda s: 1.0}
+
+  def fake_run_one(c, dataset, algorithm, seed, *, warmup_epochs, **kw):
+    t = warmup_epochs
+    return _hand_run(seed, test[t](seed), train[t](seed), epochs[t](seed))
+
+  monkeypatch.setattr(common, "run_one", fake_run_one)
+  monkeypatch.setattr(common, "load_dataset", lambda c: types.SimpleNamespace(
+      name="mnist1d", train=range(512), test=range(128)))
+  monkeypatch.setattr(common, "add_efficiency", lambda rs, target, c, dataset: None)
+  monkeypatch.setattr(report_lib, "plot_curves", lambda *a, **k: None)
+  _, c = runner.prepare("hybrid_warmup_T", quick=True, overrides=TINY[:4] + [
+      "epochs=2", "warmup_values=(1,0.5)", "seeds=(0, 1, 2)"])
+  out = hybrid_warmup_T.run(c, tmp_path)
+  v_train, v_test, v_epochs = out["verdicts"]
+  assert v_train["mean_diff"] == pytest.approx(0.049)  # 0.05 - 0.001 s over s = 0, 1, 2
+  assert v_train["verdict"] == "reproduced"  # std 0.001
+  assert v_test["mean_diff"] == pytest.approx(-0.06)  # -0.05 - 0.01 s
+  assert v_test["verdict"] == "not reproduced at this scale"
+  assert v_epochs["mean_diff"] == pytest.approx(-0.51)  # 1 - (1.5 + 0.01 s)
+  assert v_epochs["verdict"] == "reproduced"  # fewer epochs at T = 1, std 0.01
+  rows = {r["T"]: r for r in out["rows"]}
+  assert rows[0.5]["final_train"].startswith("0.951") and rows[0.5]["final_test"].startswith("0.8")
+  assert out["target"] == pytest.approx(0.817)  # floor(0.95 x 0.86 x 1000) / 1000
+
+
+def test_precision_throughput_weights_the_phases_and_keeps_the_fastest_repeat(monkeypatch):
+  """Samples/s per device = W b / (step time x devices), the step time the warm-up's and the
+  SGD phase's per-step times weighted by their shares of the run (T / epochs and the rest),
+  each the fastest repeat over bench_steps steps. A fake clock advances per step by hand-set
+  times (the last repeat slowed, as by other load); nothing is compiled."""
+  import types
+
+  import mfopt
+  from experiments import _seed004_common as common
+  from experiments import precision
+  from mfopt import data as data_lib
+  from mfopt import parallel, train
+  clock = [0.0]
+  dt = {("fp32", "warmup"): 0.010, ("fp32", "sgd"): 0.002,
+        ("fp16", "warmup"): 0.005, ("fp16", "sgd"): 0.001}
+  calls = {}
+
+  def make_train_step(model, tx, **kw):
+    (spe, pol) = tx
+    phase = "warmup" if spe == 10 ** 6 else "sgd"
+    warm = 1 if phase == "warmup" else 1 + 2  # the SGD build steps past its switch S = 1
+
+    def fn(state, batch):
+      n = calls[(pol, phase)] = calls.get((pol, phase), 0) + 1
+      repeat = (n - warm - 1) // 2  # bench_steps = 2
+      clock[0] += dt[(pol, phase)] * (5 if repeat == 2 else 1)  # the last of 3 repeats slow
+      return state, {}
+    return fn
+
+  monkeypatch.setattr(precision, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  monkeypatch.setattr(common, "make_tx", lambda algo, cc, num_workers, steps_per_epoch:
+                      steps_per_epoch)
+  monkeypatch.setattr(mfopt.precision, "with_policy", lambda tx, pol: (tx, pol))
+  monkeypatch.setattr(common, "build_model", lambda c, dataset, policy: None)
+  monkeypatch.setattr(common, "mesh_for", lambda w: types.SimpleNamespace(
+      shape={parallel.DATA_AXIS: 2}))
+  monkeypatch.setattr(data_lib, "WorkerBatcher", lambda *a, **kw: types.SimpleNamespace(
+      batch=lambda step: {"x": np.zeros((4, 16, 3))}))
+  monkeypatch.setattr(parallel, "shard_workers", lambda batch, mesh: batch)
+  monkeypatch.setattr(train, "init_train_state", lambda model, tx, x, **kw: 0)
+  monkeypatch.setattr(train, "make_train_step", make_train_step)
+  _, c = runner.prepare("precision", quick=True, overrides=TINY + [
+      "epochs=2", "bench_repeats=3", "bench_steps=2"])
+  out = precision.throughput(c, types.SimpleNamespace(train=range(512)))
+  # T = 0.5 of 2 epochs: the warm-up's share 0.25; 4 workers x 16 on 2 devices
+  for pol in ("fp32", "fp16"):
+    step = 0.25 * dt[(pol, "warmup")] + 0.75 * dt[(pol, "sgd")]
+    assert out[(pol, 16)] == pytest.approx(4 * 16 / (step * 2), rel=1e-9), pol
+    # compiled with 1 step (warm-up), or stepped past the switch S = ceil(0.5) = 1 (S + 2 = 3
+    # steps: the SGD phase), then 3 repeats x 2 steps
+    assert calls[(pol, "warmup")] == 1 + 6 and calls[(pol, "sgd")] == 3 + 6
+
+
+def test_precision_rows_and_verdicts_from_hand_built_runs(tmp_path, monkeypatch):
+  """precision's table and verdicts on hand-built runs (no training): each policy all-reduces
+  in its own dtype, the 'vs fp32' column is the policy's benchmark over fp32's, training speed
+  is per device, and an accuracy difference within 2 std of the paired differences is no
+  significant difference, beyond it a significant one. Numbers by hand."""
+  import types
+
+  from experiments import _seed004_common as common
+  from experiments import precision
+  from mfopt import report as report_lib
+  comm = {}
+  acc = {"fp32": lambda s: 0.80, "bf16": lambda s: 0.70 + 0.001 * s,
+         "fp16": lambda s: (0.80, 0.83, 0.83)[s]}  # fp16 - fp32: 0, .03, .03: std .0173
+
+  def fake_run_one(cc, dataset, algorithm, seed, *, policy, per_worker_batch, **kw):
+    comm[policy] = cc.comm_dtype
+    r = _hand_run(seed, acc[policy](seed), 0.9, 1.0, num_devices=4, steps_per_epoch=8)
+    r["summary"].update(samples=1000, train_s=2.0, payload_bytes=100)
+    r["history"] = [{"epoch": 1.0, "test_accuracy": 0.5, "train_overflow": 0.25},
+                    {"epoch": 2.0, "test_accuracy": 0.5, "train_overflow": 0.5}]
+    return r
+
+  def fake_efficiency(rs, target, c, dataset):
+    for r in rs:
+      r["efficiency"].update(speed_device="cpu", scaling_efficiency=0.5)
+
+  bench = {("fp32", 16): 100.0, ("bf16", 16): 150.0, ("fp16", 16): 200.0}
+  monkeypatch.setattr(common, "run_one", fake_run_one)
+  monkeypatch.setattr(common, "load_dataset", lambda c: types.SimpleNamespace(
+      name="mnist1d", train=range(512), test=range(128)))
+  monkeypatch.setattr(common, "add_efficiency", fake_efficiency)
+  monkeypatch.setattr(precision, "throughput", lambda c, dataset: bench)
+  monkeypatch.setattr(report_lib, "plot_curves", lambda *a, **k: None)
+  _, c = runner.prepare("precision", quick=True, overrides=TINY + [
+      "seeds=(0, 1, 2)", "policies=('fp32', 'bf16', 'fp16')"])
+  out = precision.run(c, tmp_path)
+  assert comm == {"fp32": "none", "bf16": "bfloat16", "fp16": "float16"}
+  rows = {r["policy"]: r for r in out["rows"]}
+  assert [rows[p]["speedup"] for p in ("fp32", "bf16", "fp16")] == ["1x", "1.5x", "2x"]
+  assert rows["fp32"]["speed"].startswith("125 ")  # 1000 samples / 2 s / 4 devices
+  assert rows["fp32"]["overflow_logs"].startswith("6 ")  # (0.25 + 0.5) x 8 steps per epoch
+  v = {x["claim"].split(" ")[0]: x for x in out["verdicts"]}
+  assert v["bf16"]["mean_diff"] == pytest.approx(-0.099)  # bf16 - fp32
+  assert v["bf16"]["verdict"] == "differs significantly"
+  assert v["fp16"]["mean_diff"] == pytest.approx(0.02)  # 0.0173 < 0.02 < 2 x 0.0173
+  assert v["fp16"]["verdict"].startswith("no significant difference at 2 std")
+  comm.clear()
+  c.half_precision_allreduce = False
+  c.seeds = (0,)
+  v = {x["claim"].split(" ")[0]: x for x in precision.run(c, tmp_path)["verdicts"]}
+  assert set(comm.values()) == {"none"}
+  assert v["bf16"]["verdict"] == "not testable (1 seed: no spread)"

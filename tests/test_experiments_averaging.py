@@ -514,3 +514,200 @@ def test_fmt_diff_of_a_nan_mean_is_not_a_number():
   '+nan ± nan', whatever the seed count says."""
   assert common.fmt_diff(float("nan"), float("nan"), 3) == "n/a"
   assert common.fmt_diff(0.5, 0.0, 0) == "n/a"
+
+
+def test_adpsgd_variance_eq9_weights_each_round_by_its_lr_and_length():
+  """Eq. (9) weights V_t by lr x period, with the lr of a round's steps (the step before the
+  sync), and V1/V2/V3 are the means over (0, 50%], (50%, 75%], (75%, end]; a round at a decay
+  boundary that took the next phase's lr, or a weight without the period, changes the value."""
+  from experiments import adpsgd_variance
+  trace = {"step": np.array([4, 10, 12, 20]), "period": np.array([4, 6, 2, 8]),
+           "mean_variance": np.array([1.0, 2.0, 3.0, 4.0])}
+
+  def lr(k):  # decays at step 10 and at step 15 (0-based steps)
+    return 0.1 if k < 10 else 0.01 if k < 15 else 0.001
+
+  # rounds end at steps 4, 10, 12, 20: their last steps 3, 9, 11, 19 ran at 0.1, 0.1, 0.01, 0.001
+  w = [0.1 * 4, 0.1 * 6, 0.01 * 2, 0.001 * 8]
+  want = (w[0] * 1 + w[1] * 2 + w[2] * 3 + w[3] * 4) / sum(w)
+  assert adpsgd_variance._weighted_variance(trace, lr) == pytest.approx(want, rel=1e-12)
+  # phases of a 20-step run: (0, 10], (10, 15], (15, 20]
+  assert adpsgd_variance._phase_means(trace, 20) == pytest.approx([1.5, 3.0, 4.0])
+  # a phase without a sync is nan, not 0
+  v = adpsgd_variance._phase_means({k: a[:2] for k, a in trace.items()}, 20)
+  assert v[0] == pytest.approx(1.5) and np.isnan(v[1]) and np.isnan(v[2])
+  v = adpsgd_variance._phase_means({"step": np.array([15, 16]),
+                                    "mean_variance": np.array([1.0, 2.0])}, 20)
+  assert np.isnan(v[0]) and v[1:] == [1.0, 2.0]  # step 15 is the last of the second phase
+
+
+def test_adpsgd_variance_claims_from_hand_built_traces(tmp_path, monkeypatch):
+  """adpsgd_variance's claims on hand-built V_t traces (no training): Fig. 1 compares V_t of the
+  first two lr phases, eq. (10) the largest period against the smallest, Fig. 2 / §III-B CPSGD
+  p=8 against ADPSGD (so each mean difference has the claimed sign), and ADPSGD's period during
+  sampling is its mean over (warm-up, K_s], K_s at least warm-up + p_init. Numbers by hand."""
+  import types
+
+  import mfopt
+  from experiments import adpsgd_variance
+  from mfopt import data as data_lib
+  from mfopt import report as report_lib
+  n = 24  # quick preset; lr 0.1, 0.01 from step 12, 0.001 from step 18
+  phase_v = {"CPSGD p=2": lambda s: (1.0 + 0.1 * s, 0.5, 0.2),
+             "CPSGD p=8": lambda s: (4.0 + 0.1 * s, 1.0, 0.3)}
+  adp_steps, adp_periods = [1, 3, 5, 9, 13, 19, 24], [1, 2, 2, 4, 4, 6, 5]
+
+  def fake_trace(opt_state):
+    name, seed = opt_state
+    if name == "ADPSGD":  # V_t constant: eq. 9 is that constant
+      periods = np.array(adp_periods) + seed  # (another seed: another period trace)
+      return {"step": np.array(adp_steps), "period": periods,
+              "mean_variance": np.full(7, 2.0 + 0.05 * seed)}
+    p = int(name.split("=")[1])
+    steps = np.arange(p, n + 1, p)
+    a, b, c = phase_v[name](seed)
+    v = np.where(steps <= 12, a, np.where(steps <= 18, b, c))
+    return {"step": steps, "period": np.full(len(steps), p), "mean_variance": v}
+
+  def fake_run(*, desc, seed, **kw):
+    name = desc.split(" ", 2)[2]
+    s = {"final_train_loss": 0.5, "test_accuracy": 0.8, "payload_bytes": 100.0}
+    return common.RunResult(summary=s, history=[],
+                            state=types.SimpleNamespace(opt_state=(name, seed)))
+
+  monkeypatch.setattr(common, "run", fake_run)
+  monkeypatch.setattr(mfopt, "sync_trace", fake_trace)
+  monkeypatch.setattr(report_lib, "plot_curves", lambda *a, **k: None)
+  monkeypatch.setattr(data_lib, "load", lambda name: types.SimpleNamespace(
+      name=name, train=range(1280), test=range(256)))  # 10 steps per epoch
+  # warm-up 0.1 epoch = 1 step; K_s = max(int(0.1 x 24), 1 + 4) = 5
+  _, c = runner.prepare("adpsgd_variance", quick=True, overrides=[
+      "seeds=(0, 1, 2)", "periods=(2, 8)", "sampling_fraction=0.1"])
+  out = adpsgd_variance.run(c, tmp_path)
+
+  def eq9(p, s):  # lr x period weights of each phase's rounds (p=2: 6, 3, 3; p=8: 1, 1, 1)
+    a, b, cc = phase_v[f"CPSGD p={p}"](s)
+    k = (6, 3, 3) if p == 2 else (1, 1, 1)
+    w = (0.1 * k[0], 0.01 * k[1], 0.001 * k[2])
+    return (w[0] * a + w[1] * b + w[2] * cc) / sum(w)
+
+  want = {
+      "Fig. 1: V_t of CPSGD p=2": np.mean([phase_v["CPSGD p=2"](s)[0] - 0.5 for s in range(3)]),
+      "Fig. 1: V_t of CPSGD p=8": np.mean([phase_v["CPSGD p=8"](s)[0] - 1.0 for s in range(3)]),
+      "Eq. (10)": np.mean([eq9(8, s) - eq9(2, s) for s in range(3)]),
+      "Fig. 2": np.mean([eq9(8, s) - (2.0 + 0.05 * s) for s in range(3)]),
+      "§III-B": 3 - 7.0}  # p=8 syncs 3 times, ADPSGD 7
+  got = {next(k for k in want if v["claim"].startswith(k)): v for v in out["verdicts"]}
+  assert len(got) == len(out["verdicts"]) == 5
+  for k, v in got.items():
+    assert v["mean_diff"] == pytest.approx(want[k], rel=1e-6), k
+    assert v["seeds"] == 3
+  assert got["§III-B"]["verdict"] == "not reproduced at this scale"
+  assert got["Fig. 1: V_t of CPSGD p=2"]["verdict"] == "reproduced"  # 0.6 vs 2 x 0.1
+  # seed 0's ADPSGD trace: sampling (1, 5] has periods 2, 2; after 0.75 n = 18: 6, 5
+  assert out["adpsgd_period_sampling"] == pytest.approx(2.0)
+  assert out["adpsgd_period_late"] == pytest.approx(5.5)
+  assert "K_s=5" in (tmp_path / "report.md").read_text()
+
+
+def test_block_momentum_table_rows_and_verdicts_from_hand_built_runs(tmp_path, monkeypatch):
+  """Table I on hand-built runs (no training): M-AVG trains with the config's mu and K-AVG with
+  0, accuracies are shown in percent, the difference is M-AVG - K-AVG in points, each loss
+  column is its own algorithm's, and a K-AVG divergence voids its pair's claim as a divergence
+  (not as a mere non-finite value). Every expected number is by hand."""
+  import types
+
+  import mfopt
+  from experiments import block_momentum_table
+  from mfopt import data as data_lib
+  from mfopt import report as report_lib
+  acc = {("digits/mlp", "K-AVG"): lambda s: 0.80 + 0.01 * s,
+         ("digits/mlp", "M-AVG"): lambda s: 0.85 + 0.02 * s,
+         ("mnist1d/mlp", "K-AVG"): lambda s: 0.6, ("mnist1d/mlp", "M-AVG"): lambda s: 0.7}
+  momenta = []
+  block_momentum = mfopt.block_momentum
+
+  def spy(*a, momentum, **kw):
+    momenta.append(momentum)
+    return block_momentum(*a, momentum=momentum, **kw)
+
+  def fake_run(*, desc, seed, **kw):
+    key, algo = desc.split(" ")[0], desc.split(" ")[-1]
+    if key == "mnist1d/mlp" and algo == "K-AVG" and seed == 1:
+      s = {"test_accuracy": float("nan"), "final_train_loss": float("nan")}
+      return common.RunResult(summary=s, history=[], state=None, error="non-finite loss")
+    s = {"test_accuracy": acc[(key, algo)](seed),
+         "final_train_loss": 0.3 if algo == "K-AVG" else 0.2}
+    return common.RunResult(summary=s, history=[{"step": 1, "train_accuracy": 0.5}], state=None)
+
+  monkeypatch.setattr(mfopt, "block_momentum", spy)
+  monkeypatch.setattr(common, "run", fake_run)
+  monkeypatch.setattr(report_lib, "plot_curves", lambda *a, **k: None)
+  monkeypatch.setattr(data_lib, "load", lambda name: types.SimpleNamespace(
+      name=name, train=range(1024), test=range(256)))
+  _, c = runner.prepare("block_momentum_table", quick=True, overrides=["seeds=(0, 1, 2)"])
+  out = block_momentum_table.run(c, tmp_path)
+  assert sorted(set(momenta)) == [0.0, c.momentum] and c.momentum == 0.7
+  dig, mn = out["rows"]
+  assert dig["kavg"] == "81.00 ± 1.00" and dig["mavg"] == "87.00 ± 2.00"
+  assert dig["diff"] == "+6.00 ± 1.00"  # differences 5, 6, 7 points
+  assert dig["kloss"].startswith("0.3000") and dig["mloss"].startswith("0.2000")
+  assert dig["verdict"] == "reproduced"  # 6 > 2 x 1
+  v_dig, v_mn = out["verdicts"]
+  assert v_dig["mean_diff"] == pytest.approx(0.06)
+  assert mn["diff"] == "+10.00 ± 0.00 (1 seed(s) left out)"  # seeds 0 and 2: 70 - 60
+  assert v_mn["reason"] == "1 of 3 seed(s) had a diverged run"
+  assert mn["verdict"] == "not reproduced at this scale (1 of 3 seed(s) had a diverged run)"
+
+
+def test_block_momentum_mu_vs_p_best_mu_and_claim_from_hand_built_runs(tmp_path, monkeypatch):
+  """Figs. 9-12 on hand-built runs (no training): the best mu of a seed is the most accurate mu
+  among its runs that did not diverge (a diverged mu listed first was "best" when kept in), the
+  claim is best mu at the largest P minus at the smallest, a seed with a diverged run at either
+  P is left out, and eta_valid is 0.9x the largest step where Theorem 1's first condition holds
+  at the grid's largest mu, x the root of (K+1)(K-2)/2 x^2 + 2K x = 1. By hand."""
+  import types
+
+  from experiments import block_momentum_mu_vs_p as mvp
+  from mfopt import data as data_lib
+  from mfopt import report as report_lib
+  acc = {6: {0.0: 0.7, 0.5: 0.8, 0.9: 0.75}, 12: {0.0: 0.6, 0.5: 0.65, 0.9: 0.7}}
+  steps = {}
+
+  def fake_run(*, num_workers, num_steps, seed, desc, **kw):
+    mu = float(desc.split("mu=")[1])
+    steps[num_workers] = num_steps
+    if num_workers == 6 and mu == 0.0 and seed == 2:  # one diverged run, at the smallest P
+      return common.RunResult(summary={"test_accuracy": float("nan")}, history=[], state=None,
+                              error="non-finite loss")
+    return common.RunResult(summary={"test_accuracy": acc[num_workers][mu]}, history=[],
+                            state=None)
+
+  consts = theory.ProblemConstants(L=2.0, sigma2=1.0, M=1.0, f_gap=2.0)
+  monkeypatch.setattr(common, "run", fake_run)
+  monkeypatch.setattr(mvp, "_estimated_constants", lambda c, dataset: consts)
+  monkeypatch.setattr(report_lib, "plot_curves", lambda *a, **k: None)
+  monkeypatch.setattr(data_lib, "load", lambda name: types.SimpleNamespace(
+      name=name, train=range(1024), test=range(256)))
+  _, c = runner.prepare("block_momentum_mu_vs_p", quick=True, overrides=[
+      "seeds=(0, 1, 2)", "momenta=(0.0, 0.5, 0.9)"])
+  out = mvp.run(c, tmp_path)
+  assert steps == {6: 768 // (6 * 8), 12: 768 // (12 * 8)}  # equal samples S / (P B)
+  best = {r["P"]: r for r in out["best"]}
+  assert best[6]["best_per_seed"] == "0.5, 0.5, 0.5" and best[6]["best_mean"] == "0.5"
+  assert best[12]["best_per_seed"] == "0.9, 0.9, 0.9" and best[12]["best_mean"] == "0.9"
+  v, = out["verdicts"]
+  assert v["mean_diff"] == pytest.approx(0.4) and v["seeds"] == 2  # seed 2 left out
+  assert v["reason"] == "1 of 3 seed(s) had a diverged run"
+  # K = 4: 5 x^2 + 8 x = 1, x = (sqrt(84) - 8) / 10; eta = 0.9 x (1 - 0.9) / L
+  x = (84 ** 0.5 - 8) / 10
+  assert out["eta_valid"] == pytest.approx(0.9 * x * 0.1 / 2.0, rel=1e-12)
+  for p in (6, 12):
+    mu = theory.optimal_momentum(p, samples=768, eta=out["eta_valid"], B=8, K=4, c=consts)
+    assert best[p]["theory_valid"] == f"{mu:.3f}"
+  # one mu: nothing to compare (it compared a mu with itself)
+  _, c = runner.prepare("block_momentum_mu_vs_p", quick=True, overrides=[
+      "seeds=(0, 1)", "momenta=(0.5,)"])
+  (tmp_path / "one").mkdir()
+  v, = mvp.run(c, tmp_path / "one")["verdicts"]
+  assert v["reason"] == "one P or one mu only: nothing to compare"

@@ -406,3 +406,157 @@ def test_sweep_mf_splits_the_global_batch_and_curves_mean_the_seeds(tmp_path, mo
   # MF 0.5: seed 0 -> 6, 7; seed 1 -> 8, 11 (step x 3): means 7, 9
   assert curves["MF 0.5"] == ([1, 2], [pytest.approx(7.0), pytest.approx(9.0)])
   assert curves["MF 0.9"][1] == [pytest.approx(11.0), pytest.approx(13.0)]
+
+
+def test_bn_variance_verdict_names_the_formula_within_5_se():
+  """A formula is supported when every |z| against it is < 5 (the printed eq. 8 judged at P > 1
+  only, where it differs from M-1); both or neither within 5 SE is inconclusive, and the
+  closest printed-formula agreement reported is over P > 1 (at P = 1 both formulas agree)."""
+  from experiments import bn_variance
+
+  def rows(zc, zp):
+    return [{"P": p, "z_correct": a, "z_printed": b} for p, a, b in zip((1, 2, 4), zc, zp)]
+
+  v = bn_variance._verdict(rows((0.5, -1.0, 4.0), (0.5, -12.0, -20.0)))
+  assert v["supports"] == "correct" and "reject the printed eq. 8" in v["text"]
+  assert v["min_abs_z_printed_P_gt_1"] == 12.0 and v["max_abs_z_correct"] == 4.0
+  assert bn_variance._verdict(rows((0.5, 1.0, 2.0), (0.5, 1.0, 3.0)))["supports"] == "both"
+  assert bn_variance._verdict(rows((0.5, 6.0, 2.0), (0.5, 9.0, 3.0)))["supports"] == "neither"
+  assert bn_variance._verdict(rows((0.5, 6.0, 2.0), (0.5, 1.0, 3.0)))["supports"] == "printed"
+  assert bn_variance._verdict(rows((0.5, 5.0, 2.0), (0.5, 9.0, 9.0)))["supports"] == "neither"
+
+
+def test_bn_variance_pooled_se_and_noise_ratio_in_the_report(tmp_path):
+  """The pooled SE of a mean over n seeds is sqrt(sum SE_i^2) / n, and the noise ratio column
+  divides each P's noise by that at the smallest P (P = 1), whatever order the P are listed in:
+  hand-built rows, noise 0.01 x P, so the ratio is P."""
+  import types
+
+  from experiments import bn_variance
+  rs = [{"x": 1.0, "x_se": 0.3}, {"x": 3.0, "x_se": 0.4}]
+  assert bn_variance._mean_se(rs, "x") == pytest.approx((2.0, 0.5 / 2))
+  c = bn_variance.get_config(quick=True)
+  c.workers = (2, 1, 4, 8)
+  M = c.global_batch
+  act = [{"seed": 0, "layer": "conv0", "P": p, "S_t": M - 1.0, "S_t_se": 0.1, "S_e": M - p,
+          "S_e_se": 0.1, "S_a": p - 1.0, "S_a_se": 0.1, "delta2_B": (M - 1) / M}
+         for p in c.workers]
+  noise = [{"seed": 0, "layer": "conv0", "P": p, "mean_noise": 0.01 * p, "mean_noise_se": 1e-4,
+            "var_noise": 0.1, "var_noise_se": 1e-3, "predicted_mean_noise": 0.01 * p}
+           for p in c.workers]
+  ds = types.SimpleNamespace(name="mnist1d", train=range(4000))
+  verdict = {"text": "x"}
+  bn_variance._write_report(c, tmp_path, ds, act, [dict(r, layer="gaussian") for r in act],
+                            noise, verdict, 1.0)
+  text = (tmp_path / "report.md").read_text()
+  assert "mean noise / P=1" in text
+  # S_e and S_a beside their expectations M - P and P - 1 (P = 2: 30 and 1)
+  assert "| 30.00 (exp. 30) | 1.00 (exp. 1) |" in text
+  ratios = {int(m[0]): float(m[1]) for m in re.findall(
+      r"\| conv0 \| (\d+) \| \d+ \| [^|]+\| [^|]+\| ([0-9.]+) \|",
+      text.split("What per-worker BN changes")[1])}
+  assert ratios == {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
+
+
+def test_mf_lstm_full_grid_makes_table_4s_three_claims():
+  """On the paper's MF grid the claims are: train ppl at 0.975 below the smallest MF, validation
+  ppl at the largest MF above 0.95, and train ppl at the largest above 0.975; a grid without
+  0.975 takes the largest MF for the first. A claim on the wrong metric or MF pair would be
+  judged against another line of Table 4."""
+  import ml_collections
+  from experiments import mf_lstm
+  rows = [{"mf": mf, "seed": s, "train_perplexity": t + 0.01 * s, "validation_perplexity": v}
+          for mf, (t, v) in mf_lstm.PAPER_TABLE4.items() for s in range(3)]
+  claims = mf_lstm._claims(ml_collections.ConfigDict({"mfs": (0.99, 0.9, 0.975, 0.95)}), rows)
+  assert list(claims) == [
+      "train ppl(MF 0.975) - train ppl(MF 0.9) < 0 (paper 13.4 vs 29.93)",
+      "val ppl(MF 0.99) - val ppl(MF 0.95) > 0 (paper 173.88 vs 155.31)",
+      "train ppl(MF 0.99) - train ppl(MF 0.975) > 0 (paper 17.84 vs 13.4)"]
+  assert all(v.startswith("reproduced") for v in claims.values())
+  # the same rows with the validation column reversed: only the validation claim fails
+  flipped = [dict(r, validation_perplexity=-r["validation_perplexity"]) for r in rows]
+  claims = mf_lstm._claims(ml_collections.ConfigDict({"mfs": (0.9, 0.95, 0.975, 0.99)}), flipped)
+  assert [v.startswith("reproduced") for v in claims.values()] == [True, False, True]
+  assert list(mf_lstm._claims(ml_collections.ConfigDict({"mfs": (0.9, 0.95, 0.99)}), rows)) == [
+      "train ppl(MF 0.99) - train ppl(MF 0.9) < 0 (paper 17.84 vs 29.93)",
+      "val ppl(MF 0.99) - val ppl(MF 0.95) > 0 (paper 173.88 vs 155.31)"]
+
+
+def test_mf_lstm_report_states_the_train_perplexity_window(tmp_path, monkeypatch):
+  """The train perplexity is of the last logging window: with 10 steps logged every 5, its last
+  5 steps (a window of steps % log_every would be 0 steps); perplexities are exp of the losses.
+  Hand-built rows, no training."""
+  import types
+
+  from experiments import _mf_common
+  from experiments import mf_lstm
+  from mfopt import data as data_lib
+  from mfopt import report as report_lib
+  ds = types.SimpleNamespace(name="textcorpus", num_classes=20, train=range(640), test=range(64),
+                             meta={})
+  seen = {}
+
+  def fake_sweep(*, mfs, seeds, num_steps, log_every, **kw):
+    seen.update(num_steps=num_steps, log_every=log_every)
+    return [{"mf": mf, "seed": s, "final_train_loss": 1.0 + mf, "test_loss": 2.0,
+             "diverged": False, "error": None, "optimizer": "sgd", "num_workers": 8,
+             "per_worker_batch": 8} for mf in mfs for s in seeds]
+
+  monkeypatch.setattr(data_lib, "load", lambda name, **kw: ds)
+  monkeypatch.setattr(_mf_common, "sweep_mf", fake_sweep)
+  monkeypatch.setattr(_mf_common, "curves_by_mf", lambda workdir: {})
+  monkeypatch.setattr(report_lib, "plot_curves", lambda *a, **k: None)
+  _, c = runner.prepare("mf_lstm", quick=True, overrides=["epochs=1.0", "log_every=5"])
+  out = mf_lstm.run(c, tmp_path)
+  assert seen == {"num_steps": 10, "log_every": 5} and out["steps"] == 10  # 640 / 64
+  text = (tmp_path / "report.md").read_text()
+  assert "its last 5 step(s) x 64 sequences (log_every=5)" in text
+  cell = {a["mf"]: a for a in out["cells"]}
+  assert cell[0.9]["train_perplexity_mean"] == pytest.approx(math.exp(1.9))
+  assert cell[0.99]["validation_perplexity_mean"] == pytest.approx(math.exp(2.0))
+
+
+def test_mf_sweep_one_gpu_claim_is_sgds_and_both_mfs_must_be_the_papers():
+  """Fig. 5's 1-GPU statement is about SGD only (NAG gets the many-workers claim alone), and
+  an MF pair with either value outside the paper's grid makes no claim (not only both)."""
+  import ml_collections
+  from experiments import mf_sweep
+  rows = [{"optimizer": o, "mf": mf, "workers": w, "seed": s, "test_accuracy": 0.9,
+           "diverged": False} for o in ("sgd", "nag") for mf in (0.5, 0.9, 0.99)
+          for w in (1, 8) for s in range(2)]
+
+  def claims(mfs):
+    return mf_sweep._claims(ml_collections.ConfigDict(
+        {"mfs": mfs, "workers": (1, 8), "optimizers": ("sgd", "nag")}), rows)
+
+  assert [k.split(" (")[0] for k in claims((0.9, 0.99))] == [
+      "sgd: acc(MF 0.99) - acc(MF 0.9) at W=8 > 0", "sgd: acc(MF 0.99) - acc(MF 0.9) at W=1 < 0",
+      "nag: acc(MF 0.99) - acc(MF 0.9) at W=8 > 0"]
+  assert claims((0.5, 0.99)) == {} and claims((0.9, 0.5)) == {}
+
+
+def test_mf_sweep_adam_lr_overrides_adams_lr_only(tmp_path, monkeypatch):
+  """adam_lr > 0 sets Adam's lr; SGD and NAG keep the linear-scaling lr 0.05 x 128 / 128 (an
+  override applied to every optimizer would change the SGD runs the paper's claims are on).
+  Hand-built cells, no training."""
+  import types
+
+  from experiments import _mf_common
+  from experiments import mf_sweep
+  from mfopt import data as data_lib
+  from mfopt import report as report_lib
+  lrs = {}
+
+  def fake_cell(*, optimizer, learning_rate, mf, num_workers, per_worker_batch, seed, **kw):
+    lrs[optimizer] = learning_rate
+    return {"optimizer": optimizer, "mf": mf, "seed": seed, "test_accuracy": 0.5,
+            "final_train_loss": 1.0, "diverged": False, "error": None,
+            "num_workers": num_workers, "per_worker_batch": per_worker_batch}
+
+  monkeypatch.setattr(data_lib, "load_sized", lambda name, n, m: types.SimpleNamespace(
+      name=name, num_classes=10, train=range(n), test=range(m)))
+  monkeypatch.setattr(_mf_common, "run_cell", fake_cell)
+  monkeypatch.setattr(report_lib, "plot_curves", lambda *a, **k: None)
+  _, c = runner.prepare("mf_sweep", quick=True, overrides=["adam_lr=0.003"])
+  out = mf_sweep.run(c, tmp_path)
+  assert lrs == {"sgd": 0.05, "nag": 0.05, "adam": 0.003} == out["learning_rates"]
