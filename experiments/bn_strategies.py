@@ -18,9 +18,10 @@ takes the next ``W x bt`` examples of the epoch's shuffled order (``bt / (B/2)``
 batches of a ``B/2``-per-worker :class:`mfopt.data.WorkerBatcher`), so every example is seen
 once per epoch. (Before 2026-11-25 it cut ``bt`` rows from a ``3B/2`` batch, discarding the
 rest: in the full preset 923 of 4,000 examples went unseen in the first epoch.) It is trained
-by a loop here (three compiled step shapes), not by ``mfopt.train.fit``. Synchronised BN also costs communication the optimizer's counters do
-not see: its projection adds one all-reduce of (mean, E[x^2]) per BN layer in the forward pass
-and one in the backward pass per step (2 x 2C float32 values per layer).
+by a loop here (three compiled step shapes), not by ``mfopt.train.fit``. Synchronised BN also
+costs communication the optimizer's counters do not see: its projection adds one all-reduce of
+(mean, E[x^2]) per BN layer in the forward pass and one in the backward pass per step (2 x 2C
+float32 values per layer).
 
 A run that diverges (non-finite loss or update; row 1's loop checks like ``fit`` does, at
 every evaluation) is recorded, not fatal: ``diverged`` with its error in runs.json,

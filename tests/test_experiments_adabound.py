@@ -530,26 +530,9 @@ def test_warmup_sgd_schedule_rises_linearly_then_decays_per_epoch():
 
 
 def _trajectory(tx, offsets, steps):
-  """Parameters after each of ``steps`` updates of ``tx`` by every worker of a (data, local)
-  worker grid (``offsets``: (1, W, D); worker gradient ``2 w + offset``), under the worker
-  vmap's axis names."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from mfopt import parallel
-
-  def one(off):
-    def step(carry, _):
-      p, s = carry
-      u, s = tx.update(2.0 * p + off, s, p)
-      p = optax.apply_updates(p, u)
-      return (p, s), p
-
-    p = jnp.linspace(-1.0, 1.0, off.shape[-1])
-    return jax.lax.scan(step, (p, tx.init(p)), length=steps)[1]
-
-  f = jax.vmap(jax.vmap(one, axis_name=parallel.LOCAL_AXIS), axis_name=parallel.DATA_AXIS)
-  return np.asarray(jax.jit(f)(jnp.asarray(offsets, jnp.float32)))[0]
+  """:func:`_steps.worker_grid_trajectory` of the first data row: ``(W, steps, D)``."""
+  from _steps import worker_grid_trajectory  # tests/ is on sys.path
+  return worker_grid_trajectory(tx, offsets, steps)[0]
 
 
 def test_make_tx_passes_the_configs_hyperparameters_through():

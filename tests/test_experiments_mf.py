@@ -307,34 +307,12 @@ def test_steps_for_rounds_to_the_nearest_whole_step():
   assert _mf_common.steps_for(10, 64) == 1
 
 
-def _trajectory(tx, offsets, steps=4):
-  """Parameters after each of ``steps`` updates of ``tx`` by every worker of a (data, local)
-  worker grid (``offsets``: (1, W, D), gradient ``2 w + offset``), as the library's worker
-  vmap runs it."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  def one(off):
-    def step(carry, _):
-      p, s = carry
-      u, s = tx.update(2.0 * p + off, s, p)
-      p = optax.apply_updates(p, u)
-      return (p, s), p
-
-    p = jnp.linspace(-1.0, 1.0, off.shape[-1])
-    return jax.lax.scan(step, (p, tx.init(p)), length=steps)[1]
-
-  f = jax.vmap(jax.vmap(one, axis_name=mfopt.parallel.LOCAL_AXIS),
-               axis_name=mfopt.parallel.DATA_AXIS)
-  return np.asarray(jax.jit(f)(jnp.asarray(offsets, jnp.float32)))
-
-
 def test_make_optimizer_is_the_named_algorithm_on_the_mean_gradient():
   """Each worker applies the seed's optimizer (SGD/NAG Alg. 1, Adam Alg. 2 with mf2) with the
   given lr and MF to the mean of the workers' gradients (SPEC: synchronous, same update
   everywhere); Adam's second factor defaults to 0.999 (SPEC). A dropped all-reduce, a
   swapped MF or a wrong default still trains, only to different numbers."""
+  from _steps import worker_grid_trajectory  # tests/ is on sys.path
   from experiments import _mf_common
   offs = np.array([[[0.5, -1.0, 2.0], [-0.1, 0.3, 0.0]]])  # 2 workers; mean (0.2, -0.35, 1.0)
   mean = offs.mean(axis=1, keepdims=True)
@@ -343,10 +321,10 @@ def test_make_optimizer_is_the_named_algorithm_on_the_mean_gradient():
            (("adam", 0.05, 0.8, 0.9), mfopt.mf_adam(0.05, mf1=0.8, mf2=0.9)),
            (("adam", 0.05, 0.8), mfopt.mf_adam(0.05, mf1=0.8, mf2=0.999))]
   for args, ref in cases:
-    got = _trajectory(_mf_common.make_optimizer(*args), offs)
+    got = worker_grid_trajectory(_mf_common.make_optimizer(*args), offs)
     np.testing.assert_allclose(got[0, 0], got[0, 1], rtol=0, atol=0, err_msg=str(args))
-    np.testing.assert_allclose(got[0, 0], _trajectory(ref, mean)[0, 0], rtol=1e-5, atol=1e-6,
-                               err_msg=str(args))
+    np.testing.assert_allclose(got[0, 0], worker_grid_trajectory(ref, mean)[0, 0], rtol=1e-5,
+                               atol=1e-6, err_msg=str(args))
 
 
 def test_run_cell_hands_fit_its_settings_and_records_a_divergence(monkeypatch):
