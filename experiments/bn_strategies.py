@@ -164,7 +164,9 @@ def _varying_batch_run(c, dataset, seed: int, on_log, desc: str = "") -> dict[st
         return {**restored.meta["result"], "build": VARYING_BUILD}  # (older saves had none)
       state, meta = restored.state, restored.meta  # (a finished shorter run trains on)
       samples, step, next_eval = meta["samples"], meta["step"], meta["next_eval"]
-      piece = meta["piece"]
+      # (a save from before the contiguous stream, resumed under allow_mismatch: the piece
+      # that many samples reach in the new stream)
+      piece = meta.get("piece", samples // (w * unit))
       history, train_s = meta["history"], meta["train_s"]
       rng.bit_generator.state = meta["rng"]
   # its own loop, not fit's: say where it starts, or an allowed config change cut its rows at
