@@ -624,8 +624,10 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         mean = _pmean_floats(local, axis_name)
       if average_inner_state:
         inner_state = _pmean_floats(inner_state, axis_name)
-      if compute_s and skip_s_before:  # (a collective in a branch: k is the same everywhere)
-        needed = k >= skip_s_before
+      if compute_s and skip_s_before:
+        # k is the same on every worker but batched under the worker vmap, where a cond on it
+        # became a select that ran the all-reduce anyway (uncounted): made unbatched first
+        needed = _unbatched(k >= skip_s_before, axis_name)
         s_k = jax.lax.cond(needed, lambda: pmean_tree(
             _sq_norm(jax.tree.map(_subtract, mean, local)), axis_name).astype(jnp.float32), nan)
         if communicates:

@@ -139,6 +139,31 @@ def test_adpsgd_scalar_all_reduce_also_inside_the_sync_loop():
   assert re.search(r"f32\[\]\S* all-reduce\(", text)  # the S_k scalar exchange
 
 
+def test_adpsgd_warmup_s_k_all_reduce_is_in_a_conditional_of_the_vmapped_step():
+  """ADPSGD skips S_k's scalar all-reduce at warm-up syncs. The step count deciding it is
+  batched under the worker vmap, where a cond on it became a select that ran the all-reduce
+  at every sync while the counter said it had not: the compiled step must keep the scalar
+  all-reduce in a conditional's branch (the parameter all-reduce stays outside it)."""
+  ctl = mfopt.adpsgd_period(learning_rate=0.1, sampling_steps=8, warmup_steps=2)
+  tx = mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, ctl)
+  _, state, step, batch = _setup(tx, 16)
+  comps, _ = _bench.hlo_computations(step.lower(state, batch).compile().as_text())
+  branches = set()
+  for lines in comps.values():
+    for line in lines:
+      if " conditional(" in line:
+        m = re.search(r"branch_computations=\{([^}]*)\}", line)
+        pairs = re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
+        branches |= ({b.strip().lstrip("%") for b in m.group(1).split(",")} if m else set(pairs))
+
+  def holds(pattern):
+    return {c for c, lines in comps.items() if any(re.search(pattern, ln) for ln in lines)}
+
+  scalar = holds(r"= f32\[\]\S* all-reduce\(")
+  assert scalar and scalar <= branches, (scalar, branches)
+  assert holds(r"\) all-reduce\(|\] all-reduce\(|\}\S* all-reduce\(") - branches  # params
+
+
 def test_checker_catches_a_collective_outside_the_sync_loop():
   """Negative control on a real program: the variance diagnostic all-reduces every step."""
   tx = mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, 4, track_variance=True)
