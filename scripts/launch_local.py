@@ -74,6 +74,20 @@ def describe_exit(code: int) -> str:
   return f"exit code {code}"
 
 
+def exit_code(p: subprocess.Popen) -> int | None:
+  """``p``'s exit code (negative: the signal that killed it), or None while it runs, without
+  reaping it (``Popen.poll`` reaps). An unreaped child keeps its pid, and so its process
+  group's id, from being handed to another process before the launcher has signalled that
+  group; once reaped, a reused pid could have put an unrelated process group under the
+  launcher's SIGKILL. :func:`main` reaps every child at the end (``Popen.wait``)."""
+  if p.returncode is not None:
+    return p.returncode
+  info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+  if info is None or info.si_pid == 0:  # still running
+    return None
+  return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def _pump(stream, prefix: str, out) -> None:
   for line in iter(stream.readline, b""):
     out.write(f"{prefix} {line.decode(errors='replace')}")
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
       pass
 
   def kill_leftovers() -> None:
-    for p in procs:
+    for p in procs:  # (each signalled before it is reaped: see exit_code)
       signal_group(p, signal.SIGKILL)
       p.wait()
 
@@ -154,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in procs:
       signal_group(p, signum)
     deadline = time.monotonic() + min(args.grace, 10.0)
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    while time.monotonic() < deadline and any(exit_code(p) is None for p in procs):
       time.sleep(0.05)
     kill_leftovers()
     return 128 + signum
@@ -163,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
   while True:
     if received:
       return stop(received[0])
-    codes = [p.poll() for p in procs]
+    codes = [exit_code(p) for p in procs]
     failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
     if failed:
       first_failure = failed[0]
       break
     if all(c == 0 for c in codes):
+      for p in procs:
+        p.wait()  # (reaped: exit_code only looks)
       for t in pumps:
         t.join(timeout=5)
       report(f"all {len(procs)} processes finished")
@@ -176,25 +192,24 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(0.05)
 
   dead = procs[first_failure]
-  report(f"process {first_failure} (pid {dead.pid}) died: {describe_exit(dead.returncode)}")
+  code = exit_code(dead)
+  report(f"process {first_failure} (pid {dead.pid}) died: {describe_exit(code)}")
   deadline = time.monotonic() + args.grace
-  while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+  while time.monotonic() < deadline and any(exit_code(p) is None for p in procs):
     if received:  # a cancel during the grace period is still a cancel (it used to be dropped)
       return stop(received[0])
     time.sleep(0.05)
   for i, p in enumerate(procs):
     if i == first_failure:
       continue
-    if p.poll() is None:
-      signal_group(p, signal.SIGKILL)
-      p.wait()
+    if exit_code(p) is None:
+      signal_group(p, signal.SIGKILL)  # (reaped in kill_leftovers, after every group's kill)
       report(f"process {i} (pid {p.pid}) did not exit within {args.grace:g} s; killed it")
     else:
-      report(f"process {i} (pid {p.pid}) then ended: {describe_exit(p.returncode)}")
+      report(f"process {i} (pid {p.pid}) then ended: {describe_exit(exit_code(p))}")
   kill_leftovers()  # what the children started, if it outlived them
   for t in pumps:
     t.join(timeout=5)
-  code = dead.returncode
   return code if code > 0 else 128 + (-code)
 
 

@@ -664,6 +664,40 @@ def test_a_failed_job_leaves_no_process_its_children_started(tmp_path):
 
 
 @pytest.mark.slow  # child processes (no JAX in them: seconds)
+def test_the_launcher_signals_no_process_group_whose_leader_it_has_reaped(tmp_path):
+  """Process groups are signalled by their leader's pid. Once a child is reaped its pid can be
+  reused, and a group led by the new owner would take the launcher's SIGKILL; children used to
+  be reaped (Popen.poll) as soon as they exited, and their groups killed after the grace
+  period. Here the driver checks, at every killpg, that the leader is still unreaped."""
+  driver = f"""
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("launch_local", {str(LAUNCH)!r})
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+real, calls = os.killpg, []
+def killpg(pgid, sig):
+  try:
+    os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    calls.append("unreaped")
+  except ChildProcessError:
+    calls.append("reaped")
+  return real(pgid, sig)
+os.killpg = killpg
+child = ("import os, sys, time\\n"
+         "if os.environ['MFOPT_PROCESS_ID'] == '0': time.sleep(0.5); sys.exit(3)\\n"
+         "time.sleep(120)")
+code = launch.main(["-n", "2", "--grace", "1", "--", "-c", child])
+print("CALLS", calls)
+sys.exit(code)
+"""
+  proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True,
+                        timeout=60)
+  assert proc.returncode == 3, proc.stderr
+  calls = next(line for line in proc.stdout.splitlines() if line.startswith("CALLS"))
+  assert "'unreaped'" in calls and "'reaped'" not in calls, calls
+
+
+@pytest.mark.slow  # child processes (no JAX in them: seconds)
 def test_sigterm_while_the_launcher_starts_its_processes_stops_them(tmp_path):
   """A cancel that lands while the children are being started: the handlers used to be
   installed after the last start, so SIGTERM then killed the launcher alone (exit -15) and
