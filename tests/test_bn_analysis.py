@@ -193,3 +193,71 @@ def test_worker_count_and_table_size_errors_name_the_callers_argument():
     bn.measure_split_statistics(np.zeros((2, 4, 1)), 0, np.ones(1))
   with pytest.raises(ValueError, match=r"M must be a positive integer, got -64"):
     bn.expectation_table(-64, (3,))
+
+
+def test_expectations_scale_with_sigma2():
+  """Every expectation is linear in sigma^2 (quadratic for the variance noise): at sigma^2 = 2,
+  E[S_e] = 2 (M-P), E[S_a] = 2 (P-1), E(mu_j-mu)^2 = 2/K, E(delta_j^2-sigma^2)^2 = 4 (2K-1)/K^2
+  (4 = sigma^4 at K = 1), and the table passes sigma^2 to every column."""
+  assert bn.correct_within_ss(64, 4, 2.0) == 120.0
+  assert bn.correct_between_ss(64, 4, 2.0) == 6.0
+  assert bn.predicted_mean_noise(4, 2.0) == 0.5
+  assert bn.predicted_variance_noise(1, 2.0) == 4.0
+  assert bn.predicted_variance_noise(4, 2.0) == pytest.approx(4 * 7 / 16, rel=1e-12)
+  (row,) = bn.expectation_table(64, (4,), sigma2=2.0)
+  assert row == {"P": 4, "K": 16, "printed_e1": 126.0, "printed_e2": 126.0 + 96.0,
+                 "correct_S_t": 126.0, "correct_S_e": 120.0, "correct_S_a": 6.0}
+
+
+def test_zero_population_variance_is_refused():
+  """Measurements are divided by each feature's sigma^2: a constant feature (sigma^2 = 0) would
+  turn every average into inf/NaN, so it is refused with a message."""
+  with pytest.raises(ValueError, match=r"sigma2 must be > 0 for every feature"):
+    bn.measure_split_statistics(np.ones((2, 4, 2)), 2, np.array([1.0, 0.0]))
+
+
+def test_variance_noise_prediction_averages_each_features_kurtosis():
+  """With features of different kurtosis, the prediction is the average of the per-feature
+  formulas ((K-1)/K)^2 (kurt/K - (K-3)/(K(K-1))) + 1/K^2, not the first feature's value."""
+  x = np.random.default_rng(3).normal(size=(2, 8, 2))
+  m = bn.measure_split_statistics(x, 2, np.ones(2), mu=np.zeros(2), kurt=np.array([1.8, 3.0]))
+  K = 4
+  pred = [(3 / 4) ** 2 * (k / K - 1 / 12) + 1 / 16 for k in (1.8, 3.0)]  # 0.26875, 0.4375
+  assert m["predicted_var_noise"] == pytest.approx((pred[0] + pred[1]) / 2, rel=1e-12)
+
+
+class _FixedDraws:
+  """A stand-in for np.random.Generator whose integers() returns chosen example indices."""
+
+  def __init__(self, idx):
+    self.idx = np.asarray(idx)
+
+  def integers(self, low, high, size):
+    assert self.idx.shape == tuple(size)
+    return self.idx
+
+
+def test_bn_channel_noise_on_hand_chosen_draws():
+  """Two examples (0 and 4: mean 2, variance 4) and a constant channel (dropped). Draws
+  {0,0}, {0,1}, {1,1} give worker means 0, 2, 4 and biased variances 0, 4, 0, so both squared
+  errors, normalised by sigma^2 and sigma^4, are 1, 0, 1: noise 2/3 with standard error
+  sd(ddof=1)/sqrt(3) = 1/3; the prediction is Var(example mean) / (K sigma^2) = 4/(2*4)."""
+  acts = np.array([[0.0, 5.0], [4.0, 5.0]])  # (N = 2, C = 2), channel 1 constant
+  m = bn.measure_bn_channel_noise(acts, 2, 1, 3, _FixedDraws([[[0, 0]], [[0, 1]], [[1, 1]]]))
+  assert (m["P"], m["K"], m["channels"], m["trials"]) == (1, 2, 1, 3)
+  for name in ("mean_noise", "var_noise"):
+    assert m[name] == pytest.approx(2 / 3, rel=1e-12), name
+    assert m[name + "_se"] == pytest.approx(1 / 3, rel=1e-12), name
+  assert m["predicted_mean_noise"] == pytest.approx(0.5, rel=1e-12)
+
+
+def test_bn_channel_noise_draws_from_every_example():
+  """Global batches are drawn with replacement from all N examples: with examples 0, 0, 3
+  (mean 1, variance 2) and K = 1 the squared mean error is 1/2 or 2 (the last example), with
+  expectation 1 = the prediction; never drawing the last example would give exactly 1/2."""
+  acts = np.array([[0.0], [0.0], [3.0]])
+  m = bn.measure_bn_channel_noise(acts, 1, 1, 400, np.random.default_rng(4))
+  assert m["predicted_mean_noise"] == pytest.approx(1.0, rel=1e-12)
+  # per-trial error: 1/2 w.p. 2/3, 2 w.p. 1/3 -> sd sqrt(2)/2; 5 sd of the mean of 400
+  assert abs(m["mean_noise"] - 1.0) < 5 * (math.sqrt(2) / 2) / math.sqrt(400)
+

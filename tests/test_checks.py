@@ -293,3 +293,78 @@ def test_simulator_configs_hold_python_scalars():
   assert type(mfopt.sim.BBConfig(alpha0=jnp.asarray(0.01)).alpha0) is float
   assert type(ksync.KTestConfig(confidence=np.float32(0.95)).confidence) is float
   assert server.plain_settings(jnp.arange(3.0)) == [0.0, 1.0, 2.0]
+
+
+# ----------------------------------------------------------------------------- boundaries
+
+
+def test_zero_d_integer_arrays_are_numbers_but_one_element_arrays_are_not():
+  """A 0-d integer array (np.asarray(3), a jnp scalar) is a real scalar like a 0-d float one,
+  while a 1-element vector is not a scalar: accepting it would let a shape bug through."""
+  import jax.numpy as jnp
+  for value in (np.asarray(3), jnp.asarray(2), np.asarray(np.int8(1))):
+    assert _checks.positive_number("lr", value) is value
+  for value in (np.ones(1), np.ones((1, 1)), jnp.ones(1)):
+    with pytest.raises(ValueError, match=r"^lr must be a positive number, got "):
+      _checks.positive_number("lr", value)
+
+
+@pytest.mark.parametrize("value", [0, 7, np.int64(5), np.uint16(3), np.int8(0)])
+def test_nonnegative_int_returns_a_python_int(value):
+  """Like positive_int, the count comes back as a Python int whatever integer type came in (a
+  NumPy integer left in a config serialises and fingerprints differently from the same int)."""
+  out = _checks.nonnegative_int("n", value)
+  assert out == int(value) and type(out) is int
+
+
+def test_non_finite_numbers_are_refused_and_only_infinities_get_the_finite_hint():
+  """inf and an int too large for a float are not finite (math.isfinite overflows on the latter),
+  so both are refused with '(it must be finite)'; NaN is refused without that hint (NaN is not
+  'too large', the hint would mislead)."""
+  for value in (float("inf"), 10**400, np.float64("inf")):
+    with pytest.raises(ValueError, match=r"^x must be a positive number, got .*\(it must be "
+                                         r"finite\)$"):
+      _checks.positive_number("x", value)
+  with pytest.raises(ValueError, match=r"^x must be a non-negative number, got nan$"):
+    _checks.nonnegative_number("x", float("nan"))
+  assert _checks.positive_number("x", 10**300) == 10**300  # still a float-sized int
+
+
+def test_finite_positive_number_excludes_zero_and_infinity():
+  """Both ends of (0, inf) are open: a step size of 0 or -0.0 would freeze training and inf
+  would make it NaN; the smallest subnormal and the largest float pass."""
+  for value in (0.0, -0.0, 0, float("inf"), -1.0, float("nan")):
+    with pytest.raises(ValueError, match=r"^lr must be a finite positive number, got "):
+      _checks.finite_positive_number("lr", value)
+  for value in (5e-324, 1.7e308, 1):
+    assert _checks.finite_positive_number("lr", value) == value
+
+
+def test_flag_accepts_numpy_bools_and_returns_python_bools():
+  """A NumPy bool (a comparison result from a config) is a flag; it comes back as a Python bool
+  so that identity checks (`is True`) and hashing of configs behave like for True/False."""
+  assert _checks.flag("f", np.bool_(True)) is True
+  assert _checks.flag("f", np.bool_(False)) is False
+  assert _checks.flag("f", False) is False
+  assert _checks.flag("f", None, allow_none=True) is None
+  with pytest.raises(ValueError, match=r"^f must be True or False, got None$"):
+    _checks.flag("f", None)
+  with pytest.raises(ValueError, match=r"^f must be True, False or None, got 1$"):
+    _checks.flag("f", 1, allow_none=True)
+
+
+def test_transformation_needs_both_init_and_update():
+  """An optax transformation has init and update: an object with only one of them would fail at
+  its first use; when None is allowed, the message says so."""
+  from types import SimpleNamespace
+  both = SimpleNamespace(init=lambda p: None, update=lambda u, s, p=None: (u, s))
+  assert _checks.transformation("inner", both) is both
+  assert _checks.transformation("outer", None, allow_none=True) is None
+  for half in (SimpleNamespace(init=both.init), SimpleNamespace(update=both.update)):
+    with pytest.raises(ValueError, match=r"^inner must be an optax.GradientTransformation"):
+      _checks.transformation("inner", half)
+  with pytest.raises(ValueError, match=r"^outer must be None or an optax.GradientTransformation "
+                                       r"\(e.g. optax.sgd\(0.1\), not optax.sgd\), got 3$"):
+    _checks.transformation("outer", 3, allow_none=True)
+  with pytest.raises(ValueError, match=r"^inner must be an optax.GradientTransformation"):
+    _checks.transformation("inner", None)
