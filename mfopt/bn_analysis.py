@@ -147,10 +147,18 @@ def predicted_variance_noise(K: int, sigma2: float = 1.0, kurt: float = 3.0) -> 
 
 
 def kurtosis(x: np.ndarray, axis: int = 0) -> np.ndarray:
-  """Population kurtosis ``E(x-mu)^4 / sigma^4`` along ``axis`` (3 for a Gaussian)."""
+  """Population kurtosis ``E(x-mu)^4 / sigma^4`` along ``axis`` (3 for a Gaussian); NaN where
+  ``x`` is constant (0/0: undefined).
+
+  Computed as ``E z^4`` of the standardised ``z = (x-mu)/sigma``: ``sigma^4`` itself
+  underflowed to 0 for ``sigma < 1e-81`` or so, and the old ``max(var, 1e-300)**2`` guard
+  underflowed too, so a constant column gave 0/0 with a RuntimeWarning.
+  """
   x = np.asarray(x, dtype=np.float64)
   d = x - x.mean(axis=axis, keepdims=True)
-  return (d**4).mean(axis=axis) / np.maximum((d**2).mean(axis=axis), 1e-300) ** 2
+  var = (d**2).mean(axis=axis, keepdims=True)
+  z = d / np.sqrt(np.where(var > 0, var, 1.0))
+  return np.where(np.squeeze(var > 0, axis=axis), (z**4).mean(axis=axis), np.nan)
 
 
 def split_statistics(x: np.ndarray, num_workers: int) -> dict[str, np.ndarray]:

@@ -261,3 +261,16 @@ def test_bn_channel_noise_draws_from_every_example():
   # per-trial error: 1/2 w.p. 2/3, 2 w.p. 1/3 -> sd sqrt(2)/2; 5 sd of the mean of 400
   assert abs(m["mean_noise"] - 1.0) < 5 * (math.sqrt(2) / 2) / math.sqrt(400)
 
+
+def test_kurtosis_of_constant_and_tiny_scale_columns():
+  """Kurtosis is scale-free: [-s, s] repeated has kurtosis 1 at any scale, 1e-150 included
+  (sigma^4 underflows to 0 there), and a constant column has none (NaN, without a 0/0
+  RuntimeWarning: the max(var, 1e-300)**2 guard underflowed to 0 itself)."""
+  import warnings
+  x = np.stack([np.tile([-1.0, 1.0], 8), np.tile([-1e-150, 1e-150], 8), np.full(16, 3.0)], 1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    k = bn.kurtosis(x)
+  np.testing.assert_allclose(k[:2], [1.0, 1.0], rtol=1e-12)
+  assert np.isnan(k[2])
+  np.testing.assert_allclose(bn.kurtosis(x[:, 0]), 1.0, rtol=1e-12)  # (1-D: a scalar)
