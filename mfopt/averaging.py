@@ -624,18 +624,19 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         mean = _pmean_floats(local, axis_name)
       if average_inner_state:
         inner_state = _pmean_floats(inner_state, axis_name)
-      if compute_s and skip_s_before:
-        # k is the same on every worker but batched under the worker vmap, where a cond on it
-        # became a select that ran the all-reduce anyway (uncounted): made unbatched first
-        needed = _unbatched(k >= skip_s_before, axis_name)
-        s_k = jax.lax.cond(needed, lambda: pmean_tree(
-            _sq_norm(jax.tree.map(_subtract, mean, local)), axis_name).astype(jnp.float32), nan)
+      if compute_s:
+        def exchange_s_k():  # (float32: _sq_norm's)
+          return pmean_tree(_sq_norm(jax.tree.map(_subtract, mean, local)), axis_name)
+
+        if skip_s_before:
+          # k is the same on every worker but batched under the worker vmap, where a cond on
+          # it became a select that ran the all-reduce anyway (uncounted): made unbatched
+          needed = _unbatched(k >= skip_s_before, axis_name)
+          s_k, exchanged = jax.lax.cond(needed, exchange_s_k, nan), needed.astype(jnp.int32)
+        else:
+          s_k, exchanged = exchange_s_k(), 1
         if communicates:
-          scalar_comm = scalar_comm._replace(count=scalar_comm.count + needed.astype(jnp.int32))
-      elif compute_s:
-        s_k = pmean_tree(_sq_norm(jax.tree.map(_subtract, mean, local)), axis_name)
-        scalar_comm = scalar_comm._replace(
-            count=scalar_comm.count + (1 if communicates else 0))
+          scalar_comm = scalar_comm._replace(count=scalar_comm.count + exchanged)
       else:
         s_k = nan()
       if outer is not None:
