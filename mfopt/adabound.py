@@ -519,8 +519,9 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
   equal) and selects its small norms table per worker, at the same cost (XLA:CPU, worker map:
   44.0 + [12.0] B/param with or without ``axis_name``). ``axis_name`` (the worker axes) makes
   the trip count unbatched (:func:`mfopt.comm.unbatched`: a local reduction, no
-  communication) and drops that select. That loop is why ``jax.grad`` through ``update``
-  needs :func:`mfopt.differentiable_gates` (JAX cannot reverse a ``while_loop``). Measured on CPU
+  communication) and drops that select. ``jax.grad`` through ``update`` goes through the
+  loop's custom JVP (:func:`mfopt.comm.gated`; :func:`mfopt.differentiable_gates` makes the
+  differentiated gate a ``lax.cond``). Measured on CPU
   (``python -m experiments.bench_update``, BENCHMARKS.md): AdaBound phase 0.96-1.08x
   ``optax.adam``'s time, LARS phase 0.27x ``optax.lars``'s.
 

@@ -420,9 +420,10 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   :func:`mfopt.precision.skip_nonfinite`, never this transform in ``optax.apply_if_finite``
   (a worker that skips falls out of step and, across devices, the averaging all-reduce hangs).
 
-  The sync is a 0-or-1-trip loop (:func:`mfopt.comm.gated`), which JAX cannot differentiate
-  in reverse mode: to take ``jax.grad`` through ``update`` (meta-learning a learning rate),
-  trace it under :func:`mfopt.differentiable_gates`.
+  The sync is a 0-or-1-trip loop (:func:`mfopt.comm.gated`) with a custom JVP, so
+  ``jax.grad`` through ``update`` (meta-learning a learning rate) works; the differentiated
+  program runs the sync's computation every step and selects, or, traced under
+  :func:`mfopt.differentiable_gates`, skips it with a ``lax.cond``.
 
   Args:
     inner: the local optimizer (e.g. ``optax.sgd(lr, momentum=0.9)``); its
@@ -740,8 +741,7 @@ def block_momentum(inner: optax.GradientTransformation, axis_name: AxisName,
   is ``w~ - a``, DiLoCo's sign). ``momentum=0`` is K-AVG (equal to plain
   periodic averaging up to the rounding of ``w~ + (a - w~)``). Learner-level
   momentum (the paper's conclusion) is ``inner=optax.sgd(lr, momentum=...)``. ``jax.grad``
-  through ``update``: under :func:`mfopt.differentiable_gates` (as for
-  :func:`periodic_averaging`).
+  through ``update``: as for :func:`periodic_averaging`.
 
   Args:
     inner: the learners' optimizer (paper: plain SGD with step ``gamma``).

@@ -189,6 +189,15 @@ def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = (), *,
   (the hybrid's norm reductions) out of the loop and ran it every step: 64 B/param against
   44 in the AdaBound warmup (``tests/test_adabound.py``).
 
+  Derivatives: JAX cannot differentiate a ``while_loop`` in reverse mode, so the loop is a
+  ``jax.custom_jvp`` whose rule differentiates ``where(pred, fn(carry, *operands), carry)``
+  (the tangents going into ``fn`` are zeroed where the gate is shut, so an infinite
+  derivative of the untaken branch, e.g. ``sqrt`` at 0, cannot turn the gradient into NaN).
+  ``jax.grad`` through a gated update therefore works, and evaluates ``fn`` on every step;
+  :func:`differentiable_gates` makes it a ``lax.cond`` instead. Values ``fn`` closes over
+  are hoisted into arguments (``jax.closure_convert``) so they get their derivatives too. The
+  undifferentiated program is the loop, unchanged.
+
   ``pred`` must be unbatched under the worker ``vmap`` (:func:`unbatched`); batched, the loop
   runs ``fn`` for every worker while any needs it and selects (still correct, not cheaper).
   ``fn`` must return a value of ``carry``'s structure, shapes and dtypes.
@@ -210,20 +219,56 @@ def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = (), *,
     init, branch = _vma_consistent(carry, lambda c: fn(c, *operands))
     with jax.named_scope(GATE_SCOPE):
       return lax.cond(jnp.asarray(pred), branch, lambda c: c, init)
-  trips = jnp.asarray(pred).astype(jnp.int32)
+  operands = tuple(operands)
+  if operands and _manual_axes():  # the loop's optimization_barrier types every operand with
+    # the union of their varying axes; fn is traced once below, so it must see those types
+    axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(operands)))
+    operands = jax.tree.map(lambda x: _as_varying(x, axes), operands)
+  carry, _ = _vma_consistent(carry, lambda c: fn(c, *operands))
+  target = jax.tree.map(_varying_axes, carry)
+
+  def branch(c, ops):  # fn, its results cast to the carry's varying axes (shard_map)
+    return jax.tree.map(_as_varying, fn(c, *ops), target)
+
+  # The closed-over values that a derivative can flow through become explicit arguments, so
+  # that the custom JVP rule below sees (and differentiates with respect to) them.
+  branch, consts = jax.closure_convert(branch, carry, operands)
+  return _gate_loop(branch, jnp.asarray(pred), carry, operands, tuple(consts))
+
+
+def _gate_loop_impl(conv, pred, carry, operands, consts):
+  trips = pred.astype(jnp.int32)
 
   def body(loop):
     trip, c = loop
     ops = operands
     if operands:  # the counter is always used (the next trip test), so the barrier stays
       ops, trip = lax.optimization_barrier((operands, trip))
-    return trip + 1, fn(c, *ops)
+    return trip + 1, conv(c, ops, *consts)
 
   init = (jnp.zeros([], jnp.int32), carry)
   init, body = _vma_consistent(init, body)
   with jax.named_scope(GATE_SCOPE):
     _, out = lax.while_loop(lambda loop: loop[0] < trips, body, init)
   return out
+
+
+_gate_loop = jax.custom_jvp(_gate_loop_impl, nondiff_argnums=(0,))
+
+
+@_gate_loop.defjvp
+def _gate_loop_jvp(conv, primals, tangents):
+  pred, carry, operands, consts = primals
+  _, t_carry, t_operands, t_consts = tangents
+  keep = lambda t: jnp.where(pred, t, jnp.zeros_like(t))  # noqa: E731
+
+  def branch(c, ops, cs):
+    return conv(c, ops, *cs)
+
+  (out, t_out) = jax.jvp(branch, (carry, operands, consts),
+                         jax.tree.map(keep, (t_carry, t_operands, t_consts)))
+  pick = lambda a, b: jnp.where(pred, a, b)  # noqa: E731
+  return jax.tree.map(pick, out, carry), jax.tree.map(pick, t_out, t_carry)
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -387,18 +432,19 @@ _DIFFERENTIABLE_GATE: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def differentiable_gates() -> Iterator[None]:
-  """Trace :func:`gated` calls as ``lax.cond`` instead of a 0-or-1-trip ``lax.while_loop``, so
-  that reverse-mode autodiff goes through ``tx.update``.
+  """Trace :func:`gated` calls as ``lax.cond`` instead of a 0-or-1-trip ``lax.while_loop``.
 
-  JAX cannot differentiate a ``while_loop`` in reverse mode, so without this context
-  ``jax.grad`` through the update of :func:`mfopt.periodic_averaging`,
-  :func:`mfopt.block_momentum` or :func:`mfopt.hybrid_adabound_lars` (meta-learning a learning
-  rate, say) raises ``ValueError: Reverse-mode differentiation does not work for
-  lax.while_loop``. Inside it the gates are ``lax.cond`` (same values, same collectives); what
-  is given up is :func:`gated`'s measured in-place update (a ``conditional``'s results are fresh
-  buffers). It acts when the update is *traced*: enter it before the first call of a jitted
-  function that differentiates through the update (a function jitted and traced outside it
-  keeps its loops)::
+  Not needed for correctness: ``jax.grad`` (and ``jax.jvp``) through the update of
+  :func:`mfopt.periodic_averaging`, :func:`mfopt.block_momentum` or
+  :func:`mfopt.hybrid_adabound_lars` (meta-learning a learning rate, say) works without it,
+  through the loop's custom JVP (:func:`gated`), which evaluates the branch on every step
+  and selects. Inside this context the differentiated program is a ``lax.cond`` instead,
+  which skips the branch (its collectives included) when the gate is shut and the predicate
+  is unbatched: the same values and gradients (``tests/test_comm_gated.py``). What is given
+  up is :func:`gated`'s measured in-place update (a ``conditional``'s results are fresh
+  buffers), so use it for differentiated programs only. It acts when the update is *traced*:
+  enter it before the first call of a jitted function that differentiates through the update
+  (a function jitted and traced outside it keeps its loops)::
 
     with mfopt.differentiable_gates():
       meta_grad = jax.grad(loss_after_updates)(learning_rate)
