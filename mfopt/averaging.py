@@ -520,18 +520,21 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
                        f"{sorted(map(str, dtypes))}; pass flat_anchor=None or False")
     return uniform
 
-  # The layouts (structure, shapes, dtypes) of the trees init made a flat anchor for. A flat
-  # anchor cannot tell a different tree of the same size: update unravelled the anchor and the
-  # outer momentum into it silently (optax's tree-shaped states raise a shape error). Kept on
-  # the host at trace time, not in the state (a field would change every checkpoint's
-  # structure), so the check is partial: a state restored without an init here is not checked,
-  # and a transform initialised on two trees accepts either tree's params with either state.
-  flat_layouts: set = set()
+  # The layouts (the leaves' shapes and dtypes, in order) of the trees init made a flat anchor
+  # for. A flat anchor cannot tell a different tree of the same size: update unravelled the
+  # anchor and the outer momentum into it silently (optax's tree-shaped states raise a shape
+  # error). Only the leaves are compared, not the tree's structure: flax.nnx.Optimizer inits on
+  # a State of Param variables and updates with the plain arrays (same leaves, another
+  # treedef), which the structure check refused. Kept on the host at trace time, not in the
+  # state (a field would change every checkpoint's structure), so the check is partial: a state
+  # restored without an init here is not checked, and a transform initialised on two trees
+  # accepts either tree's params with either state. Values: (treedef, leaf names) for messages.
+  flat_layouts: dict = {}
 
   def layout(params):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    return treedef, tuple((jax.tree_util.keystr(k), tuple(x.shape), jnp.result_type(x))
-                          for k, x in leaves)
+    return (tuple((tuple(x.shape), jnp.result_type(x)) for _, x in leaves),
+            (treedef, tuple(jax.tree_util.keystr(k) for k, _ in leaves)))
 
   def init_fn(params):
     inner_state = inner.init(params)
@@ -552,7 +555,7 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # Copies, never the caller's arrays: a train step that donates its params
     # (``donate_argnums``) must not delete the anchor (optax's states never alias params).
     if is_flat(params):
-      flat_layouts.add(layout(params))
+      flat_layouts.setdefault(*layout(params))
       anchor = jnp.array(ravel_pytree(params)[0], copy=True)
     else:
       anchor = jax.tree.map(lambda x: jnp.array(x, copy=True), params) if keep_anchor else ()
@@ -604,13 +607,13 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # allocates a conditional's results afresh at every execution (16,386 page faults per
     # step on 2^24 parameters); the loop's carry it does not (2).
     flat = is_flat(params)
-    if flat and flat_layouts and layout(params) not in flat_layouts:
-      treedef, got = layout(params)
-      # the init tree to compare with: one of the same structure if there is one
-      init_treedef, want = min(flat_layouts, key=lambda lay: lay[0] != treedef)
-      diff = (f"its structure is {treedef}, init's was {init_treedef}" if treedef != init_treedef
-              else next(f"leaf {a[0]} is {a[1]} {a[2]}, init's was {b[1]} {b[2]}"
-                        for a, b in zip(got, want) if a != b))
+    if flat and flat_layouts and layout(params)[0] not in flat_layouts:
+      got, (treedef, names) = layout(params)
+      # the init tree to compare with: one with as many leaves if there is one
+      want, (init_treedef, _) = min(flat_layouts.items(), key=lambda lay: len(lay[0]) != len(got))
+      diff = (f"its structure is {treedef}, init's was {init_treedef}" if len(got) != len(want)
+              else next(f"leaf {k} is {a[0]} {a[1]}, init's was {b[0]} {b[1]}"
+                        for k, a, b in zip(names, got, want) if a != b))
       raise ValueError(f"params do not match the tree init was given: {diff} (a flat anchor "
                        f"holds the values in init's order)")
 
