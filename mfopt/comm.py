@@ -155,9 +155,17 @@ def unbatched(x: jax.Array, axis_name: AxisName) -> jax.Array:
   axes = tuple(a for a in _vmap_axes(axis_name) if _is_bound(a))
   if not axes:
     return x
-  if x.dtype == jnp.bool_:
-    return lax.pmax(x.astype(jnp.int32), axes) > 0
-  return lax.pmax(x, axes)
+  try:
+    if x.dtype == jnp.bool_:
+      return lax.pmax(x.astype(jnp.int32), axes) > 0
+    return lax.pmax(x, axes)
+  except AssertionError as e:  # JAX 0.10's pvary asserts, with no message
+    if not _manual_axes():
+      raise
+    raise ValueError(
+        f"a collective over the vmap axes {axes} inside jax.shard_map failed JAX's varying-"
+        "axes check: with a vmap axis in a transform's axis_name, pass check_vma=False to "
+        "jax.shard_map (mfopt.parallel.per_worker does)") from e
 
 
 #: Name scope of :func:`gated` loops. XLA keeps it in the ``op_name`` metadata of the compiled

@@ -221,6 +221,35 @@ def test_axis_name_checks_refuse_an_empty_tuple_and_name_an_unbound_axis():
       tx.update(p, tx.init(p), p)
 
 
+def test_a_vmap_axis_inside_a_checked_shard_map_is_refused_by_name():
+  """A transform over ("data", "local") with "local" a vmap axis inside jax.shard_map's default
+  check_vma=True: JAX's pvary failed with a bare AssertionError in unbatched's pmax; now a
+  ValueError saying to pass check_vma=False, with which the same step runs."""
+  import optax
+  import mfopt
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = mfopt.block_momentum(optax.sgd(0.1), ("data", "local"), 2)
+  params = {"w": jnp.ones((16, 3))}
+  params, state = jax.device_put((params, jax.vmap(tx.init)(params)),
+                                 NamedSharding(mesh, P("data")))
+
+  def per_device(p, s):
+    def one(p, s):
+      u, s = tx.update({"w": p["w"] * 2.0}, s, p)
+      return optax.apply_updates(p, u), s
+    return jax.vmap(one, axis_name="local")(p, s)
+
+  def run(check_vma):
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                 check_vma=check_vma))(params, state)
+
+  with pytest.raises(ValueError, match=r"vmap axes \('local',\).*pass check_vma=False"):
+    run(True)
+  p, _ = run(False)
+  np.testing.assert_allclose(np.asarray(p["w"]), 0.8, rtol=1e-6)  # one local step, 1 - 0.1 * 2
+
+
 def test_a_payload_of_exactly_2_gib_is_split_and_read_back():
   """2**31 bytes is the first payload an int32 cannot hold: it is stored as (GiB, remainder)
   and read back exactly; one byte less stays a scalar."""
