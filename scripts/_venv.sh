@@ -6,8 +6,13 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 stamp="$VENV/.installed"
 ok_python() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  if ! ok_python "$VENV/bin/python"; then  # no venv yet, or one of an older Python
+has_pip() { "$1" -m pip --version >/dev/null 2>&1; }
+# (re)install when the stamp is missing or stale, and also when the venv's interpreter is gone
+# (a stamp left in a venv whose bin/ was removed made every run fail with 127)
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! ok_python "$VENV/bin/python"; then
+  # no venv yet, one of an older Python, or one without pip (what `python3 -m venv` leaves
+  # where ensurepip is missing: reused, every run failed with "No module named pip")
+  if ! ok_python "$VENV/bin/python" || ! has_pip "$VENV/bin/python"; then
     if ! ok_python "$PYTHON"; then
       echo "mfopt needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>/dev/null || echo 'not found')." \
            "Set PYTHON, e.g. PYTHON=python3.11 bash $0" >&2
@@ -15,6 +20,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     fi
     # --clear: a venv left by a failed first run (another Python) would keep its interpreter
     "$PYTHON" -m venv --clear "$VENV"
+    if ! has_pip "$VENV/bin/python"; then
+      echo "$PYTHON -m venv made a venv without pip (on Debian/Ubuntu: apt install" \
+           "python3-venv, or the python3.X-venv of your Python), then re-run." >&2
+      exit 1
+    fi
   fi
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -e '.[dev]'

@@ -13,12 +13,14 @@
 # and writes OUTDIR/<bench>.json and .log. Nothing executes on a GPU: figures are structure
 # (what XLA:GPU emitted), never timings. See experiments/_gpu_aot.py and BENCHMARKS.md.
 VENV=.venv-gpu-aot
+caller=$PWD  # a relative OUTDIR is the caller's, not the repo's
 source "$(dirname "$0")/_venv.sh"
 if ! "$PY" -c "import jax_plugins.xla_cuda12" 2>/dev/null; then
   version=$("$PY" -c "import jax; print(jax.__version__)")
   "$PY" -m pip install --quiet "jax-cuda12-plugin[with-cuda]==$version"
 fi
 out="${1:-runs/gpu_aot}"
+[[ -z "${1:-}" || "$out" == /* ]] || out="$caller/$out"
 mkdir -p "$out"
 export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
 status=0

@@ -4,7 +4,8 @@
 # `bash scripts/gpu_bench.sh --fetch-wheels` here, then carry `.whl` there).
 #
 #   bash scripts/gpu_bench.sh [OUTDIR [BENCH[:ARGS] ...]]
-#       OUTDIR default: $OUT if set, else runs/gpu_bench; BENCH default: all four benches.
+#       OUTDIR default: $OUT if set, else runs/gpu_bench (in the repo; a relative OUTDIR given
+#       is the current directory's); BENCH default: all four benches.
 #   bash scripts/gpu_bench.sh "$OUT" bench_update bench_train_step      # one device call
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 4x256,8x128"
 #   bash scripts/gpu_bench.sh "$OUT" "bench_virtual_workers:--shapes 16x64 --fastpath-variants"
@@ -21,6 +22,7 @@
 # compile once per variant and shape; bench_virtual_workers compiles ~10 steps per shape:
 # give it two or three shapes per call with --shapes).
 set -uo pipefail
+caller=$PWD  # a relative OUTDIR is the caller's, not the repo's
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--fetch-wheels" ]]; then  # run where pip can reach PyPI
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -28,6 +30,7 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then  # run where pip can reach PyPI
   exit $?
 fi
 out="${1:-${OUT:-runs/gpu_bench}}"
+[[ -z "${1:-}" || "$out" == /* ]] || out="$caller/$out"
 shift || true
 benches=("$@")
 if [[ ${#benches[@]} -eq 0 ]]; then

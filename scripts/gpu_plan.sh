@@ -17,6 +17,7 @@
 # back here: copy them to benchmarks/<device>_<date>/ and run
 # `python -m experiments.bench_tables benchmarks/<device>_<date>`.
 set -uo pipefail
+caller=$PWD  # a relative OUTDIR is the caller's, not the repo's
 cd "$(dirname "$0")/.."
 gpus() { local c; c=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); echo "${c:-0}"; }
 declare -A CALLS=(
@@ -82,6 +83,7 @@ case "${1:-}" in
   [1-9])
     n=$1
     out="${2:-${OUT:-runs/gpu_plan}}"
+    [[ -z "${2:-}" || "$out" == /* ]] || out="$caller/$out"
     [[ -n "${CALLS[$n]:-}" ]] || { echo "gpu_plan: no call $n (--list)"; exit 2; }
     mapfile -t specs < <(specs_of "$n")
     if [[ "${CALLS[$n]}" == *GPUS* ]]; then
