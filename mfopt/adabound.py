@@ -443,6 +443,7 @@ def hybrid_switch_step(warmup_epochs: float, steps_per_epoch: int) -> int:
   coordinates' 1%-99% rates were still 19.9x apart: ``notebooks/adabound_hybrid.ipynb``).
   The 1e-9 absorbs float rounding of a whole product (``0.3 * 10``).
 
+  >>> from mfopt import hybrid_switch_step
   >>> hybrid_switch_step(2.5, 11), hybrid_switch_step(0.3, 10), hybrid_switch_step(10, 4)
   (28, 3, 40)
   """

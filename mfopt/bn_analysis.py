@@ -49,6 +49,7 @@ does. ``experiments/bn_variance.py`` applies them to CNN activations on mnist1d.
 
 Example:
   >>> import numpy as np
+  >>> from mfopt.bn_analysis import correct_total_ss, measure_split_statistics, printed_e2
   >>> x = np.random.default_rng(0).normal(size=(4000, 64, 1))
   >>> m = measure_split_statistics(x, num_workers=8, sigma2=np.ones(1))
   >>> round(m["S_t"], 0), correct_total_ss(64, 1.0), printed_e2(64, 8, 1.0)

@@ -299,6 +299,7 @@ class RunCheckpointer:
       anyway (the differing fields are printed).
 
   Example:
+    >>> from mfopt.checkpoint import RunCheckpointer
     >>> ckpt = RunCheckpointer("/tmp/run/ckpt", keep=2, fingerprint={"seed": 0})  # doctest: +SKIP
     >>> ckpt.save(100, state, {"history": history})                              # doctest: +SKIP
     >>> restored = ckpt.restore_latest(abstract_state)   # None if nothing saved  # doctest: +SKIP

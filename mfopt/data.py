@@ -23,6 +23,7 @@ Three pieces:
 
 Example:
 
+>>> from mfopt.data import WorkerBatcher, load
 >>> ds = load("digits")
 >>> batcher = WorkerBatcher(ds.train, num_workers=4, per_worker_batch=8, seed=0)
 >>> batch = batcher.batch(0)

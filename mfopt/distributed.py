@@ -141,6 +141,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   Example:
     Every process, before building the mesh:
 
+    >>> import os, mfopt
     >>> mfopt.distributed.initialize("10.0.0.1:8476", 2, int(os.environ["RANK"]))  # doctest: +SKIP
   """
   settings = resolve(coordinator_address, num_processes, process_id, heartbeat_timeout_s)

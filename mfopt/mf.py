@@ -214,8 +214,8 @@ def scale_by_mf_sgd(learning_rate: ScalarOrSchedule, mf: ScalarOrSchedule = 0.9,
     An ``optax.GradientTransformation`` with state :class:`MFSGDState`.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> tx = scale_by_mf_sgd(0.1, mf=0.5)
+    >>> import jax.numpy as jnp, mfopt
+    >>> tx = mfopt.scale_by_mf_sgd(0.1, mf=0.5)
     >>> s = tx.init(jnp.zeros(2))
     >>> u, s = tx.update(jnp.ones(2), s)
     >>> u, s = tx.update(jnp.ones(2), s)
@@ -248,8 +248,8 @@ def scale_by_mf_nesterov(learning_rate: ScalarOrSchedule, mf: ScalarOrSchedule =
     An ``optax.GradientTransformation`` with state :class:`MFSGDState`.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> tx = scale_by_mf_nesterov(0.1, mf=0.5)
+    >>> import jax.numpy as jnp, mfopt
+    >>> tx = mfopt.scale_by_mf_nesterov(0.1, mf=0.5)
     >>> u, _ = tx.update(jnp.ones(1), tx.init(jnp.zeros(1)))
     >>> u  # v = 0.1; 0.5 * 0.1 + 0.1
     Array([0.15], dtype=float32)
@@ -279,8 +279,8 @@ def mf_sgd(learning_rate: ScalarOrSchedule, mf: ScalarOrSchedule = 0.9, *,
     ValueError: ``mf`` outside [0, 1) or a negative learning rate.
 
   Example:
-    >>> import jax.numpy as jnp, optax
-    >>> tx = mf_sgd(optax.exponential_decay(0.1, 1, 0.5), mf=0.9)
+    >>> import jax.numpy as jnp, optax, mfopt
+    >>> tx = mfopt.mf_sgd(optax.exponential_decay(0.1, 1, 0.5), mf=0.9)
     >>> params = jnp.zeros(1)
     >>> s = tx.init(params)
     >>> for _ in range(2):
@@ -311,8 +311,8 @@ def mf_nesterov(learning_rate: ScalarOrSchedule, mf: ScalarOrSchedule = 0.9, *,
     An ``optax.GradientTransformation``.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> tx = mf_nesterov(0.1, mf=0.9)
+    >>> import jax.numpy as jnp, mfopt
+    >>> tx = mfopt.mf_nesterov(0.1, mf=0.9)
     >>> u, _ = tx.update(jnp.ones(1), tx.init(jnp.zeros(1)))
     >>> u
     Array([-0.19], dtype=float32)
@@ -385,8 +385,8 @@ def scale_by_mf_adam(mf1: ScalarOrSchedule = 0.9, mf2: float = 0.999, eps: float
     An ``optax.GradientTransformation`` with state :class:`MFAdamState`.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> tx = scale_by_mf_adam(phi="paper")
+    >>> import jax.numpy as jnp, mfopt
+    >>> tx = mfopt.scale_by_mf_adam(phi="paper")
     >>> u, _ = tx.update(jnp.full(1, 2.0), tx.init(jnp.zeros(1)))
     >>> u.round(4)  # (0.1*2) * sqrt(0.001) / ((sqrt(0.001*4) + 1e-8) * 0.1) ~ 1
     Array([1.], dtype=float32)
@@ -463,8 +463,8 @@ def mf_adam(learning_rate: ScalarOrSchedule, mf1: ScalarOrSchedule = 0.9, mf2: f
       ``0..DEFAULT_MF1_CHECK_STEPS-1`` without it).
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> tx = mf_adam(0.01, mf1=0.95)
+    >>> import jax.numpy as jnp, mfopt
+    >>> tx = mfopt.mf_adam(0.01, mf1=0.95)
     >>> u, _ = tx.update(jnp.full(2, 3.0), tx.init(jnp.zeros(2)))
     >>> u.round(5)  # Adam's first step is ~lr * sign(g)
     Array([-0.01, -0.01], dtype=float32)
@@ -495,7 +495,8 @@ def linear_scaling_rule(base_lr: float = 0.05, base_batch: int = 128) -> Callabl
     non-positive batch).
 
   Example:
-    >>> rule = linear_scaling_rule(0.05, 128)
+    >>> import mfopt
+    >>> rule = mfopt.linear_scaling_rule(0.05, 128)
     >>> [rule(b) for b in (32, 1024, 2048)]
     [0.0125, 0.4, 0.8]
   """
@@ -528,7 +529,8 @@ def noise_scale(lr: float, dataset_size: int, batch_size: int, momentum: float =
     The noise scale ``g`` (float).
 
   Example:
-    >>> noise_scale(0.1, 50_000, 128, momentum=0.9)  # doctest: +ELLIPSIS
+    >>> import mfopt
+    >>> mfopt.noise_scale(0.1, 50_000, 128, momentum=0.9)  # doctest: +ELLIPSIS
     389.6...
   """
   _checks.number_where("lr", lr, lambda v: 0 <= v < math.inf, "a finite number >= 0")
@@ -627,7 +629,8 @@ def check_mf_conditions(mf: Any, lr: Any, num_steps: int,
     ValueError: ``num_steps <= 0``, negative ``mf`` or ``lr``, non-finite values.
 
   Example:
-    >>> print(check_mf_conditions(0.9, 0.05, 100))  # doctest: +NORMALIZE_WHITESPACE
+    >>> import mfopt
+    >>> print(mfopt.check_mf_conditions(0.9, 0.05, 100))  # doctest: +NORMALIZE_WHITESPACE
     seed 000 §4.3.2 convergence conditions, first-order (2a), T=100: all hold
       [ok] (2a) sum rule: (1 - MF^T) / (1 - MF) < T / lr -- 9.99973 < 2000 (MF=0.9, lr=0.05)
       [ok] (2a) MF < 1: MF < 1 -- max MF = 0.9

@@ -53,6 +53,7 @@ throughout seed 000; 004 §2.2.3 (BN strategy, Kaiming init, zero-init last BN s
 
 Example:
   >>> import jax, jax.numpy as jnp
+  >>> from mfopt.models import apply_model, get_model, init_model
   >>> model = get_model("resnet18", num_classes=10, width=4)
   >>> x = jnp.zeros((2, 8, 8, 3))
   >>> params, state = init_model(model, jax.random.key(0), x)
@@ -665,6 +666,7 @@ class ResNet(nn.Module):
 class ResNet18(ResNet):
   """ResNet-18, CIFAR variant: 3x3/1 stem, no max-pool, BasicBlocks [2, 2, 2, 2].
 
+  >>> from mfopt.models import ResNet18
   >>> ResNet18(num_classes=10, width=8)  # tiny variant for tests  # doctest: +ELLIPSIS
   ResNet18(...)
   """
@@ -755,6 +757,7 @@ def get_model(name: str, **kwargs: Any) -> nn.Module:
   Raises:
     ValueError: unknown ``name`` (the message lists the known names) or invalid arguments.
 
+  >>> from mfopt.models import get_model
   >>> get_model("mlp", hidden=(32,), num_classes=3)
   MLP(
       # attributes

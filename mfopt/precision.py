@@ -137,6 +137,7 @@ def get_policy(spec: str | Policy) -> Policy:
     ValueError: unknown field or dtype, or ``params``/``output`` other than float32 (the
       models keep float32 master weights and float32 logits; see the module docstring).
 
+  >>> from mfopt.precision import get_policy
   >>> get_policy("compute=bf16").name
   'params=float32,compute=bfloat16,output=float32'
   """
@@ -248,6 +249,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, init_scale: float
 
   Example:
     >>> import jax.numpy as jnp, optax
+    >>> from mfopt.precision import dynamic_loss_scale
     >>> tx = dynamic_loss_scale(optax.sgd(0.1))
     >>> s = tx.init({"w": jnp.ones(2)})
     >>> u, s = tx.update({"w": jnp.array([1.0, jnp.inf])}, s, {"w": jnp.ones(2)})

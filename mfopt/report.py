@@ -291,6 +291,7 @@ def diverged_section(runs: Sequence[tuple[str, Mapping[str, Any]]],
       ``mfopt.train.diverged_summary``).
     consequence: what the report does with them, one or more sentences.
 
+  >>> from mfopt.report import diverged_section
   >>> lines = diverged_section([("lr=1", {"diverged": False}),
   ...                           ("lr=9", {"diverged": True, "error": "nan loss at step 3"})],
   ...                          "They are left out of every mean.")

@@ -740,6 +740,7 @@ def diverged_summary(error: NonFiniteError, *, num_steps: int, num_workers: int,
   known from the error); ``diverged`` is true, ``error``
   the message's first line and ``diverged_at_step`` the first non-finite step.
 
+  >>> from mfopt.train import NonFiniteError, diverged_summary
   >>> e = NonFiniteError("non-finite loss at step 7\\n...", step=7, workers=[0], metric="loss",
   ...                    detected_at=10, checkpoint="none")
   >>> s = diverged_summary(e, num_steps=100, num_workers=8, per_worker_batch=4)

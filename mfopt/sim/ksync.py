@@ -53,6 +53,8 @@ def chi2_quantile(q: float, df: int) -> float:
 class Welford:
   """Running mean and coordinate-wise sum of squared deviations of vectors (float64).
 
+  >>> import numpy as np
+  >>> from mfopt.sim import Welford
   >>> w = Welford(3); w.add(np.ones(3)); w.add(3 * np.ones(3)); w.mean, w.variance
   (array([2., 2., 2.]), array([2., 2., 2.]))
   """
