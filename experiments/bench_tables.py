@@ -10,7 +10,10 @@ Every ``experiments/bench_*.py`` run with ``--json PATH`` (``scripts/gpu_bench.s
 time, command line and code commit. This prints, per file, a Markdown section with that
 header and one table row per target (measured value, threshold, verdict), so the rows that go
 into BENCHMARKS.md are copied from data, not retyped from logs. Nothing is measured here.
-Quick-mode files (``--quick``: CI sizes) are labelled so, and their targets are not judged.
+Quick-mode files (``--quick``: CI sizes) are labelled so. The verdicts shown are the
+bench's own, and a bench may still judge targets in quick mode (structural ones, counts
+and bytes: all of ``bench_comm``'s): a quick file's PASS/FAIL checks a code path, not a
+speed.
 """
 
 from __future__ import annotations

@@ -48,6 +48,15 @@ def test_quick_runs_are_labelled():
   assert "[--quick: CI sizes, timings meaningless]" in text.splitlines()[0]
 
 
+def test_runs_cut_off_before_their_verdict_are_labelled():
+  """A JSON written mid-run (complete: false) is labelled so; a finished one, or one from
+  before the key existed, is not."""
+  assert "[cut off: partial run, no final verdict]" in bench_tables.section(
+      {**RESULT, "complete": False}).splitlines()[0]
+  for result in (RESULT, {**RESULT, "complete": True}):
+    assert "cut off" not in bench_tables.section(result)
+
+
 def test_a_real_quick_run_round_trips(tmp_path):
   """bench_comm --quick writes JSON with its command and commit; the table lists its targets."""
   path = tmp_path / "bench_comm.json"

@@ -313,3 +313,23 @@ def test_async_collective_bytes_count_the_result_once(shape, op, want):
   line = f"%s = {shape} {op}-start(%p), replica_groups={{}}, to_apply=%sum"
   text = f"HloModule m\n\nENTRY %main (p: f32[8]) -> f32[8] {{\n  {line}\n}}\n"
   assert sum(c["bytes"] for c in bench_comm.hlo_collectives(text)) == want
+
+
+def test_every_step_copy_bytes_leave_out_scalars_but_count_them_in_all_copies():
+  """copy_bytes_every_step counts arrays only (a loop counter's 4-byte copy is not the
+  traffic it is meant to show); copies/copy_bytes count every copy. Hand-counted."""
+  text = """\
+HloModule copies
+
+ENTRY %main (a: f32[4], s: s32[]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %s = s32[] parameter(1)
+  %c1 = s32[] copy(%s)
+  %c2 = f32[4]{0} copy(%a)
+  %c3 = f32[1]{0} copy(%a)
+  ROOT %t = f32[4]{0} add(%c2, %c2)
+}
+"""
+  s = bench_gpu_hlo.program_structure(text)
+  assert (s["copies"], s["copy_bytes"]) == (3, 4 + 16 + 4)
+  assert s["copy_bytes_every_step"] == 16

@@ -156,7 +156,9 @@ def test_quick_run_fast_path_has_one_replicas_convolutions(monkeypatch):
   """The fast path runs one replica's convolutions (same launches; no grouped ones): the
   profile's join shows it, and the comparison figures name the reference. The run turns
   XLA:GPU's command buffers off for later backends (this process's CPU one is running)."""
-  monkeypatch.delenv("XLA_FLAGS", raising=False)  # (restored after the test)
+  # (restored after the test: delenv of an unset variable records nothing to undo, and the
+  # flag main adds leaked into later tests, e.g. a Report's command line in test_bench_tables)
+  monkeypatch.setenv("XLA_FLAGS", "")
   result = profile_step.main(["--quick", "--programs", "one,fast"])
   import os
   assert os.environ["XLA_FLAGS"] == profile_step.NO_COMMAND_BUFFERS
@@ -170,11 +172,25 @@ def test_quick_run_fast_path_has_one_replicas_convolutions(monkeypatch):
   assert convs[0] == convs[1] > 0
   names = [f["name"] for f in result["figures"] if "name" in f]
   assert "W=2 B=2 | fast - one | busy time" in names
+  # the differences are the program's minus the reference's, from the profiles themselves
+  figs = {f["name"]: f["value"] for f in result["figures"] if "name" in f}
+  assert figs["W=2 B=2 | fast - one | busy time"] == pytest.approx(
+      (profs["fast"]["busy_s_per_step"] - profs["one"]["busy_s_per_step"]) * 1e3)
+  per_cat = {k.rsplit(" | ", 1)[1]: v for k, v in figs.items()
+             if k.startswith("W=2 B=2 | fast - one | ") and not k.endswith("busy time")}
+  assert per_cat
+  s = lambda p, c: p["categories"].get(c, {"s_per_step": 0.0})["s_per_step"]  # noqa: E731
+  for cat, value in per_cat.items():
+    assert value == pytest.approx((s(profs["fast"], cat) - s(profs["one"], cat)) * 1e3), cat
   # the Markdown table (bench_tables prints it for a profile run): one column per program
   table = profile_step.markdown(result)
   assert "| | one | fast |" in table
   (conv_row,) = [r for r in table if r.startswith("| convolution |")]
   assert conv_row.count(f"({convs[0]:.0f})") == 2, conv_row
+  (idle,) = [r for r in table if r.startswith("| idle (span - busy) |")]
+  assert idle == "| idle (span - busy) | " + " | ".join(
+      f"{(profs[k]['span_s_per_step'] - profs[k]['busy_s_per_step']) * 1e3:.3f}"
+      for k in ("one", "fast")) + " |"
 
 
 def test_bad_programs_are_named():
@@ -228,3 +244,35 @@ def test_traffic_model_counts_what_slices_read():
   plain = {r["name"]: r for r in _bench.hlo_instruction_traffic(comps[entry],
                                                                  _bench.HLO_NOT_KERNELS)}
   assert plain["f"]["read"] == 4 * 100 + 4 * 10
+
+
+def test_profile_runner_warms_up_outside_the_trace_and_reports_wall_time_per_step(tmp_path,
+                                                                                 monkeypatch):
+  """One untraced call first (so no compile or first-call cost lands in the trace), then the
+  traced steps; the traced wall time is per step. A fake clock: 0.25 s per step."""
+  import contextlib
+  import types
+  events, clock = [], [0.0]
+
+  real_trace = jax.profiler.trace
+
+  @contextlib.contextmanager
+  def trace(*a, **kw):
+    events.append("trace")
+    with real_trace(*a, **kw):
+      yield
+
+  class Recorded(_bench.Runner):
+    def call(self, iters):
+      events.append(iters)
+      clock[0] += 0.25 * iters
+      return super().call(iters)
+
+  monkeypatch.setattr(jax.profiler, "trace", trace)
+  monkeypatch.setattr(profile_step, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  fn = jax.jit(lambda s: jnp.tanh(s) + 1.0, donate_argnums=0)
+  steps = 3
+  prof = profile_step.profile_runner(Recorded(fn, jnp.ones(64)), steps, str(tmp_path))
+  assert events == [1, "trace", steps]
+  assert prof["traced_wall_s_per_step"] == pytest.approx(0.25)
+  assert prof["executions_seen"] == steps
