@@ -139,6 +139,10 @@ class DatasetNotPreparedError(FileNotFoundError):
   """A TFDS dataset is not prepared (in a random-access format) in the data dir."""
 
 
+class BatchTooLargeError(ValueError):
+  """The global batch (workers x per-worker batch) is larger than the dataset."""
+
+
 # How to obtain each dataset, beyond `tfds build`.
 _PREPARE_HINTS = {
     "imagenet2012": ("ImageNet needs a manual download: put ILSVRC2012_img_train.tar and "
@@ -1103,10 +1107,10 @@ class WorkerBatcher:
     if self.num_examples <= 0:
       raise ValueError(f"source must be non-empty, got len(source)={self.num_examples}")
     if self.global_batch > self.num_examples:
-      raise ValueError(
+      raise BatchTooLargeError(
           f"global batch num_workers * per_worker_batch = {self.num_workers} * "
           f"{self.per_worker_batch} = {self.global_batch} exceeds the dataset size "
-          f"{self.num_examples}")
+          f"{self.num_examples} (lower the batch or the workers, or use more examples)")
     self._cached_epoch: int | None = None
     self._cached_order: np.ndarray | None = None
 

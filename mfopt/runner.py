@@ -160,11 +160,16 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str]) -> ml_collections.ConfigDict:
-  """Applies ``key=value`` strings (dotted keys for nested fields) with type checking."""
+  """Applies ``key=value`` strings (dotted keys for nested fields) with type checking. A key
+  given twice is refused (it was last-wins, silently)."""
+  seen: dict[str, str] = {}
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"config override must look like key=value, got {item!r}")
     key, text = item.split("=", 1)
+    if key in seen:
+      raise ConfigError(f"config field {key!r} is given twice: {seen[key]!r} and {item!r}")
+    seen[key] = item
     node = config
     parts = key.split(".")
     for part in parts[:-1]:
@@ -795,11 +800,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                             checkpoint_every=args.checkpoint_every,
                             keep_checkpoints=args.keep_checkpoints,
                             allow_config_change=args.allow_config_change, restart=args.restart)
-  except (ConfigError, checkpoint.ConfigMismatchError, data_lib.DatasetNotPreparedError) as e:
+  except (ConfigError, checkpoint.ConfigMismatchError, data_lib.DatasetNotPreparedError,
+          data_lib.BatchTooLargeError) as e:
     # (a TFDS dataset not prepared in the data dir: the user's setup, not a bug; its message
-    # names the dataset, the directory searched and the command that prepares it)
+    # names the dataset, the directory searched and the command that prepares it. A global
+    # batch larger than the dataset: a config whose fields disagree, found when the data is
+    # loaded, which is after the run's directory was made; a corrected rerun is accepted.)
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:  # (a traceback from orbax/asyncio told nothing about resuming)
+    print(f"\n{args.name}: interrupted; run the same command again to resume from its last "
+          "checkpoint", file=sys.stderr)
+    return 130
   earlier = ""
   if summary["attempts"] > 1:
     earlier = (f" ({summary['attempts']} attempts, "

@@ -27,6 +27,35 @@ def test_unknown_config_key():
   _raises(r"unknown config key 'model.width'", "quickstart", "model.width=3")
 
 
+def test_a_key_given_twice_is_refused():
+  # (it was last-wins: base_lr=0.1 base_lr=0.2 ran with 0.2 and said nothing)
+  _raises(r"'num_steps' is given twice: 'num_steps=7' and 'num_steps=8'", "quickstart",
+          "num_steps=7", "num_steps=8")
+
+
+def test_a_batch_larger_than_the_dataset_is_one_error_line(tmp_path, capsys):
+  """A global batch over the dataset size is found when the data loads (after the run's
+  directory exists): one 'error:' line and exit code 2, as for a bad config value, not a
+  traceback; the library's own callers get data.BatchTooLargeError, a ValueError."""
+  args = ["hybrid_vs_baselines", "--quick", "--workdir", str(tmp_path), "progress=false"]
+  assert runner.main(args + ["num_train=8"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and re.fullmatch(
+      r"error: global batch .* exceeds the dataset size 8 \(.*\)", err[0]), err
+  with pytest.raises(data.BatchTooLargeError):
+    runner.run_experiment("hybrid_vs_baselines", quick=True, workdir=tmp_path,
+                          overrides=["progress=false", "num_train=8"])
+
+
+def test_an_interrupt_says_how_to_resume(tmp_path, capsys, monkeypatch):
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(runner, "_run_prepared", interrupted)
+  assert runner.main(["quickstart", "--quick", "--workdir", str(tmp_path)]) == 130
+  assert "quickstart: interrupted; run the same command again to resume" in (
+      capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("override,match", [
     ("num_steps=ten", r"'num_steps' expects int.*'ten'"),
     ("num_steps=1.5", r"'num_steps' expects int.*'1.5'"),
@@ -519,3 +548,28 @@ def test_quickstart_report_columns_and_labels(tmp_path):
   assert quickstart._label(c, "digits", "mlp") == "digits"
   c.datasets, c.models = ("digits", "digits"), ("mlp", "cnn")
   assert quickstart._label(c, "digits", "cnn") == "digits/cnn"
+
+
+def test_plot_curves_labels_each_panel_and_draws_identical_series_once(tmp_path, monkeypatch):
+  """Per-panel x labels (ksync_trace's two panels read "server step | simulated time (s)"
+  under both), and series with exactly the same points drawn once with both names (BSP was
+  drawn under all-reduce and looked missing)."""
+  import matplotlib.pyplot as plt
+
+  from mfopt import report
+  figs = []
+  monkeypatch.setattr(plt, "close", figs.append)
+  same = ([0.0, 1.0, 2.0], [0.1, 0.2, 0.3])
+  panels = {"a": {"BSP": same, "all-reduce": same, "ASP": ([0.0, 1.0, 2.0], [0.1, 0.2, 0.4])},
+            "b": {"BSP": ([0.0, 1.0], [0.1, 0.2])}}
+  report.plot_curves(tmp_path / "p.png", panels, xlabel=("step", "time (s)"), ylabel="acc",
+                     title="t (simulated)")
+  ax_a, ax_b = figs[0].axes
+  assert (ax_a.get_xlabel(), ax_b.get_xlabel()) == ("step", "time (s)")
+  assert [line.get_label() for line in ax_a.lines] == ["BSP = all-reduce", "ASP"]
+  assert (tmp_path / "p.png").stat().st_size > 0
+  with pytest.raises(ValueError, match=r"one per panel \(2\), got \('step',\)"):
+    report.plot_curves(tmp_path / "q.png", panels, xlabel=("step",), ylabel="acc")
+  # one label for all panels, as before
+  report.plot_curves(tmp_path / "r.png", panels, xlabel="step", ylabel="acc")
+  assert [ax.get_xlabel() for ax in figs[-1].axes] == ["step", "step"]
