@@ -104,7 +104,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   report.plot_curves(workdir / "accuracy_vs_time.png", curves_time, xlabel="simulated time (s)",
                      ylabel="test accuracy", title=f"test accuracy vs simulated time (seed {c.seeds[0]})")
   report.plot_curves(workdir / "accuracy_vs_step.png", curves_step, xlabel="server step",
-                     ylabel="test accuracy", title=f"test accuracy vs server step (seed {c.seeds[0]})")
+                     ylabel="test accuracy",
+                     title=f"test accuracy vs server step (simulated, seed {c.seeds[0]})")
   _write_report(c, workdir, ds, table, claims)
   return {"table": table, "claims": claims}
 

@@ -114,7 +114,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                                                f"lr_traces_seed{c.seeds[0]}": lr_data})
   report.plot_curves(workdir / "lr_traces.png", panels, xlabel="simulated time (s)",
                      ylabel="α_i (Armijo-accepted step)", logy=True,
-                     title="Fig. 16 analogue: per-worker BB step sizes (first 8 workers)")
+                     title="Fig. 16 analogue: per-worker BB step sizes "
+                           "(simulated, first 8 workers)")
   cells = [{"variant": r["variant"], "acc": suite.pm(r, "test_accuracy"),
             "steps": suite.pm(r, "steps_to_target"), "samples": suite.pm(r, "samples_to_target"),
             "time": suite.pm(r, "time_to_target"),

@@ -157,8 +157,8 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                      title=f"Fig. 13 analogue: adaptive k over simulated time (seed {c.seeds[0]})")
   report.plot_curves(workdir / "adaptive_vs_fixed.png",
                      {"vs server step": acc_step, "vs simulated time": acc_time},
-                     xlabel="server step | simulated time (s)", ylabel="test accuracy",
-                     title=f"Fig. 14 analogue: adaptive vs fixed k (seed {c.seeds[0]})")
+                     xlabel=("server step", "simulated time (s)"), ylabel="test accuracy",
+                     title=f"Fig. 14 analogue: adaptive vs fixed k (simulated, seed {c.seeds[0]})")
   cells = [{"variant": r["variant"], "acc": suite.pm(r, "test_accuracy"),
             "k": f"{r['k_p10_mean']:.3g} / {r['k_p50_mean']:.3g} / {r['k_p90_mean']:.3g}",
             "below5": f"{100 * r['frac_k_below_5_mean']:.0f}%",

@@ -317,12 +317,22 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
-                *, xlabel: str, ylabel: str, title: str | None = None, logy: bool = False) -> None:
-  """One subplot per panel, one line per series ``name -> (x, y)``, saved as PNG."""
+                *, xlabel: str | Sequence[str], ylabel: str, title: str | None = None,
+                logy: bool = False) -> None:
+  """One subplot per panel, one line per series ``name -> (x, y)``, saved as PNG.
+
+  ``xlabel``: one label for every panel, or one per panel. Series of a panel with exactly the
+  same points are drawn once, labelled with all their names joined by " = " (a later one was
+  drawn over the earlier and looked missing from the plot: BSP under all-reduce).
+  """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  xlabels = [xlabel] * len(panels) if isinstance(xlabel, str) else list(xlabel)
+  if len(xlabels) != len(panels):
+    raise ValueError(f"xlabel must be one label or one per panel ({len(panels)}), got {xlabel!r}")
+  panels = {panel: merge_identical_series(series) for panel, series in panels.items()}
   n = max(len(panels), 1)
   most = max((len(series) for series in panels.values()), default=0)
   # More than 6 series: the legend goes below the panels (inside, 11 entries covered the
@@ -333,7 +343,7 @@ def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequ
   fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
   colors = plt.get_cmap("tab20").colors
   styles = ("-", "--", ":", "-.")
-  for ax, (panel, series) in zip(axes[0], panels.items()):
+  for ax, label, (panel, series) in zip(axes[0], xlabels, panels.items()):
     for i, (name, (x, y)) in enumerate(series.items()):
       # 20 colours x 4 line styles: no two of up to 80 series look alike.
       # a one-point series (a --quick run logged once) is a marker: a line of one point is
@@ -341,7 +351,7 @@ def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequ
       ax.plot(x, y, label=name, color=colors[i % 20], linestyle=styles[(i // 20) % 4]
               if len(series) > 20 else styles[i % 2], marker="o" if len(x) == 1 else None)
     ax.set_title(panel)
-    ax.set_xlabel(xlabel)
+    ax.set_xlabel(label)
     ax.set_ylabel(ylabel)
     if logy:
       ax.set_yscale("log")
@@ -359,3 +369,16 @@ def plot_curves(path: pathlib.Path, panels: Mapping[str, Mapping[str, tuple[Sequ
   fig.tight_layout()
   fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
+
+
+def merge_identical_series(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]
+                           ) -> dict[str, tuple[Sequence[float], Sequence[float]]]:
+  """``series`` with those of exactly the same points merged into one, named ``"a = b"``
+  (first-seen order)."""
+  groups: dict[tuple, list[str]] = {}
+  points: dict[tuple, tuple[Sequence[float], Sequence[float]]] = {}
+  for name, (x, y) in series.items():
+    key = (tuple(map(float, x)), tuple(map(float, y)))
+    groups.setdefault(key, []).append(name)
+    points.setdefault(key, (x, y))
+  return {" = ".join(names): points[key] for key, names in groups.items()}

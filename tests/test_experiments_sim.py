@@ -9,9 +9,23 @@ from mfopt import runner
 
 
 def _run(name, tmp_path, overrides=()):
-  summary = runner.run_experiment(name, quick=True, workdir=tmp_path, overrides=list(overrides))
+  """Runs a simulator experiment (--quick); its report and every plot's title say simulated."""
+  from mfopt import report
+  plots, plot = [], report.plot_curves
+
+  def recording(path, panels, **kw):
+    plots.append((path.name, kw))
+    return plot(path, panels, **kw)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(report, "plot_curves", recording)
+    summary = runner.run_experiment(name, quick=True, workdir=tmp_path,
+                                    overrides=list(overrides))
   text = (tmp_path / "report.md").read_text()
   assert "simulated" in text.lower() and "| " in text
+  assert plots and all("simulated" in kw["title"] for _, kw in plots), plots
+  if name == "ksync_trace":  # its two panels' x axes: steps and simulated time
+    assert dict(plots)["adaptive_vs_fixed.png"]["xlabel"] == ("server step", "simulated time (s)")
   return summary, json.loads((tmp_path / "results.json").read_text()), text
 
 
@@ -92,6 +106,12 @@ def test_ksync_trace_fixed_k_m_follows_num_workers():
   with pytest.raises(runner.ConfigError, match="'fixed_k' must hold integers 0 <= k <= "
                                                "num_workers=4"):
     ksync_trace.validate(c)
+
+
+def test_an_evaluation_interval_longer_than_the_run_is_refused():
+  with pytest.raises(runner.ConfigError, match=r"'eval_every_epochs' must be <= epochs=2, got 5"):
+    runner.prepare("async_convergence", quick=True, overrides=["epochs=2", "eval_every_epochs=5"])
+  runner.prepare("async_convergence", quick=True, overrides=["epochs=2", "eval_every_epochs=2"])
 
 
 def test_bb_lr_quick(tmp_path):

@@ -103,6 +103,10 @@ def validate_base(c, strategies: Sequence[str] = ()) -> None:
   runner.require_positive(c, "num_workers", "per_worker_batch", "epochs", "eval_every_epochs",
                           "learning_rate", "compute_s", "target_accuracy")
   runner.require_choice(c, "dataset", tuple(data_lib.registered()))
+  if c.eval_every_epochs > c.epochs:  # (accepted: the final evaluation was then the only one,
+    # and every time to target was the run's whole simulated time)
+    raise runner.ConfigError(f"config field 'eval_every_epochs' must be <= epochs={c.epochs:g}, "
+                             f"got {c.eval_every_epochs:g}")
   for name in strategies:
     if name not in STRATEGIES:
       raise runner.ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
