@@ -520,21 +520,23 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
                        f"{sorted(map(str, dtypes))}; pass flat_anchor=None or False")
     return uniform
 
-  # The layouts (the leaves' shapes and dtypes, in order) of the trees init made a flat anchor
-  # for. A flat anchor cannot tell a different tree of the same size: update unravelled the
-  # anchor and the outer momentum into it silently (optax's tree-shaped states raise a shape
-  # error). Only the leaves are compared, not the tree's structure: flax.nnx.Optimizer inits on
-  # a State of Param variables and updates with the plain arrays (same leaves, another
-  # treedef), which the structure check refused. Kept on the host at trace time, not in the
-  # state (a field would change every checkpoint's structure), so the check is partial: a state
-  # restored without an init here is not checked, and a transform initialised on two trees
-  # accepts either tree's params with either state. Values: (treedef, leaf names) for messages.
+  # The layouts (the leaves' paths, shapes and dtypes, in order) of the trees init made a flat
+  # anchor for. A flat anchor cannot tell a different tree of the same size: update unravelled
+  # the anchor and the outer momentum into it silently (optax's tree-shaped states raise a
+  # shape error). The paths leave out flax.nnx's Variable level (a ``.value`` attribute key):
+  # nnx.Optimizer inits on a State of Param variables and updates with the plain arrays (same
+  # leaves, another treedef), which a treedef comparison refused. Kept on the host at trace
+  # time, not in the state (a field would change every checkpoint's structure), so the check
+  # is partial: a state restored without an init here is not checked, and a transform
+  # initialised on two trees accepts either tree's params with either state. Values: the
+  # treedef, for messages.
   flat_layouts: dict = {}
 
   def layout(params):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    return (tuple((tuple(x.shape), jnp.result_type(x)) for _, x in leaves),
-            (treedef, tuple(jax.tree_util.keystr(k) for k, _ in leaves)))
+    plain = lambda path: jax.tree_util.keystr(tuple(  # noqa: E731
+        k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
+    return tuple((plain(k), tuple(x.shape), jnp.result_type(x)) for k, x in leaves), treedef
 
   def init_fn(params):
     inner_state = inner.init(params)
@@ -608,12 +610,14 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     # step on 2^24 parameters); the loop's carry it does not (2).
     flat = is_flat(params)
     if flat and flat_layouts and layout(params)[0] not in flat_layouts:
-      got, (treedef, names) = layout(params)
-      # the init tree to compare with: one with as many leaves if there is one
-      want, (init_treedef, _) = min(flat_layouts.items(), key=lambda lay: len(lay[0]) != len(got))
-      diff = (f"its structure is {treedef}, init's was {init_treedef}" if len(got) != len(want)
-              else next(f"leaf {k} is {a[0]} {a[1]}, init's was {b[0]} {b[1]}"
-                        for k, a, b in zip(names, got, want) if a != b))
+      got, treedef = layout(params)
+      # the init tree to compare with: one with the same leaf paths if there is one
+      want, init_treedef = min(flat_layouts.items(),
+                               key=lambda lay: [k for k, *_ in lay[0]] != [k for k, *_ in got])
+      diff = (f"its structure is {treedef}, init's was {init_treedef}"
+              if [k for k, *_ in got] != [k for k, *_ in want]
+              else next(f"leaf {a[0]} is {a[1]} {a[2]}, init's was {b[1]} {b[2]}"
+                        for a, b in zip(got, want) if a != b))
       raise ValueError(f"params do not match the tree init was given: {diff} (a flat anchor "
                        f"holds the values in init's order)")
 

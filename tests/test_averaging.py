@@ -779,6 +779,11 @@ def test_a_flat_anchor_refuses_a_different_tree_of_the_same_size():
     tx.update({"a": jnp.zeros(2), "b": jnp.zeros(3)}, state, {"a": jnp.ones(2), "b": jnp.ones(3)})
   with pytest.raises(ValueError, match=r"its structure is PyTreeDef\(\{'c': \*"):
     tx.update({"c": jnp.zeros(5)}, state, {"c": jnp.ones(5)})
+  # the same leaves under other names: the anchor's a would have become b, and b c
+  square = mfopt.block_momentum(optax.sgd(0.1), None, 1)
+  s2 = square.init({"a": jnp.zeros(3), "b": jnp.zeros(3)})
+  with pytest.raises(ValueError, match=r"its structure is PyTreeDef\(\{'b': \*, 'c': \*"):
+    square.update({"b": jnp.zeros(3), "c": jnp.zeros(3)}, s2, {"b": jnp.ones(3), "c": jnp.ones(3)})
   same = {"a": jnp.full(3, 2.0), "b": jnp.ones(2)}  # the init's layout: accepted
   updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, same), state, same)
   # one worker, fresh block momentum: the new params are the local step's, p - 0.1 g
