@@ -19,9 +19,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! ok_python "$VENV/bi
       exit 1
     fi
     # --clear: a venv left by a failed first run (another Python) would keep its interpreter
-    "$PYTHON" -m venv --clear "$VENV"
-    if ! has_pip "$VENV/bin/python"; then
-      echo "$PYTHON -m venv made a venv without pip (on Debian/Ubuntu: apt install" \
+    # (Debian's python3 -m venv without ensurepip fails outright under set -e: say why here)
+    if ! "$PYTHON" -m venv --clear "$VENV" || ! has_pip "$VENV/bin/python"; then
+      echo "$PYTHON -m venv did not make a venv with pip (on Debian/Ubuntu: apt install" \
            "python3-venv, or the python3.X-venv of your Python), then re-run." >&2
       exit 1
     fi
