@@ -160,16 +160,13 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str]) -> ml_collections.ConfigDict:
-  """Applies ``key=value`` strings (dotted keys for nested fields) with type checking. A key
-  given twice is refused (it was last-wins, silently)."""
-  seen: dict[str, str] = {}
+  """Applies ``key=value`` strings (dotted keys for nested fields) with type checking, in
+  order (a later one for the same key wins: a caller may append to a base list; the command
+  line refuses a key given twice, see :func:`refuse_repeated_keys`)."""
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"config override must look like key=value, got {item!r}")
     key, text = item.split("=", 1)
-    if key in seen:
-      raise ConfigError(f"config field {key!r} is given twice: {seen[key]!r} and {item!r}")
-    seen[key] = item
     node = config
     parts = key.split(".")
     for part in parts[:-1]:
@@ -182,6 +179,17 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str])
     with node.unlocked():
       node[parts[-1]] = value
   return config
+
+
+def refuse_repeated_keys(overrides: Iterable[str]) -> None:
+  """ConfigError for a key given twice on the command line (it was last-wins, silently:
+  ``base_lr=0.1 ... base_lr=0.2`` ran with 0.2 and said nothing)."""
+  seen: dict[str, str] = {}
+  for item in overrides:
+    key = item.split("=", 1)[0]
+    if "=" in item and key in seen:
+      raise ConfigError(f"config field {key!r} is given twice: {seen[key]!r} and {item!r}")
+    seen[key] = item
 
 
 def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -776,6 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           file=sys.stderr)
     return 2
   try:
+    refuse_repeated_keys(args.overrides)
     module, config = prepare(args.name, quick=args.quick, overrides=args.overrides)  # fail before joining a job
     if args.help:  # (the same help for every name told nothing about the experiment)
       parser.print_help()
