@@ -627,6 +627,11 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
   simulation is bit-for-bit the uninterrupted one.
 
   Args:
+    fingerprint: what a checkpoint must match to be resumed (with the limits in
+      ``run_kwargs``); ``None``: ``engine.fingerprint()`` if the engine has one (the
+      simulator's: every setting that changes its results), else the limits alone.
+    allow_mismatch: resume a checkpoint whose fingerprint differs (a warning); a finished
+      run whose limits were raised is then continued up to the new limits.
     chunk_events: events between checkpoints (not in the fingerprint: a resumed run may save
       at another interval; the chunks do not change the numbers).
     on_checkpoint: optional ``chunk -> None`` called after each save.
@@ -644,6 +649,8 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
                      f"{run_kwargs['max_events']!r} is not a limit it supports: stop the engine "
                      f"with max_samples, max_server_steps or max_time")
   limits = {k: v for k, v in run_kwargs.items() if k in ENGINE_LIMITS}
+  if fingerprint is None and callable(getattr(engine, "fingerprint", None)):
+    fingerprint = engine.fingerprint()  # (the limits alone let other settings resume)
   ckpt = RunCheckpointer(directory, keep=keep, allow_mismatch=allow_mismatch,
                          fingerprint={"run_kwargs": limits, **dict(fingerprint or {})})
   chunk = 0
@@ -653,8 +660,10 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
     if restored is not None:
       engine.load_state_dict(decode_plain(restored.meta["plain"], restored.state))
       chunk = restored.step
-      if restored.meta.get("finished"):
-        return engine
+      saved_limits = restored.meta.get("fingerprint", {}).get("run_kwargs")
+      if restored.meta.get("finished") and (saved_limits == limits
+                                            or _limits_reached(engine, limits)):
+        return engine  # (a finished run allowed new limits it has not reached goes on)
     # (for a metrics log under an allowed config change: the simulator's rows are positioned by
     # server step and samples)
     report.note_run_start(getattr(engine, "version", 0), getattr(engine, "samples", None))

@@ -489,3 +489,45 @@ def test_structure_hash_of_states_without_renamed_classes_is_unchanged():
   text = str(treedef) + "|" + ";".join(f"{tuple(np.shape(x))}:{jnp.result_type(x)}"
                                        for x in leaves)
   assert checkpoint.structure_hash(old) == hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def test_run_resumable_continues_a_finished_run_whose_limit_was_raised_when_allowed(tmp_path):
+  """allow_mismatch with a higher limit: the finished run to 24 samples goes on to 36 (it
+  printed 'resuming anyway' and returned the 24-sample state), and equals a run to 36."""
+  checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3, max_samples=24)
+  engine = checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3,
+                                    max_samples=36, allow_mismatch=True)
+  assert engine.samples == 36 and engine.version == 9
+  np.testing.assert_array_equal(engine.w, np.full(3, 9.0))
+  # a lower limit already passed: the finished state, not run further
+  engine = checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3,
+                                    max_samples=12, allow_mismatch=True)
+  assert engine.samples == 36
+
+
+def test_run_resumable_fingerprints_the_simulators_settings(tmp_path):
+  """The simulator's own fingerprint (compute model, network, strategy, ...) is checked with
+  no fingerprint passed: a checkpoint directory of a run with base_s=0.01 resumed under
+  base_s=1.0 (a hybrid of the two), or returned its finished result as the new one's."""
+  from mfopt import costmodel, data, models, sim
+  ds = data.load("synthetic", num_train=256, num_test=32, input_shape=(8,), num_classes=3)
+  model = models.get_model("mlp", hidden=(4,), num_classes=3)
+
+  def make(base_s=0.01, strategy=sim.ASP):
+    return sim.Simulator(strategy(sim.BaseSGD(0.1)), model=model, dataset=ds, num_workers=2,
+                         per_worker_batch=4, compute=sim.ComputeModel(base_s=base_s),
+                         network=costmodel.Link("slow", bandwidth=2e4, latency=1e-3))
+
+  done = checkpoint.run_resumable(make(), tmp_path, chunk_events=20, max_samples=64)
+  assert done.samples == 64
+  with pytest.raises(checkpoint.ConfigMismatchError, match=r"compute.base_s: 0.01 -> 1.0"):
+    checkpoint.run_resumable(make(base_s=1.0), tmp_path, chunk_events=20, max_samples=64)
+  with pytest.raises(checkpoint.ConfigMismatchError, match=r"strategy: 'ASP' -> 'BSP'"):
+    checkpoint.run_resumable(make(strategy=sim.BSP), tmp_path, chunk_events=20, max_samples=64)
+  with pytest.raises(checkpoint.ConfigMismatchError, match=r"network.bandwidth: 20000.0 -> "):
+    other = sim.Simulator(sim.ASP(sim.BaseSGD(0.1)), model=model, dataset=ds, num_workers=2,
+                          per_worker_batch=4, compute=sim.ComputeModel(base_s=0.01),
+                          network=costmodel.Link("slow", bandwidth=4e4, latency=1e-3))
+    checkpoint.run_resumable(other, tmp_path, chunk_events=20, max_samples=64)
+  again = checkpoint.run_resumable(make(), tmp_path, chunk_events=20, max_samples=64)
+  assert again.result().summary == done.result().summary  # the same settings: the result

@@ -461,6 +461,10 @@ def test_bad_run_limits_and_strategies_are_refused(ds, linear):
   with pytest.raises(ValueError, match=r"k_rule=8 is more than num_workers=4"):
     sim.simulate(sim.KSync(sim.KSyncConfig(k_rule=8)), model=linear, dataset=ds, num_workers=4,
                  per_worker_batch=4, max_samples=16, network=None)
+  # (an adaptive k_min above M ran as k = M, and forced every round)
+  with pytest.raises(ValueError, match=r"ktest.k_min=5 is more than num_workers=4"):
+    sim.simulate(sim.KSync(sim.KSyncConfig(ktest=sim.KTestConfig(k_min=5))), model=linear,
+                 dataset=ds, num_workers=4, per_worker_batch=4, max_samples=16, network=None)
 
 
 def test_easgd_and_dropworker_defaults(ds, linear):
@@ -822,6 +826,23 @@ def _logged_asp_run(ds, linear, eval_every, max_samples):
                     compute=sim.ComputeModel(0.01), eval_every_samples=eval_every)
   s.run(max_samples=max_samples)
   return s.result().history, steps
+
+
+def test_the_final_summary_evaluates_the_model_the_run_ends_on(ds, linear):
+  """One worker, a slow link: a gradient's samples count when it is computed, its server
+  step comes a push later. Stopped by server steps, the last logged row had this sample count
+  but an older server version, and the summary reported that model's loss as final."""
+  net = costmodel.Link("slow", bandwidth=8000.0, latency=0.25)
+  s = sim.Simulator(sim.ASP(sim.BaseSGD(0.5)), model=linear, dataset=ds, num_workers=1,
+                    per_worker_batch=4, compute=sim.ComputeModel(0.5), network=net,
+                    eval_every_samples=8)
+  s.run(max_server_steps=6)
+  r = s.result()
+  assert r.summary["server_steps"] == 6 == r.history[-1]["server_step"]
+  assert r.summary["test_loss"] == s.evaluate()["test_loss"]
+  assert [row["server_step"] for row in r.history].count(6) == 1
+  assert any(row["samples"] == r.history[-1]["samples"] and row["server_step"] < 6
+             for row in r.history[:-1])  # the stale row the summary used to read
 
 
 def test_evaluations_land_at_the_first_sample_count_past_each_multiple(ds, linear):

@@ -50,6 +50,7 @@ import collections
 import dataclasses
 import functools
 import sys
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -204,6 +205,7 @@ class Simulator:
     self.compute = compute or clock_lib.ComputeModel()
     self.network = None if network is None else costmodel.link(network)
     self.link = clock_lib.ServerLink(self.network, duplex)
+    self.duplex = bool(duplex)
     self.batcher = data_lib.WorkerBatcher(dataset.train, num_workers=num_workers,
                                           per_worker_batch=per_worker_batch, seed=seed)
     self.num_train = len(dataset.train)
@@ -221,6 +223,7 @@ class Simulator:
                          f"got {flat.size} values")
       theta0 = flat.reshape(theta0.shape)
     self.dim = theta0.size
+    self._theta0_crc = zlib.crc32(np.ascontiguousarray(theta0, np.float32).tobytes())
     self.payload_bytes = float(4 * self.dim if payload_bytes is None else payload_bytes)
     self.eval_every_samples = eval_every_samples
     self.speeds = self.compute.speed_factors(self.num_workers, self.seed)
@@ -580,9 +583,13 @@ class Simulator:
     """The logs so far, with a final evaluation appended if the last row is not current.
 
     It changes nothing: called between two ``run`` calls, it appended that row to the run's
-    own history and emptied the train-loss window, so the rest of the curve changed."""
+    own history and emptied the train-loss window, so the rest of the curve changed. A row is
+    current when it has this sample count and this server version: samples are counted when a
+    gradient is computed, applied later, so a run stopped by server steps or time had reported
+    an older model's loss and accuracy (logged at the same sample count) as its final ones."""
     history = list(self.history)
-    if not history or history[-1]["samples"] != self.samples:
+    if (not history or history[-1]["samples"] != self.samples
+        or history[-1]["server_step"] != self.version):
       history.append(self._row())
     util = self.link.utilisation(self.now)
     staleness = dict(sorted(self.staleness.items()))
@@ -660,6 +667,24 @@ class Simulator:
         "queue": self.queue.state_dict(),
         "link": self.link.state_dict(), "strategy": self.strategy.state_dict(),
     }
+
+  def fingerprint(self) -> dict[str, Any]:
+    """Every setting of this simulator that changes its results, as JSON data:
+    :func:`mfopt.checkpoint.run_resumable` checks a checkpoint against it (given no fingerprint
+    of its own), so a checkpoint directory written with another compute model, network,
+    strategy, seed, learning rate, dataset, model or initial parameters is refused instead of
+    resumed (it was resumed, or its finished result returned)."""
+    return {"strategy": self.strategy.describe(), "settings": self.strategy.settings(),
+            "num_workers": self.num_workers, "per_worker_batch": self.batch_size,
+            "seed": self.seed, "dataset": getattr(self.dataset, "name", None),
+            "train_examples": self.num_train,
+            "model": {"class": type(self.model).__name__,
+                      **server_lib.plain_settings(self.model)},
+            "init_params_crc32": self._theta0_crc,
+            "loss_fn": server_lib.plain_settings(self._loss_fn),
+            "network": server_lib.plain_settings(self.network),
+            "compute": server_lib.plain_settings(self.compute), "duplex": self.duplex,
+            "payload_bytes": self.payload_bytes, "eval_every_samples": self.eval_every_samples}
 
   def load_state_dict(self, d: Mapping[str, Any]) -> None:
     """Restores :meth:`state_dict` output into a simulator built with the same arguments."""
