@@ -150,6 +150,8 @@ def test_ktest_config_errors_name_the_argument():
     sim.KTestConfig(k_min=4, k_max=2)
   with pytest.raises(ValueError, match="confidence"):
     sim.KTestConfig(confidence=1.5)
+  with pytest.raises(ValueError, match=r"k_min must be >= 2 .*got 1"):  # (it ran as 2)
+    sim.KTestConfig(k_min=1)
 
 
 @pytest.mark.parametrize("gamma", [0.5, 0.9, 0.95, 0.99])

@@ -118,6 +118,8 @@ class KTestConfig:
     if self.ci_mode not in CI_MODES:
       raise ValueError(f"ci_mode must be one of {CI_MODES}, got {self.ci_mode!r}")
     _checks.positive_int("k_min", self.k_min)
+    if self.k_min < 2:  # (1 was accepted and ran as 2: the test needs a sample variance)
+      raise ValueError(f"k_min must be >= 2 (the k-test needs two gradients), got {self.k_min}")
     if self.k_max is not None and (not _checks.is_int(self.k_max) or self.k_max < self.k_min):
       raise ValueError(f"k_max must be an integer >= k_min={self.k_min}, got {self.k_max!r}")
 

@@ -511,6 +511,10 @@ class KSync(_Collect):
     if c.k_rule != "adaptive" and int(c.k_rule) > sim.num_workers:
       raise ValueError(f"k_rule={c.k_rule} is more than num_workers={sim.num_workers}: a k-sync "
                        "round cannot wait for more gradients than there are workers")
+    if c.k_rule == "adaptive" and c.ktest.k_min > sim.num_workers > 1:  # (it ran as k = M;
+      # one worker: k = 1 whatever k_min, the scaling experiments' reference)
+      raise ValueError(f"ktest.k_min={c.ktest.k_min} is more than num_workers={sim.num_workers}: "
+                       "an adaptive round cannot wait for more gradients than there are workers")
     self.k_max = (c.ktest.resolved_k_max(sim.num_workers) if c.k_rule == "adaptive"
                   else int(c.k_rule))
     self.welford = ksync_lib.Welford(sim.dim)
