@@ -50,10 +50,14 @@ class BNStrategy:
   synchronized: bool
   pooled: bool = False
 
-  def model_kwargs(self) -> dict[str, Any]:
-    """``bn_momentum`` and ``bn_axis_name`` for ``mfopt.models.get_model``."""
+  def model_kwargs(self, axis_name: Any = parallel.WORKER_AXES) -> dict[str, Any]:
+    """``bn_momentum`` and ``bn_axis_name`` for ``mfopt.models.get_model``.
+
+    ``axis_name``: the worker axes a ``"sync"`` strategy reduces its statistics over, the names
+    your own ``shard_map``/``vmap`` binds (default: the library's ``("data", "local")``; a
+    one-axis ``shard_map`` over ``"data"`` needs ``axis_name="data"``)."""
     return {"bn_momentum": self.bn_momentum,
-            "bn_axis_name": parallel.WORKER_AXES if self.synchronized else None}
+            "bn_axis_name": axis_name if self.synchronized else None}
 
 
 def get_strategy(name: str, *, pooled: bool = False) -> BNStrategy:
@@ -81,9 +85,20 @@ def population_statistics(model_state: Any, strategy: BNStrategy | str = "last_b
   All-worker mean in float32 of every ``mean`` and ``var`` leaf; with ``pooled`` the ``var``
   leaves get ``+ Var_w[mean_w]`` (population variance of the union of equal-size batches).
   The result has no worker axis (feed it to ``mfopt.train.make_eval_fn``).
+
+  ``model_state`` must be stacked: a ``mean``/``var`` leaf of one replica (``(C,)``) was
+  averaged over its channels into a scalar, which flax's BatchNorm then broadcast in
+  evaluation without complaint; it is refused, naming the leaf and its shape.
   """
   if isinstance(strategy, str):
     strategy = get_strategy(strategy)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+    name = getattr(path[-1], "key", getattr(path[-1], "name", None)) if path else None
+    if name in ("mean", "var") and jnp.ndim(leaf) < 2:
+      raise ValueError(
+          f"model_state must be worker-stacked (leading axis W), got "
+          f"{jax.tree_util.keystr(path)} of shape {tuple(jnp.shape(leaf))}: a BatchNorm "
+          "statistic has a channel axis, so a stacked one has at least 2 dimensions")
 
   def mean32(x):
     return jnp.mean(jnp.asarray(x).astype(jnp.float32), axis=0)

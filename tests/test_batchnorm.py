@@ -112,3 +112,43 @@ def test_pooled_refuses_integers_and_an_unknown_name_is_named_first():
       batchnorm.get_strategy("last_batch", pooled=bad)
   with pytest.raises(ValueError, match=r"BN strategy must be one of .*got 'ghost'"):
     batchnorm.get_strategy("ghost", pooled=True)
+
+
+def test_population_statistics_refuse_one_replicas_state():
+  """One replica's statistics ((C,) leaves) were averaged over their channels into scalars,
+  which flax's BatchNorm broadcast in evaluation without complaint."""
+  one = {"batch_stats": {"bn0": {"mean": np.zeros(3, np.float32), "var": np.ones(3, np.float32)}}}
+  with pytest.raises(ValueError, match=r"worker-stacked .*\['batch_stats'\]\['bn0'\]\['mean'\] "
+                                       r"of shape \(3,\)"):
+    batchnorm.population_statistics(one)
+  stacked = jax.tree.map(lambda x: np.stack([x, x + 2.0]), one)
+  pop = batchnorm.population_statistics(stacked)["batch_stats"]["bn0"]
+  np.testing.assert_array_equal(pop["mean"], np.ones(3))
+
+
+def test_sync_strategy_takes_the_axis_of_your_own_shard_map():
+  """model_kwargs(axis_name="data"): a "sync" CNN inside a one-axis jax.shard_map reduces its
+  statistics over the global batch (the default names the library's ("data", "local"),
+  unbound there)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  s = batchnorm.get_strategy("sync")
+  assert s.model_kwargs()["bn_axis_name"] == parallel.WORKER_AXES
+  model = models.get_model("cnn", features=(F,), num_classes=3, **s.model_kwargs(axis_name="data"))
+  mesh = jax.make_mesh((W,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  rng = np.random.default_rng(1)
+  x = (rng.normal(size=(W * B, L, C)) * np.repeat(np.arange(1, W + 1), B)[:, None, None]
+       ).astype(np.float32)  # devices differ in scale
+  params, model_state = models.init_model(model, jax.random.PRNGKey(0), x[:B])
+
+  def stats(xs):
+    _, new = model.apply({"params": params, **model_state}, xs, train=True,
+                         mutable=["batch_stats"])
+    return new["batch_stats"]["bn0"]["mean"][None]
+
+  f = jax.jit(jax.shard_map(stats, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                            check_vma=False))
+  got = np.asarray(f(jax.device_put(x, NamedSharding(mesh, P("data")))))
+  y = _np_conv_same(x.astype(np.float64), np.asarray(params["conv0"]["kernel"], np.float64))
+  want = 0.1 * y.mean(axis=(0, 1))  # momentum 0.9 from 0: one step of the global batch mean
+  for w in range(W):
+    np.testing.assert_allclose(got[w], want, rtol=1e-4, atol=1e-5)
