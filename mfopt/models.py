@@ -402,6 +402,8 @@ class GroupBatchNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    if not _checks.is_int(self.groups) or self.groups < 1:  # (0: ZeroDivisionError)
+      raise ValueError(f"GroupBatchNorm: groups must be a positive integer, got {self.groups!r}")
     if x.ndim < 2 or x.shape[0] % self.groups:
       raise ValueError(f"GroupBatchNorm: the batch (first) dimension must be a multiple of "
                        f"groups={self.groups}, got input shape {tuple(x.shape)}")

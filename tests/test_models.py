@@ -627,6 +627,10 @@ def test_bn_groups_validation():
   model = models.get_model("cnn", features=(4,), num_classes=3, bn_groups=3)
   with pytest.raises(ValueError, match=r"multiple of groups=3, got input shape \(4, 8, 8, 4\)"):
     models.init_model(model, jax.random.PRNGKey(0), jnp.zeros((4, 8, 8, 1)))
+  # the layer used directly (a ZeroDivisionError from the modulo)
+  for groups in (0, -2, 1.5):
+    with pytest.raises(ValueError, match=rf"groups must be a positive integer, got {groups}"):
+      models.GroupBatchNorm(groups=groups).init(jax.random.PRNGKey(0), jnp.zeros((4, 3)))
 
 
 def test_batchnorm_epsilon_is_the_flax_and_pytorch_default():
