@@ -497,7 +497,9 @@ def hybrid_adabound_lars(*, num_workers: int, steps_per_epoch: int, base_lr: flo
 
   Choices: the LARS momentum buffer starts at zero at the switch (AdaBound's ``m`` is not
   carried over); the decay is counted from the switch (see :func:`hybrid_lars_learning_rate`);
-  the LARS masks are optax's defaults (every tensor, biases and BN scales included).
+  the LARS masks are optax's defaults (every tensor, biases and BN scales included). Epochs
+  are counted in applied updates: under :func:`mfopt.precision.dynamic_loss_scale` a step
+  reverted on overflow does not count, so the switch comes that many steps later.
 
   **Implementation** (a deviation from "reuse ``optax.lars``", for speed and memory; the
   LARS phase equals ``optax.lars`` to rounding, ``tests/test_adabound.py``). The phase switch is

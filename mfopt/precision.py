@@ -44,6 +44,22 @@ gradient it computes itself, while the synchronous decision needs the all-reduce
 checks the two agree. Reused from flax: the ``DynamicScale`` state and hyperparameters, and
 ``value_and_grad`` for the scaling and unscaling.
 
+**In your own train step** (not :func:`mfopt.train.make_train_step`), three calls do what
+that step does; leave out the last and an overflowing step's inf/NaN batch statistics stay in
+that worker's BatchNorm moving averages for good (a user review found them NaN)::
+
+  ds = precision.loss_scale_of(opt_state)            # None: no loss scaling in tx
+  (loss, (new_model_state, logits)), grads = precision.scaled_value_and_grad(
+      loss_fn, ds)(params)                           # loss_fn: params -> (loss, aux), aux
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)      # zero updates on an overflow
+  model_state, metrics = precision.finish_step(      # keeps the old BN statistics on
+      opt_state, new_model_state, model_state)       # overflow; loss_scale, overflow
+
+A step reverted on overflow is not counted by the transforms inside (their step counters
+stay), so schedules counted in steps (the hybrid's switch epoch, learning-rate decays) move
+later by the number of overflows.
+
 fp16 all-reduce: the train step's gradients are unscaled float32, and
 :func:`dynamic_loss_scale` passes its scale to ``inner`` as the optax extra argument
 ``loss_scale``; ``sync_gradients(axes, comm_dtype=jnp.float16)`` then exchanges them scaled
