@@ -790,6 +790,44 @@ def test_a_flat_anchor_refuses_a_different_tree_of_the_same_size():
   np.testing.assert_allclose(np.asarray(updates["a"]), np.full(3, -0.1), rtol=1e-6)
 
 
+def test_a_flat_anchor_checks_dtypes_and_attribute_names_and_picks_the_matching_init_tree():
+  """The layout check compares dtypes (a bfloat16 tree of init's shapes is refused), keeps
+  attribute names other than nnx's ``.value`` (NamedTuples with other field names are another
+  tree) and the leaves' order, and, after init on two trees, names the differing leaf of the
+  one with the same leaf paths rather than the other tree's structure."""
+  from typing import NamedTuple
+
+  class XY(NamedTuple):
+    x: jax.Array
+    y: jax.Array
+
+  class UV(NamedTuple):
+    u: jax.Array
+    v: jax.Array
+
+  tx = mfopt.block_momentum(optax.sgd(0.1), None, 1)
+  s_xy = tx.init(XY(jnp.zeros(3), jnp.zeros(3)))
+  s_ab = tx.init({"a": jnp.zeros(3), "b": jnp.zeros(2)})
+  uv = UV(jnp.ones(3), jnp.ones(3))
+  with pytest.raises(ValueError, match=r"its structure is .*namedtuple\[UV\].*, init's was "):
+    tx.update(uv, s_xy, uv)
+  bf16 = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)}
+  with pytest.raises(ValueError, match=r"leaf \['a'\] is \(3,\) bfloat16, init's was \(3,\) "
+                                       r"float32"):
+    tx.update(bf16, s_ab, bf16)
+  swapped = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  with pytest.raises(ValueError, match=r"leaf \['a'\] is \(2,\) float32, init's was \(3,\)"):
+    tx.update(swapped, s_ab, swapped)
+  # the same leaves in another order (an OrderedDict keeps its insertion order): the anchor's
+  # values would land on the other leaves
+  import collections
+  ordered = mfopt.block_momentum(optax.sgd(0.1), None, 1)
+  s_od = ordered.init(collections.OrderedDict(a=jnp.zeros(3), b=jnp.zeros(2)))
+  ba = collections.OrderedDict(b=jnp.ones(2), a=jnp.ones(3))
+  with pytest.raises(ValueError, match=r"its structure is .*OrderedDict\[\('b', 'a'\)\]"):
+    ordered.update(ba, s_od, ba)
+
+
 @pytest.mark.parametrize("make", [
     lambda flat: mfopt.block_momentum(optax.sgd(0.1), None, 2, momentum=0.5, flat_anchor=flat),
     lambda flat: mfopt.periodic_averaging(optax.sgd(0.1), None, 2, flat_anchor=flat,

@@ -1,5 +1,7 @@
 """mfopt.comm.gated: a conditional as a while loop of 0 or 1 trips (issue 8)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -223,10 +225,76 @@ def test_eager_gates_do_not_keep_what_fn_closed_over_alive():
 
 def test_a_non_bool_predicate_opens_the_gate_once_in_value_and_derivative():
   # (an int 2 ran the loop twice, 4x, while the custom JVP took one trip: derivative 2)
-  for pred, want in ((jnp.int32(2), 2.0), (jnp.float32(0.5), 2.0), (jnp.int32(0), 1.0)):
+  # (nonzero opens it: a negative one too, as a float fraction does)
+  for pred, want in ((jnp.int32(2), 2.0), (jnp.float32(0.5), 2.0), (jnp.int32(-1), 2.0),
+                     (jnp.float32(-0.5), 2.0), (jnp.int32(0), 1.0)):
     f = lambda x: comm.gated(pred, lambda c: c * 2.0, x)  # noqa: E731
     assert float(f(jnp.float32(1.5))) == 1.5 * want
     assert float(jax.grad(f)(jnp.float32(1.5))) == want
+
+
+def test_closed_over_values_of_several_dtypes_keep_their_places_in_value_and_derivative():
+  """fn closes over an int index (left as a constant: no derivative) before two float scalars
+  (hoisted into arguments): each keeps its place. d/d(c, a, b) of sum(gated(c -> c[idx] * a +
+  b^2 c)) with idx a permutation: (a + b^2, sum c, 2 b sum c) open, (1, 0, 0) shut."""
+  idx = jnp.asarray([2, 0, 1])
+  c0, a0, b0 = jnp.asarray([1.0, 2.0, 3.0]), jnp.float32(2.0), jnp.float32(0.5)
+  for pred in (True, False):
+    def f(c, a, b):
+      return jnp.sum(comm.gated(jnp.asarray(pred), lambda c: c[idx] * a + b * b * c, c))
+
+    value, want = (6.0 * 2.0 + 0.25 * 6.0, (np.full(3, 2.25), 6.0, 6.0)) if pred else (
+        6.0, (np.ones(3), 0.0, 0.0))
+    assert float(f(c0, a0, b0)) == pytest.approx(value, rel=1e-6)
+    assert float(jax.jit(f)(c0, a0, b0)) == pytest.approx(value, rel=1e-6)
+    for got in (jax.grad(f, argnums=(0, 1, 2))(c0, a0, b0),
+                jax.jacfwd(f, argnums=(0, 1, 2))(c0, a0, b0)):
+      for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+
+  def complex_closed_over(a):  # inexact, not only floating, values are hoisted
+    z = a * (1.0 + 2.0j)
+    ones = jnp.ones(2, jnp.complex64)
+    return jnp.real(jnp.sum(comm.gated(jnp.asarray(True), lambda c: c * z, ones)))
+
+  assert float(jax.grad(complex_closed_over)(1.5)) == pytest.approx(2.0, rel=1e-6)  # d Re(2 a)
+
+
+def test_mixed_varying_operands_and_an_invariant_result_under_checked_shard_map():
+  """Under shard_map(check_vma=True), an invariant predicate and carry with a varying and an
+  invariant operand (fn's result varies), and a varying carry that fn averages (its result
+  is invariant): loop and lax.cond agree with the closed forms in value and derivative.
+  Per device d with x_d = d: open, c x_d + 3c (sum 52c) and pmean((c x)^2) (sum 140 c^2);
+  shut, c (sum 8c) and c x_d (sum 28c)."""
+  import mfopt
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  xs = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+
+  def mixed(c, x, open_):  # (an invariant operand first: the varying one must cast it too)
+    return comm.gated(open_ > 0.5, lambda c, y, x, z: c * x + y + z, c,
+                      (c * 2.0, x[0], c))[None]
+
+  def averaged(c, x, open_):
+    return comm.gated(open_ > 0.5, lambda d: lax.pmean(d * d, "d"), c * x[0])[None]
+
+  def total(per_device):
+    def f(c, open_):
+      g = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("d"), P()), out_specs=P("d"))
+      return jnp.sum(g(c, xs, open_))
+    return f
+
+  c = 0.5
+  cases = {(mixed, 1.0): (52 * c, 52.0), (mixed, 0.0): (8 * c, 8.0),
+           (averaged, 1.0): (140 * c * c, 280 * c), (averaged, 0.0): (28 * c, 28.0)}
+  for differentiable in (False, True):
+    with mfopt.differentiable_gates() if differentiable else contextlib.nullcontext():
+      # (the value on its own: value_and_grad would run the custom JVP rule, not the loop)
+      run = {f: (jax.jit(total(f)), jax.jit(jax.grad(total(f)))) for f in (mixed, averaged)}
+      for (per_device, open_), want in cases.items():
+        got = tuple(float(g(c, open_)) for g in run[per_device])  # traced here, in the context
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{differentiable} {open_}")
 
 
 def test_a_predicate_varying_over_the_mesh_differentiates_under_checked_shard_map():
@@ -266,6 +334,21 @@ def test_a_predicate_varying_over_the_mesh_differentiates_under_checked_shard_ma
     with pytest.raises(ValueError, match=r"closes over a value that does not vary over the "
                                          r"mesh axes \['d'\]"):
       jax.grad(total2)(0.5)
+
+  scale = jnp.float32(3.0)  # closed over, but a constant (no derivative): not refused
+
+  def closes_over_a_constant(c, x):
+    return comm.gated(x[0] > 3.5, lambda d: d * scale, c * x[0])[None]
+
+  def total3(c):
+    f = jax.shard_map(closes_over_a_constant, mesh=mesh, in_specs=(P(), P("d")),
+                      out_specs=P("d"))
+    return jnp.sum(f(c, xs))
+
+  # 3 c x where x > 3.5, c x elsewhere: 72 c
+  with mfopt.differentiable_gates():
+    assert float(total3(0.5)) == pytest.approx(36.0, rel=1e-6)
+    assert float(jax.grad(total3)(0.5)) == pytest.approx(72.0, rel=1e-6)
 
 
 def test_axis_name_checks_refuse_an_empty_tuple_and_name_an_unbound_axis():

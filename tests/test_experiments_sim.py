@@ -111,6 +111,8 @@ def test_ksync_trace_fixed_k_m_follows_num_workers():
 def test_an_evaluation_interval_longer_than_the_run_is_refused():
   with pytest.raises(runner.ConfigError, match=r"'eval_every_epochs' must be <= epochs=2, got 5"):
     runner.prepare("async_convergence", quick=True, overrides=["epochs=2", "eval_every_epochs=5"])
+  with pytest.raises(runner.ConfigError, match=r"'eval_every_epochs' must be <= epochs=2, got 3"):
+    runner.prepare("async_convergence", quick=True, overrides=["epochs=2", "eval_every_epochs=3"])
   runner.prepare("async_convergence", quick=True, overrides=["epochs=2", "eval_every_epochs=2"])
 
 

@@ -37,6 +37,11 @@ def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path, capsys):
   assert not (tmp_path / "config.json").exists()
   _, c = runner.prepare("quickstart", quick=True, overrides=["num_steps=7", "num_steps=8"])
   assert c.num_steps == 8
+  # dotted keys: two fields of one group are two keys, one field twice is refused
+  runner.refuse_repeated_keys(["model.width=8", "model.depth=3", "modelx=1"])
+  with pytest.raises(runner.ConfigError, match=r"'model.width' is given twice: 'model.width=8' "
+                                               r"and 'model.width=9'"):
+    runner.refuse_repeated_keys(["model.width=8", "model.depth=3", "model.width=9"])
 
 
 def test_a_batch_larger_than_the_dataset_is_one_error_line(tmp_path, capsys):
@@ -579,3 +584,11 @@ def test_plot_curves_labels_each_panel_and_draws_identical_series_once(tmp_path,
   # one label for all panels, as before
   report.plot_curves(tmp_path / "r.png", panels, xlabel="step", ylabel="acc")
   assert [ax.get_xlabel() for ax in figs[-1].axes] == ["step", "step"]
+  with pytest.raises(ValueError, match=r"one per panel \(2\)"):  # one too many
+    report.plot_curves(tmp_path / "s.png", panels, xlabel=("a", "b", "c"), ylabel="acc")
+  # only exactly the same points merge: same y at other x, or other y at the same x, do not
+  series = {"z": ([0.0, 1.0], [0.5, 0.6]), "later": ([1.0, 2.0], [0.5, 0.6]),
+            "a": ([0.0, 1.0], [0.5, 0.7]), "y": ([0.0, 1.0], [0.5, 0.6])}
+  merged = report.merge_identical_series(series)
+  assert list(merged) == ["z = y", "later", "a"]  # first-seen order, names as given
+  assert merged["later"] == series["later"] and merged["z = y"] == series["z"]
