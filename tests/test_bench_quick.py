@@ -741,7 +741,7 @@ def test_bench_virtual_workers_ratios_and_targets_from_given_timings(monkeypatch
     assert figs["noise gauge: auto local / unroll local (the same compiled program timed "
                 "twice)"] == pytest.approx(1.4 / 1.45)
     w = 4 if shape == "W=4 B=8" else 16
-    assert figs[f"sequential reference: one replica @ W*B / (W x one replica @ B)"] == \
+    assert figs["sequential reference: one replica @ W*B / (W x one replica @ B)"] == \
         pytest.approx(1.0 / (w * 0.1))
     assert figs["fast path"] == pytest.approx(4 * 8 / 1.05 if shape == "W=4 B=8" else
                                               16 * 256 / 1.05)  # img/s

@@ -215,11 +215,12 @@ def test_eager_gates_do_not_keep_what_fn_closed_over_alive():
     return sum(a.nbytes for a in jax.live_arrays())
 
   before = live()
+  def one_call(i):
+    big = jnp.full((1 << 18,), float(i))  # 1 MiB, a fresh one each call
+    return comm.gated(jnp.asarray(i % 2 == 0), lambda c: c + big[:3], jnp.zeros(3))
+
   for i in range(20):
-    big = jnp.full((1 << 18,), float(i))  # 1 MiB, rebound each call
-    out = comm.gated(jnp.asarray(i % 2 == 0), lambda c: c + big[:3], jnp.zeros(3))
-    np.testing.assert_allclose(np.asarray(out), float(i) if i % 2 == 0 else 0.0)
-  del big, out
+    np.testing.assert_allclose(np.asarray(one_call(i)), float(i) if i % 2 == 0 else 0.0)
   assert live() - before < (1 << 20), (before, live())
 
 
