@@ -631,7 +631,8 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
       ``run_kwargs``); ``None``: ``engine.fingerprint()`` if the engine has one (the
       simulator's: every setting that changes its results), else the limits alone.
     allow_mismatch: resume a checkpoint whose fingerprint differs (a warning); a finished
-      run whose limits were raised is then continued up to the new limits.
+      run whose limits were raised is then continued up to the new limits, and one whose
+      limits did not change is returned as saved, whatever else changed.
     chunk_events: events between checkpoints (not in the fingerprint: a resumed run may save
       at another interval; the chunks do not change the numbers).
     on_checkpoint: optional ``chunk -> None`` called after each save.
@@ -649,6 +650,10 @@ def run_resumable(engine: Any, directory: str | os.PathLike, *, chunk_events: in
                      f"{run_kwargs['max_events']!r} is not a limit it supports: stop the engine "
                      f"with max_samples, max_server_steps or max_time")
   limits = {k: v for k, v in run_kwargs.items() if k in ENGINE_LIMITS}
+  if all(v is None for v in limits.values()):  # (chunks of max_events satisfied the engine's
+    # own check, so a run without a limit spun for ever)
+    raise ValueError(f"run_resumable needs at least one of {', '.join(ENGINE_LIMITS)}, got "
+                     f"{limits or 'none'}")
   if fingerprint is None and callable(getattr(engine, "fingerprint", None)):
     fingerprint = engine.fingerprint()  # (the limits alone let other settings resume)
   ckpt = RunCheckpointer(directory, keep=keep, allow_mismatch=allow_mismatch,

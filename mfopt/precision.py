@@ -48,7 +48,8 @@ checks the two agree. Reused from flax: the ``DynamicScale`` state and hyperpara
 that step does; leave out the last and an overflowing step's inf/NaN batch statistics stay in
 that worker's BatchNorm moving averages for good (a user review found them NaN)::
 
-  ds = precision.loss_scale_of(opt_state)            # None: no loss scaling in tx
+  ds = precision.loss_scale_of(opt_state)            # None: tx has no loss scaling (then
+                                                     # jax.value_and_grad, no finish_step)
   (loss, (new_model_state, logits)), grads = precision.scaled_value_and_grad(
       loss_fn, ds)(params)                           # loss_fn: params -> (loss, aux), aux
   updates, opt_state = tx.update(grads, opt_state, params)

@@ -531,3 +531,15 @@ def test_run_resumable_fingerprints_the_simulators_settings(tmp_path):
     checkpoint.run_resumable(other, tmp_path, chunk_events=20, max_samples=64)
   again = checkpoint.run_resumable(make(), tmp_path, chunk_events=20, max_samples=64)
   assert again.result().summary == done.result().summary  # the same settings: the result
+
+
+def test_run_resumable_needs_a_limit(tmp_path):
+  """Chunks of max_events satisfied the engine's own 'at least one limit' check, so a run
+  without a limit (or a finished one continued with its limit removed) spun for ever."""
+  for limits in ({}, {"max_samples": None, "max_time": None}):
+    with pytest.raises(ValueError, match=r"needs at least one of max_samples, max_server_steps"):
+      checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3, **limits)
+  checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3, max_samples=12)
+  with pytest.raises(ValueError, match=r"needs at least one"):
+    checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3, max_samples=None,
+                             allow_mismatch=True)
