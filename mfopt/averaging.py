@@ -611,11 +611,11 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     flat = is_flat(params)
     if flat and flat_layouts and layout(params)[0] not in flat_layouts:
       got, treedef = layout(params)
+      paths = lambda lay: [k for k, *_ in lay]  # noqa: E731
       # the init tree to compare with: one with the same leaf paths if there is one
-      want, init_treedef = min(flat_layouts.items(),
-                               key=lambda lay: [k for k, *_ in lay[0]] != [k for k, *_ in got])
+      want, init_treedef = min(flat_layouts.items(), key=lambda lay: paths(lay[0]) != paths(got))
       diff = (f"its structure is {treedef}, init's was {init_treedef}"
-              if [k for k, *_ in got] != [k for k, *_ in want]
+              if paths(got) != paths(want)
               else next(f"leaf {a[0]} is {a[1]} {a[2]}, init's was {b[1]} {b[2]}"
                         for a, b in zip(got, want) if a != b))
       raise ValueError(f"params do not match the tree init was given: {diff} (a flat anchor "

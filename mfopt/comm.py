@@ -228,13 +228,14 @@ def gated(pred: jax.Array, fn: Any, carry: Any, operands: tuple = (), *,
     with jax.named_scope(GATE_SCOPE):
       return fn(carry, *operands) if static.open else carry
   operands = tuple(operands)
-  paxes = _varying_axes(pred) if _manual_axes() else frozenset()
+  manual = bool(_manual_axes())
+  paxes = _varying_axes(pred) if manual else frozenset()
   if paxes:  # a predicate that varies over mesh axes makes the result vary over them too
     # (typed invariant, an invariant carry's tangent could not be masked by a varying where,
     # and JAX's lax.cond gave wrong gradients, then hung in an all-reduce)
     carry, operands = jax.tree.map(lambda x: _as_varying(x, _varying_axes(x) | paxes),
                                    (carry, operands))
-  if operands and _manual_axes():  # the loop's optimization_barrier types every operand with
+  if operands and manual:  # the loop's optimization_barrier types every operand with
     # the union of their varying axes; fn is traced once below, so it must see those types
     axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(operands)))
     operands = jax.tree.map(lambda x: _as_varying(x, axes), operands)
@@ -316,11 +317,8 @@ def _gate_loop_jvp(conv, primals, tangents):
     # value under shard_map) is passed as is: the result's where below still selects
     return jnp.where(pred, t, jnp.zeros_like(t)) if paxes <= _varying_axes(t) else t
 
-  def branch(c, ops, cs):
-    return conv(c, ops, *cs)
-
-  (out, t_out) = jax.jvp(branch, (carry, operands, consts),
-                         jax.tree.map(keep, (t_carry, t_operands, t_consts)))
+  out, t_out = jax.jvp(lambda c, ops, cs: conv(c, ops, *cs), (carry, operands, consts),
+                       jax.tree.map(keep, (t_carry, t_operands, t_consts)))
   pick = lambda a, b: jnp.where(pred, a, b)  # noqa: E731
   return jax.tree.map(pick, out, carry), jax.tree.map(pick, t_out, t_carry)
 
