@@ -294,6 +294,13 @@ CONVENTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
 EMPTY_ALLOWED = frozenset({"sim_runs", "hidden", "mlp_hidden", "features", "fixed_k",
                            "fig6_workers"})
 
+# Tuple fields where an item may repeat: one thing's layout (layer widths, a schedule of
+# periods) and quickstart's datasets/models, read in pairs (zip; it refuses a repeated pair
+# itself). In every other tuple (a sweep axis, seeds, a list of rows) a repeat ran the same cell
+# again: seeds=(0, 0) showed "0.29 +- 0.00" over "2 seeds" beside a claim line that said one seed.
+REPEATS_ALLOWED = frozenset({"hidden", "mlp_hidden", "features", "decreasing_periods",
+                             "datasets", "models"})
+
 
 def _choices() -> dict[str, tuple[str, ...]]:
   from mfopt import costmodel, data, models  # pylint: disable=g-import-not-at-top
@@ -306,8 +313,9 @@ def check_conventions(config: ml_collections.ConfigDict,
                       narrower: Mapping[str, Sequence[str] | Callable[[], Sequence[str]]]
                       | None = None) -> None:
   """Raises ConfigError for a field whose name has a library-wide meaning (:data:`CONVENTIONS`,
-  link/dataset/model names) and whose value breaks it, for any non-finite float, and for an
-  empty tuple outside :data:`EMPTY_ALLOWED`. ``narrower``: an experiment's ``CHOICES``, the
+  link/dataset/model names) and whose value breaks it, for any non-finite float, for an
+  empty tuple outside :data:`EMPTY_ALLOWED` and for a repeated item outside
+  :data:`REPEATS_ALLOWED`. ``narrower``: an experiment's ``CHOICES``, the
   names it can build (an MLP-only script given ``model=cnn`` passed this check and crashed
   inside its run with a traceback). A value may be a function returning the names, called
   here: ``data.classification_datasets`` then includes datasets a user registers after the
@@ -323,6 +331,11 @@ def check_conventions(config: ml_collections.ConfigDict,
     if isinstance(value, (tuple, list)) and not value and name not in EMPTY_ALLOWED:
       raise ConfigError(f"config field {key!r} must not be empty (the run would do nothing), "
                         f"got {value!r}")
+    if isinstance(value, (tuple, list)) and name not in REPEATS_ALLOWED:
+      repeated = [v for i, v in enumerate(value) if v in value[:i]]
+      if repeated:
+        raise ConfigError(f"config field {key!r} repeats {repeated[0]!r} (a repeated item runs "
+                          f"the same cell twice and counts it twice), got {value!r}")
     if name in CONVENTIONS:
       check, what = CONVENTIONS[name]
       bad = [v for v in items if not check(v)]

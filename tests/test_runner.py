@@ -161,6 +161,12 @@ def test_bad_values(override, match):
     # session 13's audit: these ran nothing and said "done", or failed after earlier runs trained
     ("mf_mlp", "mfs=()", r"'mfs' must not be empty \(the run would do nothing\), got \(\)"),
     ("async_convergence", "strategies=()", r"'strategies' must not be empty"),
+    # session 24: a repeated seed or sweep value ran the cell twice and reported "+- 0.000"
+    ("mf_mlp", "seeds=(0,0)", r"'seeds' repeats 0 \(a repeated item runs the same cell twice"),
+    ("mf_sweep", "mfs=(0.9,0.99,0.9)", r"'mfs' repeats 0.9 .*got \(0.9, 0.99, 0.9\)"),
+    ("async_convergence", "strategies=(ASP,BSP,ASP)", r"'strategies' repeats 'ASP'"),
+    ("block_momentum_table", "pairs=(('digits','mlp'),('digits','mlp'))",
+     r"'pairs' repeats \('digits', 'mlp'\)"),
     ("async_convergence", "easgd_interval=0", r"'easgd_interval' must be a positive integer, got 0"),
     ("block_momentum_table", "mlp_hidden=(0,)", r"'mlp_hidden' must be a positive integer \(each"),
     ("block_momentum_table", "pairs=(('digits','mlp'),('digits','resnet9'))",
