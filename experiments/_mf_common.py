@@ -245,11 +245,13 @@ def curves_by_mf(workdir, key: str = "train_loss") -> dict[str, tuple[list, list
 
 
 def write_claims_report(workdir, lines: list[str], claims: dict[str, str], image: str,
-                        caption: str, empty: str | None = "- (needs two MF values)", *,
+                        caption: str, empty: str | None, *,
                         runs: Sequence[Mapping[str, Any]]) -> None:
   """Appends the diverged runs (if any, with their errors), the paper-claims section (the
   SPEC.md rule) and one plot to ``lines``; writes ``report.md``. ``runs``: every
-  :func:`run_cell` row of the report."""
+  :func:`run_cell` row of the report. ``empty``: the line written when no claim could be tested,
+  naming the settings the claims need (a generic "needs two MF values" stood under a run of
+  three MFs, none of them on the paper's grid), or None for no line."""
   lines = list(lines) + report.diverged_section(
       [(f"{r['optimizer']} MF {r['mf']:g}, {r['num_workers']} worker(s) x batch "
         f"{r['per_worker_batch']}, seed {r['seed']}", r) for r in runs],

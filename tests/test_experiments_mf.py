@@ -113,6 +113,16 @@ def test_mf_mlp_quick(tmp_path):
   assert (tmp_path / "train_loss.png").stat().st_size > 0
 
 
+def test_mf_mlp_takes_mf_0_and_says_which_mfs_its_claims_need(tmp_path):
+  """MF = 0 (plain SGD, the natural baseline) was refused as 'must be positive' by a check that
+  ran before the script's own [0, 1); with no claim testable the report said "(needs two MF
+  values)" under a run of two MF values."""
+  summary, text = _run("mf_mlp", tmp_path, "mfs=(0.0,0.5)", "epochs=0.2")
+  assert sorted(c["mf"] for c in summary["cells"]) == [0.0, 0.5] and summary["claims"] == {}
+  assert ("- no claim testable: Fig. 8's claims compare MF 0.975 with a lower MF, and MF 0.99 "
+          "with 0.975 or 0.95; this run has mfs=(0.0, 0.5)") in text
+
+
 def test_mf_lstm_quick(tmp_path):
   summary, text = _run("mf_lstm", tmp_path)
   runs = json.loads((tmp_path / "runs.json").read_text())
