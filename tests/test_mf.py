@@ -311,6 +311,40 @@ def test_bad_arguments_raise_at_construction(build, match):
     build()
 
 
+def test_validate_steps_evaluates_a_schedule_once_on_all_steps_and_per_step_otherwise():
+  """A vectorisable schedule is called once on arange(T) (one call per step took 15 s for a
+  20k-step run's lr and MF); one written for a scalar step is still checked step by step."""
+  shapes = []
+
+  def mf(t):
+    shapes.append(np.shape(t))
+    return optax.linear_schedule(0.9, 0.999, 500)(t)
+
+  mfopt.mf_sgd(0.1, mf=mf, validate_steps=400)
+  assert shapes == [(400,)]
+  scalar_only = lambda t: 0.9 if int(t) < 7 else 1.5  # (int() of a vector raises)
+  with pytest.raises(ValueError, match=r"mf must be in \[0, 1\), got 1.5 at step 7"):
+    mfopt.mf_sgd(0.1, mf=scalar_only, validate_steps=10)
+
+
+def test_injected_mf1_under_x64_keeps_a_float64_bias_correction():
+  """An injected or scheduled MF1 divides by 1 - prod(MF1_s), whose product was kept in
+  float32 even for float64 parameters: 2.5e-9 off optax.adam, whose correction is float64."""
+  with jax.enable_x64(True):
+    rng = np.random.RandomState(0)
+    params = jnp.asarray(rng.randn(5))
+    tx = optax.inject_hyperparams(mfopt.mf_adam)(learning_rate=0.01, mf1=0.9)
+    ref = optax.adam(0.01, b1=0.9)
+    s, r = tx.init(params), ref.init(params)
+    assert s.inner_state[0].mf1_product.dtype == jnp.float64
+    for _ in range(20):
+      g = jnp.asarray(rng.randn(5))
+      (u, s), (v, r) = tx.update(g, s), ref.update(g, r)
+      np.testing.assert_allclose(u, v, rtol=0, atol=1e-14)
+  # float32 parameters keep the float32 product (and optax's own float32 rounding)
+  assert mfopt.mf_adam(0.01).init(jnp.zeros(2, jnp.bfloat16))[0].mf1_product.dtype == jnp.float32
+
+
 def test_valid_schedules_pass_validation_and_ranges_unchecked_by_default():
   mfopt.mf_adam(1e-3, mf1=optax.linear_schedule(0.9, 0.99, 10), validate_steps=20)
   # A decreasing mf is legal for first order, and ranges are not evaluated unless asked.
