@@ -31,7 +31,11 @@ schedule; the range of a schedule is not checked by default (a schedule may leav
 [0, 1) after a run ends). A schedule that cannot take a vector of steps, and values
 that are JAX tracers (an optimizer built inside ``jit`` with traced
 hyperparameters, as the equivalence tests do), cannot be checked this way and are
-skipped.
+skipped. That includes ``optax.inject_hyperparams``: it hands the optimizer only the current
+value, so ``inject_hyperparams(mf_adam)(..., mf1=schedule)`` is not checked for (2b) (check the
+schedule with :func:`check_mf_conditions` ``(second_order=True)``), and a value written into
+``state.hyperparams`` during a jitted run is not range-checked (``mf=1.5`` trains on and
+diverges; outside ``jit`` the update raises).
 """
 
 from __future__ import annotations
@@ -473,7 +477,8 @@ def mf_adam(learning_rate: ScalarOrSchedule, mf1: ScalarOrSchedule = 0.9, mf2: f
   Raises:
     ValueError: ``mf1``/``mf2`` outside [0, 1), negative learning rate, unknown
       ``phi``, or a decreasing ``mf1`` schedule (on steps ``0..validate_steps-1``, or
-      ``0..DEFAULT_MF1_CHECK_STEPS-1`` without it).
+      ``0..DEFAULT_MF1_CHECK_STEPS-1`` without it). Not under ``optax.inject_hyperparams``,
+      which passes only the current value (see the module docstring).
 
   Example:
     >>> import jax.numpy as jnp, mfopt
