@@ -10,7 +10,7 @@ import pytest
 
 from experiments import _averaging_common as common
 from experiments import adpsgd_table
-from mfopt import runner, theory
+from mfopt import costmodel, runner, theory
 
 
 def _run(name, tmp_path):
@@ -78,6 +78,18 @@ def test_adpsgd_table_quick(tmp_path):
     assert rs[0]["min_train_loss"] <= rs[0]["final_train_loss"]
   ratios = [float(r["ratio"]) for r in summary["crossover"]]
   assert ratios[0] < 1 < ratios[-1] and ratios == sorted(ratios)
+  # Fig. 6 from the counters: ADPSGD's S_k all-reduce only where it ran (2 of its 10 syncs
+  # here: the warm-up's skip it); it was charged at every parameter sync
+  assert adp["scalar_syncs"] == 2
+  n_single, t = small["steps"], summary["t_step_s"]
+  for row in summary["fig6"]:
+    m, net = row["workers"], row["net"]
+    steps = n_single / m
+    ad_t = steps * t + steps / adp["steps"] * (
+        adp["param_syncs"] * costmodel.all_reduce_time(adp["param_bytes"], m, net)
+        + adp["scalar_syncs"] * costmodel.all_reduce_time(4, m, net))
+    assert row["adpsgd"] == f"{n_single * t / ad_t:.2f}x", row
+  assert "its 4-byte S_k on 0.125 of steps (the syncs after its warm-up)" in report
   assert "projected" in report and "Table I" in report
 
 
