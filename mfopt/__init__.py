@@ -24,7 +24,7 @@ from mfopt.mf import (check_mf_conditions, linear_scaling_rule, mf_adam, mf_nest
 from mfopt import averaging, theory
 from mfopt.averaging import (PeriodController, adpsgd_period, averaging_metrics,
                              block_momentum, constant_period, periodic_averaging,
-                             scheduled_period, sync_trace)
+                             scheduled_period, sync_trace, variance_trace)
 from mfopt import qsgd as _qsgd_module  # (the transform below shadows the module's name)
 from mfopt.qsgd import qsgd
 

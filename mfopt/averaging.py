@@ -341,6 +341,10 @@ class AveragingDiagnostics(NamedTuple):
       ring buffers of length ``trace_length`` (empty tuples when it is 0): per sync, the number of steps
       done (``k + 1``), the steps since the previous sync, ``S_k``, ``V_t``
       (eq. 11: mean of ``Var[W_k]`` over those steps) and ``lr_k``.
+    trace_variance: ring buffer of length ``trace_length`` (with ``track_variance``; else an
+      empty tuple): per *step* ``k``, ``Var[W_k]``. Read with :func:`variance_trace`. Eq. (9)
+      weights each step by its own ``lr_k``, which a round's ``V_t`` cannot give when the
+      learning rate changes inside the round.
   """
 
   syncs: jax.Array
@@ -353,6 +357,7 @@ class AveragingDiagnostics(NamedTuple):
   trace_sync_variance: jax.Array
   trace_mean_variance: jax.Array
   trace_lr: jax.Array
+  trace_variance: jax.Array
 
 
 class PeriodicAveragingState(NamedTuple):
@@ -449,7 +454,9 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
     track_variance: opt-in diagnostic ``Var[W_k]`` (eq. 7) at every step, two
       extra all-reduces per step (counted apart, see
       :class:`AveragingDiagnostics`); ``V_t`` (eq. 11) goes into the trace.
-    trace_length: per-sync records kept in the state (ring buffer; 0 = none).
+    trace_length: per-sync records kept in the state (ring buffer; 0 = none); with
+      ``track_variance`` also the last ``trace_length`` steps' ``Var[W_k]``
+      (:func:`variance_trace`).
     flat_anchor: hold the anchor and ``outer``'s state as one flat vector each
       (``jax.flatten_util.ravel_pytree``, the idea of ``optax.flatten``) instead of one
       array per parameter leaf. A step then passes 2 arrays instead of 2 x leaves through
@@ -553,7 +560,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
         trace_period=jnp.zeros([t], jnp.int32) if t else (),
         trace_sync_variance=jnp.full([t], jnp.nan, jnp.float32) if t else (),
         trace_mean_variance=jnp.full([t], jnp.nan, jnp.float32) if t else (),
-        trace_lr=jnp.full([t], jnp.nan, jnp.float32) if t else ())
+        trace_lr=jnp.full([t], jnp.nan, jnp.float32) if t else (),
+        trace_variance=jnp.full([t], jnp.nan, jnp.float32) if t and track_variance else ())
     # Copies, never the caller's arrays: a train step that donates its params
     # (``donate_argnums``) must not delete the anchor (optax's states never alias params).
     if is_flat(params):
@@ -590,6 +598,8 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
       var_k = pmean_tree(_sq_norm(jax.tree.map(_subtract, mean_now, params)), axis_name)
       diag = diag._replace(variance=var_k, variance_sum=diag.variance_sum + var_k,
                            variance_exchanges=diag.variance_exchanges + (2 if communicates else 0))
+      if trace_length:
+        diag = diag._replace(trace_variance=diag.trace_variance.at[k % trace_length].set(var_k))
 
     # Every step: the inner step, exactly as `inner` + optax.apply_updates would do it.
     # (extra arguments, e.g. optax.contrib.reduce_on_plateau's value, go to the inner optimizer)
@@ -848,6 +858,31 @@ def sync_trace(opt_state: Any, worker: int = 0) -> dict[str, np.ndarray]:
     start = (syncs - n) % t
     out[name] = np.roll(a, -start)[:n]
   return out
+
+
+def variance_trace(opt_state: Any, worker: int = 0) -> dict[str, np.ndarray]:
+  """The per-step ``Var[W_k]`` (eq. 7) of ``track_variance=True, trace_length=T`` as NumPy
+  arrays: ``step`` (``k``, 0-based: the variance at the start of step ``k``, before its update)
+  and ``variance``, for the last ``T`` steps in step order. Seed 001's eq. (9) is then
+  ``sum(lr(step) * variance) / sum(lr(step))``. Reads ``worker`` as :func:`sync_trace` does.
+
+  Raises:
+    ValueError: the transform was built without ``track_variance`` or ``trace_length``.
+  """
+  s = find_averaging_state(opt_state)
+  a, count = s.diagnostics.trace_variance, s.count
+  if not isinstance(a, jax.Array):
+    raise ValueError("variance_trace needs periodic_averaging(..., track_variance=True, "
+                     "trace_length=T) (T > 0); this state keeps no per-step variance")
+  if not a.is_fully_addressable:
+    a, count, worker = a.addressable_shards[0].data, count.addressable_shards[0].data, 0
+  a, count = np.asarray(a, np.float32), np.asarray(count)
+  if count.ndim:  # worker-stacked
+    a, count = a[worker], count[worker]
+  t, done = a.shape[0], int(count)
+  n = min(done, t)
+  start = (done - n) % t
+  return {"step": np.arange(done - n, done, dtype=np.int64), "variance": np.roll(a, -start)[:n]}
 
 
 def parameter_variance(stacked_params: Any) -> jax.Array:

@@ -337,9 +337,10 @@ def test_track_variance_gives_eq7_and_eq11():
   trace = averaging.sync_trace(state)
   # Reference V_t: mean of Var[W_k] (eq. 7) over the p steps of each round (eq. 11).
   w = np.broadcast_to(W0, (W, D)).astype(np.float32).copy()
-  v_t, acc, s_ref = [], 0.0, []
+  v_t, acc, s_ref, var_k = [], 0.0, [], []
   for k in range(3 * p):
-    acc += np.mean(np.sum((w.mean(0) - w) ** 2, axis=1))
+    var_k.append(np.mean(np.sum((w.mean(0) - w) ** 2, axis=1)))
+    acc += var_k[-1]
     w = w - np_lr(k) * np_grad(w, k)
     if (k + 1) % p == 0:
       s_ref.append(np.mean(np.sum((w.mean(0) - w) ** 2, axis=1)))
@@ -350,6 +351,13 @@ def test_track_variance_gives_eq7_and_eq11():
   np.testing.assert_allclose(trace["sync_variance"], s_ref, rtol=1e-4)
   np.testing.assert_array_equal(trace["step"], [4, 8, 12])
   assert v_t[0] > 0
+  # Per step (eq. 9 weights each step by its own lr): the last trace_length = 8 of 12 steps.
+  per_step = mfopt.variance_trace(state)
+  np.testing.assert_array_equal(per_step["step"], np.arange(4, 12))
+  np.testing.assert_allclose(per_step["variance"], var_k[4:], rtol=1e-4, atol=1e-12)
+  with pytest.raises(ValueError, match=r"variance_trace needs .*track_variance=True"):
+    mfopt.variance_trace(mfopt.periodic_averaging(
+        optax.sgd(0.1), None, p, trace_length=8).init({"w": jnp.ones(2)}))
   # Diagnostic exchanges are counted apart from the algorithm's.
   s = averaging.find_averaging_state(state)
   assert int(np.asarray(s.diagnostics.variance_exchanges)[0]) == 2 * 3 * p

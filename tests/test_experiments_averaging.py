@@ -34,6 +34,14 @@ def test_adpsgd_variance_quick(tmp_path):
   trace = json.loads((tmp_path / "trace_CPSGD_p8_seed0.json").read_text())
   assert trace["step"] == [8, 16, 24] and trace["period"] == [8, 8, 8]
   assert all(v > 0 for v in trace["mean_variance"])
+  # the per-step variances: every step, each round's mean is its V_t, and eq. (9) weights each
+  # step by its own lr (runs.json's value)
+  var = np.asarray(trace["per_step"]["variance"])
+  assert trace["per_step"]["step"] == list(range(24))
+  np.testing.assert_allclose(var.reshape(3, 8).mean(1), trace["mean_variance"], rtol=1e-5)
+  lrs = np.asarray([float(common.step_decay(0.1, 24)(k)) for k in range(24)])
+  run0 = json.loads((tmp_path / "runs.json").read_text())["CPSGD p=8"][0]
+  assert run0["weighted_variance"] == pytest.approx(np.sum(lrs * var) / np.sum(lrs), rel=1e-6)
   for fig in ("fig1_cpsgd_vt.png", "fig2_adpsgd_vt.png", "fig3_adpsgd_period.png"):
     assert (tmp_path / fig).stat().st_size > 1000
   assert "eq. (9)" in report and "not reproduced at this scale" in report  # one seed
@@ -528,29 +536,22 @@ def test_fmt_diff_of_a_nan_mean_is_not_a_number():
   assert common.fmt_diff(0.5, 0.0, 0) == "n/a"
 
 
-def test_adpsgd_variance_eq9_weights_each_round_by_its_lr_and_length():
-  """Eq. (9) weights V_t by lr x period, with the lr of a round's steps (the step before the
-  sync), and V1/V2/V3 are the means over (0, 50%], (50%, 75%], (75%, end]; a round at a decay
-  boundary that took the next phase's lr, or a weight without the period, changes the value."""
+def test_adpsgd_variance_eq9_weights_each_step_by_its_lr():
+  """Eq. (9) is sum_k lr_k Var[W_k] / sum_k lr_k over every step (mfopt.variance_trace), and
+  the phase means are over the steps [0, 50%), [50%, 75%), [75%, end) of step_decay. From the
+  per-round V_t, a round straddling a decay took its sync step's lr for all its steps, the
+  steps after the last sync were dropped, and a 1-step round weighed as much as a 4-step one."""
   from experiments import adpsgd_variance
-  trace = {"step": np.array([4, 10, 12, 20]), "period": np.array([4, 6, 2, 8]),
-           "mean_variance": np.array([1.0, 2.0, 3.0, 4.0])}
-
-  def lr(k):  # decays at step 10 and at step 15 (0-based steps)
-    return 0.1 if k < 10 else 0.01 if k < 15 else 0.001
-
-  # rounds end at steps 4, 10, 12, 20: their last steps 3, 9, 11, 19 ran at 0.1, 0.1, 0.01, 0.001
-  w = [0.1 * 4, 0.1 * 6, 0.01 * 2, 0.001 * 8]
-  want = (w[0] * 1 + w[1] * 2 + w[2] * 3 + w[3] * 4) / sum(w)
-  assert adpsgd_variance._weighted_variance(trace, lr) == pytest.approx(want, rel=1e-12)
-  # phases of a 20-step run: (0, 10], (10, 15], (15, 20]
-  assert adpsgd_variance._phase_means(trace, 20) == pytest.approx([1.5, 3.0, 4.0])
-  # a phase without a sync is nan, not 0
-  v = adpsgd_variance._phase_means({k: a[:2] for k, a in trace.items()}, 20)
-  assert v[0] == pytest.approx(1.5) and np.isnan(v[1]) and np.isnan(v[2])
-  v = adpsgd_variance._phase_means({"step": np.array([15, 16]),
-                                    "mean_variance": np.array([1.0, 2.0])}, 20)
-  assert np.isnan(v[0]) and v[1:] == [1.0, 2.0]  # step 15 is the last of the second phase
+  lr = common.step_decay(0.1, 20)  # 0.1 on steps 0-9, 0.01 on 10-14, 0.001 on 15-19
+  var = np.arange(20, dtype=np.float64)
+  per_step = {"step": np.arange(20), "variance": var}
+  want = (0.1 * sum(range(10)) + 0.01 * sum(range(10, 15)) + 0.001 * sum(range(15, 20))) / (
+      0.1 * 10 + 0.01 * 5 + 0.001 * 5)
+  assert adpsgd_variance._weighted_variance(per_step, lr) == pytest.approx(want, rel=1e-6)
+  assert adpsgd_variance._phase_means(per_step, 20) == pytest.approx([4.5, 12.0, 17.0])
+  # a phase without a recorded step is nan, not 0
+  v = adpsgd_variance._phase_means({k: a[:12] for k, a in per_step.items()}, 20)
+  assert v[:2] == pytest.approx([4.5, 10.5]) and np.isnan(v[2])
 
 
 def test_adpsgd_variance_claims_from_hand_built_traces(tmp_path, monkeypatch):
@@ -589,6 +590,16 @@ def test_adpsgd_variance_claims_from_hand_built_traces(tmp_path, monkeypatch):
 
   monkeypatch.setattr(common, "run", fake_run)
   monkeypatch.setattr(mfopt, "sync_trace", fake_trace)
+
+  def fake_variance_trace(opt_state):  # per step: each phase's value on its steps
+    name, seed = opt_state
+    steps = np.arange(n)
+    if name == "ADPSGD":
+      return {"step": steps, "variance": np.full(n, 2.0 + 0.05 * seed)}
+    a, b, c = phase_v[name](seed)
+    return {"step": steps, "variance": np.where(steps < 12, a, np.where(steps < 18, b, c))}
+
+  monkeypatch.setattr(mfopt, "variance_trace", fake_variance_trace)
   monkeypatch.setattr(report_lib, "plot_curves", lambda *a, **k: None)
   monkeypatch.setattr(data_lib, "load", lambda name: types.SimpleNamespace(
       name=name, train=range(1280), test=range(256)))  # 10 steps per epoch
@@ -597,10 +608,9 @@ def test_adpsgd_variance_claims_from_hand_built_traces(tmp_path, monkeypatch):
       "seeds=(0, 1, 2)", "periods=(2, 8)", "sampling_fraction=0.1"])
   out = adpsgd_variance.run(c, tmp_path)
 
-  def eq9(p, s):  # lr x period weights of each phase's rounds (p=2: 6, 3, 3; p=8: 1, 1, 1)
+  def eq9(p, s):  # lr x steps of each phase: 12 steps at 0.1, 6 at 0.01, 6 at 0.001
     a, b, cc = phase_v[f"CPSGD p={p}"](s)
-    k = (6, 3, 3) if p == 2 else (1, 1, 1)
-    w = (0.1 * k[0], 0.01 * k[1], 0.001 * k[2])
+    w = (0.1 * 12, 0.01 * 6, 0.001 * 6)
     return (w[0] * a + w[1] * b + w[2] * cc) / sum(w)
 
   want = {
