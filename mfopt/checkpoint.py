@@ -419,7 +419,8 @@ class RunCheckpointer:
     if meta.get("structure") != structure_hash(abstract_state):
       raise ConfigMismatchError(
           f"checkpoint step {step} in {self.directory} holds a state of a different structure "
-          f"(shapes/dtypes/tree); it cannot be restored into this run's state")
+          f"(shapes/dtypes/tree); it cannot be restored into this run's state"
+          + self._structure_difference(step, abstract_state))
     target = jax.tree.map(
         lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x),
         abstract_state)  # NumPy leaves restore as NumPy (float64 stays float64)
@@ -430,6 +431,39 @@ class RunCheckpointer:
     if len(jax.tree.leaves(restored.state)) != len(leaves):
       raise CheckpointError("restored state has a different number of arrays")
     return meta, state
+
+  def _structure_difference(self, step: int, abstract_state: Any, shown: int = 3) -> str:
+    """``": <leaf>: checkpoint <shape dtype> -> now <shape dtype>; ..."`` from orbax's own
+    metadata of the saved arrays, or ``""`` where that cannot be read. (The bare "different
+    structure" named no leaf: resuming an 8-worker run with 16 workers said nothing of the
+    worker axis.)"""
+    def name(path):
+      return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+                      for k in path)
+
+    try:
+      saved = ocp.StandardCheckpointHandler().metadata(self.step_path(step) / "state")
+      was = {name(p): (tuple(m.shape), str(np.dtype(m.dtype)))
+             for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    except Exception:  # noqa: BLE001  (an older orbax, no metadata: the message stays generic)
+      return ""
+    now = {name(p): (tuple(np.shape(x)), str(jnp.result_type(x)))
+           for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    fmt = lambda sd: "missing" if sd is None else f"{sd[0]} {sd[1]}"  # noqa: E731
+    diff = [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))
+            if was.get(k) != now.get(k)]
+    if not diff:
+      return ""
+    text = "; ".join(f"{k}: checkpoint {fmt(a)} -> now {fmt(b)}" for k, a, b in diff[:shown])
+    more = f" (and {len(diff) - shown} more)" if len(diff) > shown else ""
+    leading = {(a[0][0], b[0][0]) for _, a, b in diff
+               if a and b and a[0][1:] == b[0][1:] and a[1] == b[1] and a[0] and b[0]}
+    hint = ""
+    if len(leading) == 1 and all(a and b for _, a, b in diff):
+      (x, y), = leading
+      hint = (f". Only the leading axis differs ({x} -> {y}): in train.fit's state that is the "
+              f"worker axis, and a run cannot resume with another number of workers")
+    return f": {text}{more}{hint}"
 
   @staticmethod
   def _verify(meta: Mapping[str, Any], state: Any) -> None:

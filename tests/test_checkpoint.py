@@ -334,9 +334,20 @@ def test_a_state_of_another_shape_is_refused_and_the_checkpoint_kept(tmp_path):
   ckpt.close()
   host = jax.device_get(make_state(0))
   narrow = host._replace(params={**host.params, "w": np.zeros((8, 3, 4), np.float32)})
-  with pytest.raises(checkpoint.ConfigMismatchError, match="state of a different structure"):
+  # the message names the leaf and both shapes, from orbax's metadata of the saved arrays
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match=r"state of a different structure .*: params\.w: checkpoint "
+                           r"\(8, 3, 5\) float32 -> now \(8, 3, 4\) float32$"):
     checkpoint.RunCheckpointer(tmp_path).restore_latest(
         parallel.shard_workers(narrow, parallel.make_mesh()))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["10"]
+  # another worker count: every leaf differs in its leading axis alone, which is named
+  four = jax.tree.map(lambda x: np.asarray(x)[:4], host)
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match=r"opt\.0\.count: checkpoint \(8,\) int32 -> now \(4,\) int32; .*"
+                           r"\(and 2 more\)\. Only the leading axis differs \(8 -> 4\): .*"
+                           r"worker axis"):
+    checkpoint.RunCheckpointer(tmp_path).restore_latest(four)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["10"]
 
 
