@@ -386,6 +386,12 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                  f"{_ints(syncs[dec])}"
                  + ("" if syncs["ADPSGD"] == syncs[dec] else ": the nearest its periods allow")
                  + ")")
+  early = sorted({int(r["boundary"]) for r in per_seed[dec]
+                  if r.get("boundary", np.inf) < c.decreasing_periods[0]})
+  if early:  # (--quick's "4->2" switched at step 1: CPSGD p=2 under another name)
+    equal_syncs += (f"; switched at step {_ints(early)}, before its first "
+                    f"{c.decreasing_periods[0]}-step period ended, so in effect period "
+                    f"{c.decreasing_periods[1]} throughout")
   periods = f"({c.decreasing_periods[0]} then {c.decreasing_periods[1]})"
   # §V.B compares the smallest training loss and the best test accuracy each run reaches.
   verdicts += [

@@ -253,7 +253,11 @@ def adpsgd_period(*, learning_rate: float | optax.Schedule, sampling_steps: int,
 
   Args:
     learning_rate: the *same* float or schedule the inner optimizer uses; it
-      is evaluated at ``k``.
+      is evaluated at ``k``. The controller cannot see a learning rate changed any other
+      way: with the inner optimizer under ``optax.inject_hyperparams`` and its rate cut
+      during the run, pass the cut as a schedule here too, or the controller compares
+      ``S_k`` with the old ``lr_k C2`` (the period then grows at every sync) and
+      :func:`sync_trace` records the old rate.
     sampling_steps: ``K_s``; must leave at least one sampled sync after the
       warm-up (``sampling_steps >= warmup_steps + p_init``). Paper: 0.25 K (CIFAR).
     p_init: the period during sampling (paper: 4).

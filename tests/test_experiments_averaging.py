@@ -70,8 +70,9 @@ def test_adpsgd_table_quick(tmp_path):
   dec, adp = runs["DECREASING 4->2"][0], runs["ADPSGD"][0]
   assert adp["param_syncs"] == 10 and dec["param_syncs"] == 8 and dec["boundary"] == 1
   assert dec["param_syncs"] == adpsgd_table.decreasing_syncs((4, 2), dec["boundary"], 16)
-  assert ("at equal syncs (per seed: ADPSGD 10, decreasing 8: the nearest its periods allow)"
-          in report)
+  assert ("at equal syncs (per seed: ADPSGD 10, decreasing 8: the nearest its periods allow); "
+          "switched at step 1, before its first 4-step period ended, so in effect period 2 "
+          "throughout" in report)
   # Table I is the best test accuracy over the evaluations (one per logging step: 2 here)
   for rs in runs.values():
     assert rs[0]["best_test_accuracy"] >= rs[0]["test_accuracy"]
