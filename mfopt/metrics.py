@@ -60,12 +60,14 @@ def epochs_to_target(history: Sequence[Mapping[str, Any]], target: float,
 
 def actual_single_gpu_time(epochs: float | None, samples_per_epoch: int, single_gpu_speed: float,
                            efficiency: float) -> float:
-  """Seed 004's actual average single-GPU training time in seconds (``inf`` if never converged)."""
+  """Seed 004's actual average single-GPU training time in seconds (``inf`` if never converged).
+
+  ``1 / (convergence_rate x speed x efficiency / samples_per_epoch)`` with ``convergence_rate =
+  1 / epochs``, written as ``epochs x samples_per_epoch / (speed x efficiency)`` so that a
+  target met at epoch 0 (before any training) takes 0 s instead of dividing by zero."""
   if epochs is None:
     return math.inf
-  convergence_rate = 1.0 / epochs
-  speed = convergence_rate * single_gpu_speed * efficiency / samples_per_epoch  # targets/s
-  return 1.0 / speed
+  return epochs * samples_per_epoch / (single_gpu_speed * efficiency)
 
 
 def efficiency_report(*, summary: Mapping[str, Any], history: Sequence[Mapping[str, Any]],
@@ -121,6 +123,6 @@ def efficiency_report(*, summary: Mapping[str, Any], history: Sequence[Mapping[s
       "compute_s": compute_s,
       "comm_s": comm, "scaling_efficiency": eff, "efficiency_source": source,
       "target_accuracy": target, "epochs_to_target": epochs,
-      "convergence_rate": (1.0 / epochs) if epochs else 0.0,
+      "convergence_rate": (0.0 if epochs is None else math.inf if epochs == 0 else 1.0 / epochs),
       "actual_single_gpu_time_s": single, "actual_training_time_s": single / w,
   }

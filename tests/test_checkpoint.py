@@ -87,6 +87,23 @@ def test_checksum_matches_numpy_and_sees_one_changed_element():
           != checkpoint.tree_checksum(host)[1][0])
 
 
+def test_checksum_of_numpy_leaves_is_the_reference_and_the_device_sum():
+  """An all-NumPy tree (run_resumable's plain-data state) is summed on the host with the
+  device's odd weights: the same numbers as the NumPy reference and as the same arrays summed
+  on the device, and a single changed element changes the first number (with weight 2 at
+  index 1, a flipped sign bit added 2**32 and went unseen there)."""
+  rng = np.random.default_rng(0)
+  tree = {"a": rng.standard_normal(37).astype(np.float32),
+          "b": rng.integers(-9, 9, (3, 5)).astype(np.int32),
+          "c": np.array([True, False, True]), "d": rng.standard_normal(4).astype(np.float16)}
+  host = checkpoint.tree_checksum(tree)
+  assert host == reference_checksum(tree)
+  assert host == checkpoint.tree_checksum(jax.tree.map(jnp.asarray, tree))
+  flipped = tree["a"].copy()
+  flipped[1] = -flipped[1]  # the sign bit alone
+  assert checkpoint.tree_checksum({**tree, "a": flipped})[0][0] != host[0][0]
+
+
 def test_checksum_of_a_mixed_tree_sees_the_low_bits_of_a_float64_numpy_leaf():
   """A NumPy float64 leaf beside JAX arrays was summed on the device as float32 (no x64):
   a change in its low bits went unseen. NumPy leaves are summed on the host, bit for bit."""
@@ -510,10 +527,13 @@ def test_run_resumable_continues_a_finished_run_whose_limit_was_raised_when_allo
                                     max_samples=36, allow_mismatch=True)
   assert engine.samples == 36 and engine.version == 9
   np.testing.assert_array_equal(engine.w, np.full(3, 9.0))
-  # a lower limit already passed: the finished state, not run further
+  # a lower limit already passed: the finished state, not run further nor saved again
+  steps, saves = checkpoint.RunCheckpointer(tmp_path).steps(), []
   engine = checkpoint.run_resumable(_CountingEngine(), tmp_path, chunk_events=3,
-                                    max_samples=12, allow_mismatch=True)
-  assert engine.samples == 36
+                                    max_samples=12, allow_mismatch=True,
+                                    on_checkpoint=saves.append)
+  assert engine.samples == 36 and saves == []
+  assert checkpoint.RunCheckpointer(tmp_path).steps() == steps
 
 
 def test_run_resumable_fingerprints_the_simulators_settings(tmp_path):

@@ -189,6 +189,23 @@ def test_synthetic_classification_and_language_model():
   assert _json_ok(lm.meta)
 
 
+def test_synthetic_splits_come_from_their_documented_streams():
+  """Train from ``default_rng([seed, 0])``, test from ``default_rng([seed, 1])`` (the loader's
+  docstring), re-derived with NumPy: a test split drawn from the train stream would repeat the
+  first training examples, and a held-out accuracy would measure memorisation."""
+  ds = data.load("synthetic", num_train=20, num_test=6, input_shape=(5, 4, 2), num_classes=3, seed=1)
+  for source, n, stream in ((ds.train, 20, 0), (ds.test, 6, 1)):
+    rng = np.random.default_rng([1, stream])
+    np.testing.assert_array_equal(source.x, rng.standard_normal((n, 5, 4, 2), dtype=np.float32))
+    np.testing.assert_array_equal(source.y, rng.integers(0, 3, size=n, dtype=np.int32))
+  assert not np.array_equal(ds.test.x, ds.train.x[:6])
+  lm = data.load("synthetic", task="language_model", num_train=8, num_test=2, num_classes=7,
+                 input_shape=(12,), seed=4)
+  tokens = np.random.default_rng([4, 1]).integers(0, 7, size=(2, 13), dtype=np.int32)
+  np.testing.assert_array_equal(lm.test.x, tokens[:, :-1])
+  np.testing.assert_array_equal(lm.test.y, tokens[:, 1:])
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"input_shape": (4, 0)}, "input_shape"),
     ({"input_shape": 5}, "input_shape"),
@@ -512,6 +529,19 @@ def test_random_resized_crop():
   # Extreme aspect ratio: no try fits, the fallback center crop still gives 224x224.
   thin = data.random_resized_crop(_ramp(8, 600), np.random.default_rng(0))
   assert thin.shape == (224, 224, 3)
+
+
+def test_random_resized_crop_fallback_clamps_the_ratio_and_centers_the_crop():
+  """No try fits (scale (1, 1): every try is the whole area at a ratio in [3/4, 4/3], wider than
+  a 100 x 20 image and taller than a 20 x 100 one): torchvision's fallback crops the full
+  width at height round(w / (3/4)), or the full height at width round(h * 4/3), centered.
+  Reference: PIL's bilinear resize of that box."""
+  from PIL import Image
+  for image, box in ((_ramp(100, 20), (0, 36, 20, 63)),    # 20 / 0.75 = 26.7 -> 27 rows from 36
+                     (_ramp(20, 100), (36, 0, 63, 20))):   # 20 * 4/3 = 26.7 -> 27 columns from 36
+    out = data.random_resized_crop(image, np.random.default_rng(0), size=16, scale=(1.0, 1.0))
+    ref = np.asarray(Image.fromarray(image).resize((16, 16), Image.BILINEAR, box=box))
+    np.testing.assert_array_equal(out, ref)
 
 
 def test_resize_center_crop_and_imagenet_preprocess():

@@ -183,6 +183,19 @@ def test_seed004_metrics_closed_forms():
   assert timed["compute_s"] == pytest.approx(0.5) and timed["single_device_speed"] == 2000.0
   assert timed["scaling_efficiency"] == pytest.approx(1 / (1 + comm / 0.5), rel=1e-9)
   assert rep["actual_single_gpu_time_s"] == pytest.approx(3 * 1000 / (500.0 * rep["scaling_efficiency"]))
+  # target never reached: convergence rate 1 / inf = 0 and infinite times (seed §1)
+  never = metrics.efficiency_report(summary=summary, history=history, target=0.9,
+                                    samples_per_epoch=1000, num_devices=1, net="10gbit")
+  assert never["epochs_to_target"] is None and never["convergence_rate"] == 0.0
+  assert never["actual_single_gpu_time_s"] == never["actual_training_time_s"] == float("inf")
+  # met at epoch 0 (a hand-built history; fit logs from step 1): no time, an infinite rate
+  # (it divided by zero)
+  at_zero = metrics.efficiency_report(summary=summary, history=[{"epoch": 0.0,
+                                                                 "test_accuracy": 0.5}],
+                                      target=0.1, samples_per_epoch=1000, num_devices=1,
+                                      net="10gbit")
+  assert at_zero["epochs_to_target"] == 0.0 and at_zero["convergence_rate"] == float("inf")
+  assert at_zero["actual_single_gpu_time_s"] == at_zero["actual_training_time_s"] == 0.0
   with pytest.raises(ValueError, match="compute_s"):
     metrics.scaling_efficiency(0.0, 1.0)
 

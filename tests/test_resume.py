@@ -776,6 +776,23 @@ def test_markdown_table_reads_cells_by_column_and_shows_booleans_as_words():
       "| 0.1 | 0.9123 | False | 12,000 |\n| 1 | – | True | 300 |\n")
 
 
+def test_environment_header_puts_each_fact_under_its_label():
+  """Every report's header: the device count, kind and backend, the processes and the host's
+  CPU cores each in their own place (by hand), and environment() reads them from JAX and os."""
+  env = {"date": "2026-01-02 03:04 UTC", "backend": "gpu", "device_kind": "NVIDIA H100",
+         "device_count": 8, "local_device_count": 4, "process_count": 2, "cpu_count": 16,
+         "python": "3.11.7", "jax": "0.10.2", "flax": "0.12.0", "optax": "0.2.5"}
+  assert report.environment_markdown(env) == (
+      "- Date: 2026-01-02 03:04 UTC\n"
+      "- Device: 8 x NVIDIA H100 (gpu), 2 process(es), 16 host CPU cores\n"
+      "- Software: Python 3.11.7, JAX 0.10.2, Flax 0.12.0, Optax 0.2.5\n")
+  real = report.environment()
+  assert (real["backend"], real["device_count"], real["local_device_count"],
+          real["process_count"], real["cpu_count"], real["jax"]) == (
+      jax.default_backend(), jax.device_count(), jax.local_device_count(), jax.process_count(),
+      os.cpu_count(), jax.__version__)
+
+
 def test_an_attempt_killed_before_its_first_checkpoint_is_counted(tmp_path):
   """Its run starts over (resumed=False) but its time was spent: it stays in attempts.json,
   closed at its last write (here its metrics rows, 25 s after it started)."""
