@@ -198,5 +198,6 @@ def _write_report(c, workdir, dataset, rows, aggs, lrs, meshes, claims, samples,
   common.write_claims_report(
       workdir, lines, claims, "accuracy_vs_workers.png", "accuracy vs workers", runs=rows,
       empty=f"- no claim testable: §4.3.1's claims compare the lowest and highest MF run, both "
-            f"on the paper's grid {PAPER_MFS}, at W > 1 (or W = 1 for SGD); this run has "
+            f"on the paper's grid {PAPER_MFS}, at the largest W > 1, or for SGD at W = 1 with "
+            f"both in {tuple(PAPER_SGD_ONE_GPU)} (Fig. 5's one-GPU values); this run has "
             f"mfs={tuple(sorted(c.mfs))}, workers={tuple(sorted(c.workers))}")

@@ -875,10 +875,11 @@ def variance_trace(opt_state: Any, worker: int = 0) -> dict[str, np.ndarray]:
   """
   s = find_averaging_state(opt_state)
   a, count = s.diagnostics.trace_variance, s.count
-  if not isinstance(a, jax.Array):
+  if isinstance(a, tuple):  # the placeholder of a state without the trace (a host copy of one
+    # with it holds NumPy arrays, which sync_trace reads too)
     raise ValueError("variance_trace needs periodic_averaging(..., track_variance=True, "
                      "trace_length=T) (T > 0); this state keeps no per-step variance")
-  if not a.is_fully_addressable:
+  if isinstance(a, jax.Array) and not a.is_fully_addressable:
     a, count, worker = a.addressable_shards[0].data, count.addressable_shards[0].data, 0
   a, count = np.asarray(a, np.float32), np.asarray(count)
   if count.ndim:  # worker-stacked

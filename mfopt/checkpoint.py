@@ -60,7 +60,7 @@ import pathlib
 import re
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -168,6 +168,20 @@ def _same(a: Any, b: Any) -> bool:
 #: different structure" (skip_nonfinite's state was optax's ApplyIfFiniteState until
 #: 2026-11-25; orbax restores by field name into the new class).
 _SAME_STRUCTURE_AS = {"namedtuple[SkipNonfiniteState]": "namedtuple[ApplyIfFiniteState]"}
+
+
+def _path_name(path: Sequence[Any]) -> str:
+  """``"opt.0.mu.w"``: a key path as orbax's metadata and the state both spell it (a
+  NamedTuple's fields are saved as dict keys)."""
+  return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
+def _leaf_table(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
+  """``(path, shape, dtype)`` of each leaf in flattening order (a NumPy leaf keeps its own
+  dtype: float64 stays float64 without x64, as it is saved)."""
+  return [(_path_name(p), tuple(np.shape(x)),
+           str(x.dtype if isinstance(x, np.ndarray) else jnp.result_type(x)))
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def structure_hash(tree: Any) -> str:
@@ -416,39 +430,63 @@ class RunCheckpointer:
     self.check_fingerprint(meta, step)  # a different run is an error, not corruption
     if callable(abstract_state):  # the target depends on the step (plain-data state)
       abstract_state = abstract_state(meta)
-    if meta.get("structure") != structure_hash(abstract_state):
+    target = jax.tree.map(
+        lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x),
+        abstract_state)  # NumPy leaves restore as NumPy (float64 stays float64)
+    leaves, treedef = jax.tree.flatten(abstract_state)
+    if meta.get("structure") == structure_hash(abstract_state):
+      restored = self._restore_item(
+          step, ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+      if len(jax.tree.leaves(restored.state)) != len(leaves):
+        raise CheckpointError("restored state has a different number of arrays")
+      return meta, jax.tree.unflatten(treedef, jax.tree.leaves(restored.state))
+    # Another tree holding the same arrays under the same names: a state type that gained a
+    # field without arrays (AveragingDiagnostics.trace_variance is () unless track_variance,
+    # and every averaging checkpoint written before it was refused). Restored by name into
+    # the saved tree's own layout, then put into this run's tree.
+    saved, table = self._saved_leaves(step), _leaf_table(abstract_state)
+    if saved is None or sorted(saved[0]) != sorted(table) or len(set(table)) != len(table):
       raise ConfigMismatchError(
           f"checkpoint step {step} in {self.directory} holds a state of a different structure "
           f"(shapes/dtypes/tree); it cannot be restored into this run's state"
           + self._structure_difference(step, abstract_state))
-    target = jax.tree.map(
-        lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x),
-        abstract_state)  # NumPy leaves restore as NumPy (float64 stays float64)
+    by_name = {name: x for (name, _, _), x in zip(table, jax.tree.leaves(target))}
+    target = jax.tree_util.tree_map_with_path(lambda p, _: by_name[_path_name(p)], saved[1])
     restored = self._restore_item(
         step, ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-    leaves, treedef = jax.tree.flatten(abstract_state)
-    state = jax.tree.unflatten(treedef, jax.tree.leaves(restored.state))
-    if len(jax.tree.leaves(restored.state)) != len(leaves):
-      raise CheckpointError("restored state has a different number of arrays")
+    got = {_path_name(p): x
+           for p, x in jax.tree_util.tree_flatten_with_path(restored.state)[0]}
+    state = jax.tree.unflatten(treedef, [got[name] for name, _, _ in table])
+    # The recorded checksums are in the saved tree's order, which its metadata does not keep:
+    # compared as a multiset (a changed array still changes its leaf's sums)
+    now = tree_checksum(state)
+    if sorted(now) == sorted(meta.get("checksum") or []):
+      meta = {**meta, "checksum": now}
+    _say(f"checkpoint step {step}: restored by leaf name into this version's state type "
+         f"(the saved tree differs only in parts without arrays)")
     return meta, state
+
+  def _saved_leaves(self, step: int) -> tuple[list[tuple[str, tuple[int, ...], str]], Any] | None:
+    """The saved state's leaves as :func:`_leaf_table` lists them, and orbax's metadata tree
+    of them; ``None`` where orbax's metadata cannot be read."""
+    try:
+      saved = ocp.StandardCheckpointHandler().metadata(self.step_path(step) / "state")
+      table = [(_path_name(p), tuple(m.shape), str(np.dtype(m.dtype)))
+               for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]]
+    except Exception:  # noqa: BLE001  (an older orbax, no metadata)
+      return None
+    return table, saved
 
   def _structure_difference(self, step: int, abstract_state: Any, shown: int = 3) -> str:
     """``": <leaf>: checkpoint <shape dtype> -> now <shape dtype>; ..."`` from orbax's own
     metadata of the saved arrays, or ``""`` where that cannot be read. (The bare "different
     structure" named no leaf: resuming an 8-worker run with 16 workers said nothing of the
     worker axis.)"""
-    def name(path):
-      return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
-                      for k in path)
-
-    try:
-      saved = ocp.StandardCheckpointHandler().metadata(self.step_path(step) / "state")
-      was = {name(p): (tuple(m.shape), str(np.dtype(m.dtype)))
-             for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    except Exception:  # noqa: BLE001  (an older orbax, no metadata: the message stays generic)
+    saved = self._saved_leaves(step)
+    if saved is None:  # (the message stays generic)
       return ""
-    now = {name(p): (tuple(np.shape(x)), str(jnp.result_type(x)))
-           for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    was = {k: (shape, dtype) for k, shape, dtype in saved[0]}
+    now = {k: (shape, dtype) for k, shape, dtype in _leaf_table(abstract_state)}
     fmt = lambda sd: "missing" if sd is None else f"{sd[0]} {sd[1]}"  # noqa: E731
     diff = [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))
             if was.get(k) != now.get(k)]
@@ -458,8 +496,10 @@ class RunCheckpointer:
     more = f" (and {len(diff) - shown} more)" if len(diff) > shown else ""
     leading = {(a[0][0], b[0][0]) for _, a, b in diff
                if a and b and a[0][1:] == b[0][1:] and a[1] == b[1] and a[0] and b[0]}
+    only_leading = all(a and b and a[0] and b[0] and a[0][1:] == b[0][1:] and a[1] == b[1]
+                       for _, a, b in diff)  # (a width 4 -> 5 changes a bias's only axis)
     hint = ""
-    if len(leading) == 1 and all(a and b for _, a, b in diff):
+    if len(leading) == 1 and only_leading:
       (x, y), = leading
       hint = (f". Only the leading axis differs ({x} -> {y}): in train.fit's state that is the "
               f"worker axis, and a run cannot resume with another number of workers")

@@ -99,7 +99,9 @@ def _values(value: ScalarOrSchedule, validate_steps: int | None, name: str = "va
     try:  # one call on all steps (optax's schedules are elementwise); one call per step took
       # 0.75 ms, 15 s for a 20k-step run's lr and MF before the optimizer was even built
       many = value(jnp.arange(n, dtype=jnp.int32))
-      if not isinstance(many, jax.core.Tracer) and np.shape(many) == (n,):
+      if isinstance(many, jax.core.Tracer):  # closes over traced values: no step is concrete
+        return []
+      if np.shape(many) == (n,):
         return np.asarray(many, np.float64).tolist()
     except Exception:  # noqa: BLE001  (a schedule written for a scalar step, e.g. `if t < k`)
       pass

@@ -355,6 +355,8 @@ def test_track_variance_gives_eq7_and_eq11():
   per_step = mfopt.variance_trace(state)
   np.testing.assert_array_equal(per_step["step"], np.arange(4, 12))
   np.testing.assert_allclose(per_step["variance"], var_k[4:], rtol=1e-4, atol=1e-12)
+  host = mfopt.variance_trace(jax.device_get(state))  # a host copy reads the same
+  np.testing.assert_array_equal(host["variance"], per_step["variance"])
   with pytest.raises(ValueError, match=r"variance_trace needs .*track_variance=True"):
     mfopt.variance_trace(mfopt.periodic_averaging(
         optax.sgd(0.1), None, p, trace_length=8).init({"w": jnp.ones(2)}))

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -366,6 +366,16 @@ def test_a_state_of_another_shape_is_refused_and_the_checkpoint_kept(tmp_path):
                            r"worker axis"):
     checkpoint.RunCheckpointer(tmp_path).restore_latest(four)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["10"]
+  # a width 4 -> 5 changes a bias's only axis too: no worker-axis hint; and an unchanged NumPy
+  # float64 leaf (saved as float64, kept so without x64) is not listed as float64 -> float32
+  ckpt = checkpoint.RunCheckpointer(tmp_path / "flax", keep=1)
+  ckpt.save(1, {"kernel": jnp.zeros((3, 4)), "bias": jnp.zeros(4), "hist": np.zeros(2)}, {})
+  ckpt.close()
+  with pytest.raises(checkpoint.ConfigMismatchError) as info:
+    checkpoint.RunCheckpointer(tmp_path / "flax").restore_latest(
+        {"kernel": jnp.zeros((3, 5)), "bias": jnp.zeros(5), "hist": np.zeros(2)})
+  assert str(info.value).endswith(": bias: checkpoint (4,) float32 -> now (5,) float32; "
+                                  "kernel: checkpoint (3, 4) float32 -> now (3, 5) float32")
 
 
 def test_a_step_set_aside_twice_is_reported_under_its_newest_name(tmp_path, capsys):
@@ -503,6 +513,50 @@ def test_a_checkpoint_of_skip_nonfinite_from_before_its_own_state_type_restores(
   restored = checkpoint.RunCheckpointer(tmp_path, keep=1).restore_latest(new)
   assert type(restored.state) is precision.SkipNonfiniteState
   assert int(restored.state.total_notfinite) == 7
+
+
+class _DiagV1(NamedTuple):  # a state type before it gained a field without arrays...
+  syncs: jax.Array
+  trace: jax.Array
+
+
+class _DiagV2(NamedTuple):  # ...and after (AveragingDiagnostics.trace_variance: () unless asked)
+  syncs: jax.Array
+  trace: jax.Array
+  per_step: Any = ()
+
+
+class _DiagV2Reordered(NamedTuple):
+  trace: jax.Array
+  per_step: Any
+  syncs: jax.Array
+
+
+def test_a_state_type_that_gained_a_field_without_arrays_restores_by_leaf_name(tmp_path, capsys):
+  """Every periodic_averaging / block_momentum checkpoint written before the per-step variance
+  trace was refused as "a different structure" (the new field is () without track_variance).
+  The same arrays under the same names restore by name, also into reordered fields (their
+  checksums, recorded in the old order, are compared as a multiset); a new field with arrays
+  is still refused, naming it."""
+  old = {"w": jnp.arange(4.0), "d": _DiagV1(jnp.asarray(3, jnp.int32), jnp.arange(5.0) * 2)}
+  ckpt = checkpoint.RunCheckpointer(tmp_path, keep=1)
+  ckpt.save(2, old, {"history": [1]})
+  ckpt.close()
+  template = {"w": jnp.zeros(4), "d": _DiagV2(jnp.zeros([], jnp.int32), jnp.zeros(5))}
+  assert checkpoint.structure_hash(template) != checkpoint.structure_hash(old)
+  for target in (template, {**template, "d": _DiagV2Reordered(jnp.zeros(5), (),
+                                                               jnp.zeros([], jnp.int32))}):
+    got = checkpoint.RunCheckpointer(tmp_path, keep=1).restore_latest(target)
+    assert got.step == 2 and got.meta["history"] == [1] and type(got.state["d"]) is type(target["d"])
+    np.testing.assert_array_equal(got.state["w"], old["w"])
+    assert int(got.state["d"].syncs) == 3 and got.state["d"].per_step == ()
+    np.testing.assert_array_equal(got.state["d"].trace, old["d"].trace)
+  assert "restored by leaf name" in capsys.readouterr().err
+  with_arrays = {**template, "d": template["d"]._replace(per_step=jnp.zeros(2))}
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match=r"d\.per_step: checkpoint missing -> now \(2,\) float32$"):
+    checkpoint.RunCheckpointer(tmp_path, keep=1).restore_latest(with_arrays)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
 
 
 def test_structure_hash_of_states_without_renamed_classes_is_unchanged():

@@ -322,6 +322,10 @@ def test_validate_steps_evaluates_a_schedule_once_on_all_steps_and_per_step_othe
 
   mfopt.mf_sgd(0.1, mf=mf, validate_steps=400)
   assert shapes == [(400,)]
+  shapes.clear()  # built inside jit around a traced value: nothing is concrete, one call
+  jax.jit(lambda m: mfopt.mf_sgd(0.1, mf=lambda t: mf(t) * m, validate_steps=400)
+          .init(jnp.zeros(1)))(jnp.float32(1.0))
+  assert shapes == [(400,)]
   scalar_only = lambda t: 0.9 if int(t) < 7 else 1.5  # (int() of a vector raises)
   with pytest.raises(ValueError, match=r"mf must be in \[0, 1\), got 1.5 at step 7"):
     mfopt.mf_sgd(0.1, mf=scalar_only, validate_steps=10)
