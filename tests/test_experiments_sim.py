@@ -194,8 +194,8 @@ def test_async_convergence_claims_compare_the_seed_model_with_each_baseline():
   """Each claim is "ours needs less time/samples than a baseline" (no k-sync variant compared
   with itself), judged on per-seed pairs with ours first; the network-gain claim compares the
   slowest with the fastest link by bandwidth (networks given fastest first here), the gain
-  being ASP's time over ours. Hand-built per-seed rows: ours is clearly faster everywhere and
-  gains 40/11 = 3.6x at 100 Gbit/s against 100/51 = 2x at 10 Gbit/s."""
+  being ASP's time over ours per seed. Hand-built per-seed rows: ours is clearly faster
+  everywhere and gains 40/(10+s) at 100 Gbit/s against 100/(50+s) at 10 Gbit/s."""
   import ml_collections
 
   from experiments import async_convergence
@@ -218,15 +218,20 @@ def test_async_convergence_claims_compare_the_seed_model_with_each_baseline():
   assert all(cl["verdict"] == "reproduced" for cl in pairs)
   gain, = [cl for cl in claims if " vs " in cl["network"]]
   assert gain["network"] == "10gbit vs 100gbit"
-  assert gain["ours"] == f"100gbit: {40 / 11:.3g}x"
-  assert gain["baseline"] == f"10gbit: {100 / 51:.3g}x"
-  assert gain["verdict"] == "consistent in sign (ratio of means, no std)"
-  # ours never reached the target on the slow link: the gain there is undefined
-  rows = [dict(r, time_to_target=float("nan")) if r["network"] == "10gbit"
-          and r["strategy"] == "KSync[working]" else r for r in rows]
-  table = suite.aggregate(rows, ("network", "strategy"), ("time_to_target", "samples_to_target"))
-  gain = async_convergence._claims(c, table, rows)[-1]
-  assert gain["verdict"] == "not decidable (target not reached)"
+  fast, slow = (np.array([40 / (10 + s) for s in range(3)]),
+                np.array([100 / (50 + s) for s in range(3)]))
+  assert gain["ours"] == f"100gbit: {fast.mean():.3g}x ± {fast.std(ddof=1):.2g}"
+  assert gain["baseline"] == f"10gbit: {slow.mean():.3g}x ± {slow.std(ddof=1):.2g}"
+  d = fast - slow  # 2.0, 1.68, 1.41: mean 1.70 > 2 x 0.30
+  assert d.mean() > 2 * d.std(ddof=1) and gain["verdict"] == "reproduced"
+  # ours reached the target in 1 of 3 seeds on the fast link: a ratio of means took that one
+  # seed's 2.5x as the gain; per seed the claim is not decidable, and says why
+  part = [dict(r, time_to_target=float("nan")) if r["network"] == "100gbit"
+          and r["strategy"] == "KSync[working]" and r["seed"] else r for r in rows]
+  table = suite.aggregate(part, ("network", "strategy"), ("time_to_target", "samples_to_target"))
+  gain = async_convergence._claims(c, table, part)[-1]
+  assert gain["verdict"] == ("not decidable (target not reached in every seed: "
+                             "KSync[working] on 100gbit missed it in 2/3 seeds)")
 
 
 def _fake_sim(monkeypatch, make):
