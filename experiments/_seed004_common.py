@@ -173,6 +173,27 @@ def make_tx(algo: str, c, *, num_workers: int, steps_per_epoch: int,
   return mfopt.chain(sync, opt)  # (keeps the hybrid's host schedule; optax.chain dropped it)
 
 
+def unused_fields(c) -> dict[str, str]:
+  """Fields the config's model does not take (``runner.prepare`` refuses them when given):
+  ``features`` outside the CNN, ``bn`` for the MLP (no BatchNorm)."""
+  out = {}
+  if c.model != "cnn":
+    out["features"] = f"model={c.model!r} takes no channel widths (only 'cnn' does)"
+  if c.model == "mlp":
+    out["bn"] = "model='mlp' has no BatchNorm"
+  return out
+
+
+def model_text(c, bn: str | None = None) -> str:
+  """The model and BN strategy as built (the MLP's own widths, no BN; a ResNet's fixed
+  widths): "model mlp (features (8,)), BN strategy last_batch" was printed for an MLP."""
+  if c.model == "cnn":
+    return f"model cnn (features {tuple(c.features)}), {bn or f'BN strategy {c.bn}'}"
+  if c.model == "mlp":
+    return "model mlp (hidden widths (256, 256), its default), no BatchNorm"
+  return f"model {c.model} (its standard widths), {bn or f'BN strategy {c.bn}'}"
+
+
 def build_model(c, dataset, *, policy: str = "fp32", bn: str | None = None):
   """The model of a run: ``c.model`` with the BN strategy's arguments, under ``policy``."""
   strategy = batchnorm.get_strategy(bn or c.bn)
@@ -513,8 +534,7 @@ def setup_lines(c, dataset, *, extra: str = "", batches: Sequence[int] | None = 
   return [
       report.environment_markdown(env),
       f"- Dataset: {dataset.name}, {len(dataset.train):,} train / {len(dataset.test):,} test "
-      f"examples; model {c.model} (features {tuple(c.features)}), "
-      f"{bn or f'BN strategy {c.bn}'}",
+      f"examples; {model_text(c, bn)}",
       workers,
       f"- Seeds: {tuple(c.seeds)}; base lr {c.base_lr} per worker (x{c.num_workers} linear "
       f"scaling), alpha {c.alpha}, T = {_warmup_text(c)} epochs, decay {c.decay}, momentum "

@@ -38,6 +38,12 @@ from mfopt.sim import suite
 CHOICES = suite.CHOICES
 
 
+def unused_fields(c) -> dict[str, str]:
+  """``num_workers``: ``worker_counts`` sets the workers of each run (runner.prepare refuses
+  the field if given; it ran (1, 2, 4) workers under an override of 8)."""
+  return {"num_workers": f"worker_counts={tuple(c.worker_counts)!r} sets each run's workers"}
+
+
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
   """Config. Command: ``python -m experiments async_scaling`` (``--quick`` for CI).
 

@@ -27,6 +27,7 @@ from mfopt import report, runner
 
 # names it can build; the runner refuses others before anything runs
 CHOICES = common.CHOICES
+unused_fields = common.unused_fields  # (runner.prepare refuses them if given)
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:

@@ -365,6 +365,26 @@ def _refuse_ignored_sizes(config: ml_collections.ConfigDict, overrides: Sequence
         f"dataset={name!r} has fixed splits and is loaded whole, so it would be ignored")
 
 
+def _refuse_unused_overrides(module: ModuleType, config: ml_collections.ConfigDict,
+                             overrides: Sequence[str]) -> None:
+  """Refuses an override of a field this config does not use. An experiment may define
+  ``unused_fields(config) -> {field: why}`` (fields its other settings make irrelevant:
+  ``features`` of ``model=mlp``); a field set on the command line that it lists ran as if it
+  were not given while the report printed it (``model=mlp features=(64,)`` trained the MLP's
+  default widths under a "features (64,)" line)."""
+  unused = getattr(module, "unused_fields", None)
+  if unused is None:
+    return
+  why = unused(config)
+  for key in (item.split("=", 1)[0].strip() for item in overrides):
+    if key in why:
+      value = config
+      for part in key.split("."):
+        value = value[part]
+      raise ConfigError(f"config field {key!r} is not used here: {why[key]}; drop it "
+                        f"(got {key}={value!r})")
+
+
 def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) -> tuple[ModuleType, ml_collections.ConfigDict]:
   """Loads an experiment and its validated config (nothing compiled yet)."""
   module = load_experiment(name)
@@ -373,6 +393,7 @@ def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) ->
   choices = getattr(module, "CHOICES", None)
   check_conventions(config, choices() if callable(choices) else choices)
   _refuse_ignored_sizes(config, overrides)
+  _refuse_unused_overrides(module, config, overrides)
   validate = getattr(module, "validate", None)
   if validate is not None:
     try:

@@ -110,6 +110,11 @@ def test_bn_strategies_quick(tmp_path, monkeypatch):
   # Synchronised BN: its all-reduces (fwd + bwd per BN layer per step) are in the projection.
   steps = varying["summary"]["steps"]
   assert varying["summary"]["all_reduces"] == steps + 2 * steps * 1
+  assert (f"reaches the others' budget: {varying['summary']['samples']:,} vs "
+          f"{fixed['summary']['samples']:,} samples)") in text
+  # row 1's samples and all-reduces differ by seed (its batch draws): every seed is shown
+  assert bn_strategies._counts([2048, 2048, 2176]) == "2,048-2,176 (by seed: 2,048/2,048/2,176)"
+  assert bn_strategies._counts([57, 57]) == "57" and bn_strategies._counts([]) == "n/a (diverged)"
   assert varying["efficiency"]["scaling_efficiency"] < 1
   assert out["target"] > 0
   half = bn_strategies.get_config(quick=True).per_worker_batch // 2
@@ -650,6 +655,18 @@ def test_seed004_builders_follow_the_config():
   c.features = (4,)
   m = common.build_model(c, types.SimpleNamespace(num_classes=3))
   assert tuple(m.features) == (4,) and m.num_classes == 3
+  assert common.model_text(c) == "model cnn (features (4,)), BN strategy last_batch"
+  # the report names what is built: the MLP's own widths and no BN (it printed "features" and
+  # a BN strategy for an MLP); a ResNet's standard widths
+  c.model, c.bn = "mlp", "sync"
+  mlp = common.build_model(c, types.SimpleNamespace(num_classes=3))
+  assert common.model_text(c) == (f"model mlp (hidden widths {tuple(mlp.hidden)}, its default), "
+                                  "no BatchNorm")
+  assert set(common.unused_fields(c)) == {"features", "bn"}
+  c.model = "resnet18"
+  assert common.model_text(c) == "model resnet18 (its standard widths), BN strategy sync"
+  assert set(common.unused_fields(c)) == {"features"}
+  c.model = "cnn"
   c.decay = 1.0
   common.validate_common(c)
   for bad in (0.0, 1.5):

@@ -161,6 +161,14 @@ def test_bad_values(override, match):
     # session 13's audit: these ran nothing and said "done", or failed after earlier runs trained
     ("mf_mlp", "mfs=()", r"'mfs' must not be empty \(the run would do nothing\), got \(\)"),
     ("async_convergence", "strategies=()", r"'strategies' must not be empty"),
+    # session 24: fields a config does not use ran as if not given, under a report that
+    # printed them ("model mlp (features (64,)), BN strategy sync" over an MLP without BN)
+    ("hybrid_vs_baselines", "model=mlp features=(64,)",
+     r"'features' is not used here: model='mlp' takes no channel widths .*got features=\(64,\)"),
+    ("hybrid_warmup_T", "model=mlp bn=sync", r"'bn' is not used here: model='mlp' has no BatchN"),
+    ("precision", "comm_dtype=bfloat16", r"'comm_dtype' is not used here: each policy sets"),
+    ("bn_strategies", "bn=moving_average", r"'bn' is not used here: each row of bn_strategies"),
+    ("async_scaling", "num_workers=8", r"'num_workers' is not used here: worker_counts=\(1, 2, 4"),
     # session 24: a repeated seed or sweep value ran the cell twice and reported "+- 0.000"
     ("mf_mlp", "seeds=(0,0)", r"'seeds' repeats 0 \(a repeated item runs the same cell twice"),
     ("mf_sweep", "mfs=(0.9,0.99,0.9)", r"'mfs' repeats 0.9 .*got \(0.9, 0.99, 0.9\)"),
@@ -190,7 +198,7 @@ def test_bad_values(override, match):
      r"'models' may only name \['mlp', 'cnn'\] when sim_runs .*got \['resnet18'\]"),
 ])
 def test_field_conventions_are_checked_in_every_experiment(name, override, match):
-  _raises(match, name, override)
+  _raises(match, name, *override.split(" "))  # (no override here holds a space)
 
 
 def test_every_preset_meets_the_field_conventions():
