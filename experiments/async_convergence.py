@@ -181,6 +181,7 @@ def _write_report(c, workdir, ds, table, claims) -> None:
                              "worker steps x per-worker batch (the seed's 'steps counted by the "
                              "worker'); server steps are not comparable across algorithms (ASP "
                              "updates per gradient, BSP per M gradients).\n")
+  lines += suite.first_eval_lines(table, ("network", "strategy"))
   cells = []
   for r in table:
     cells.append({"network": r["network"], "strategy": r["strategy"],

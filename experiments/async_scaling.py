@@ -159,6 +159,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                              f"- Worker counts {tuple(c.worker_counts)} (the 'Workers' line above is "
                              f"the default only); target test accuracy {c.target_accuracy:g}; "
                              "speedup = T(1)/T(M) per seed, then mean ± std.\n")
+  lines += suite.first_eval_lines(table, ("strategy", "workers"))
   lines.append(report.markdown_table(
       cells, ["strategy", "workers", "acc", "time", "steps", "wsteps", "sp_t", "sp_s", "stale"],
       ["algorithm", "workers", "final test acc", "simulated s to target", "server steps to target",

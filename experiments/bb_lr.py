@@ -130,6 +130,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
   lines += suite.setup_lines(c, ds, f"MLP hidden {tuple(c.hidden)}", (c.network,),
                              f"- Target test accuracy {c.target_accuracy:g}. 'decay' replaces every "
                              f"α_i by {c.learning_rate:g} x {c.decay_rate:g}^epoch.\n")
+  lines += suite.first_eval_lines(table, ("variant",))
   lines.append(report.markdown_table(
       cells, ["variant", "acc", "steps", "samples", "time", "alpha", "cv", "bt", "hits", "applied"],
       ["variant", "final test acc", "server steps to target", "samples to target",

@@ -171,6 +171,7 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
                              f"- Target test accuracy {c.target_accuracy:g}. Fixed-k variants use "
                              "the `working` preset with the k-test replaced by k. Test B mode: "
                              "`upper_signed` (literal).\n")
+  lines += suite.first_eval_lines(table, ("variant",))
   lines.append(report.markdown_table(
       cells, ["variant", "acc", "k", "below5", "dc", "steps", "samples", "time"],
       ["variant", "final test acc", "k p10 / p50 / p90", "steps with k<5",

@@ -1057,7 +1057,21 @@ def test_to_target_counts_worker_steps_as_samples_over_the_global_batch():
           {"test_accuracy": 0.6, "server_step": 9, "sim_time": 5.0, "samples": 960}]
   res = run_lib.SimResult("s", hist, {"num_workers": 4, "per_worker_batch": 16}, [], {}, [], [])
   assert suite.to_target(res, 0.45) == {"steps_to_target": 7.0, "time_to_target": 3.5,
-                                        "samples_to_target": 640.0, "worker_steps_to_target": 10.0}
+                                        "samples_to_target": 640.0, "worker_steps_to_target": 10.0,
+                                        "target_at_first_eval": False}
+  # reached at the first evaluation: only an upper bound, flagged, counted per group and named
+  first = suite.to_target(res, 0.1)
+  assert first["target_at_first_eval"] and first["samples_to_target"] == 320.0
+  assert not suite.to_target(res, 0.9)["target_at_first_eval"]  # (never reached)
+  rows = [{"strategy": "ASP", "workers": m, "seed": s, **suite.to_target(res, t)}
+          for m, t in ((1, 0.1), (2, 0.45)) for s in (0, 1)]
+  rows[1]["target_at_first_eval"] = False
+  table = suite.aggregate(rows, ("strategy", "workers"), ("samples_to_target",))
+  assert [r["target_at_first_eval"] for r in table] == [1, 0]
+  line, = suite.first_eval_lines(table, ("strategy", "workers"))
+  assert line.startswith("- **Reached the target at the first evaluation**: strategy=ASP "
+                         "workers=1 (1/2 seeds). Their time, samples and steps to target are")
+  assert suite.first_eval_lines(table[1:], ("strategy", "workers")) == []
 
 
 def test_suite_groups_and_selects_rows_on_every_key():
