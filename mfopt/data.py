@@ -161,9 +161,11 @@ def _not_prepared_message(name: str, data_dir: str, why: str) -> str:
   hint = _PREPARE_HINTS.get(name, "").format(data_dir=data_dir)
   return (f"TFDS dataset {name!r} {why} (data_dir={data_dir!r}, searched "
           f"{os.path.join(data_dir, name)}). {hint}To prepare it, run `tfds build {name} "
-          f"--data_dir {data_dir} --file_format=array_record` on a machine with internet access, "
-          f"or copy a prepared {name}/ directory (array_record format) into {data_dir}; "
-          f"or pass data_dir= / set $TFDS_DATA_DIR to a directory that holds one.")
+          f"--data_dir {data_dir} --file_format=array_record` on a machine with internet access "
+          f"(`tfds build` needs TensorFlow: pip install tensorflow; reading it here does not), "
+          f"or copy a prepared {name}/ directory (array_record format) into {data_dir}; or point "
+          f"at a directory that holds one: $TFDS_DATA_DIR (the experiments), or "
+          f"mfopt.data.load(..., data_dir=...) in your own code.")
 
 
 def open_tfds(name: str, *, split: str, data_dir: str | os.PathLike | None = None):

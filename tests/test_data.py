@@ -492,6 +492,8 @@ def test_tfds_missing_dataset_error_names_dataset_and_dir(tmp_path, name):
     data.load(name, data_dir=str(tmp_path))
   msg = str(info.value)
   assert repr(name) in msg and str(tmp_path) in msg and f"tfds build {name}" in msg
+  # the experiments' CLI has no data_dir key (it said "pass data_dir="): $TFDS_DATA_DIR there
+  assert "$TFDS_DATA_DIR (the experiments)" in msg and "pip install tensorflow" in msg
   assert isinstance(info.value, FileNotFoundError)
   if name == "imagenet2012":
     assert "downloads/manual" in msg

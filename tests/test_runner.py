@@ -210,6 +210,16 @@ def test_every_preset_meets_the_field_conventions():
       runner.check_conventions(module.get_config(quick))
 
 
+def test_seed004_experiments_take_a_tfds_classification_dataset():
+  """Their CHOICES name every classification dataset, and a second list in their validation
+  refused all but mnist1d and digits (they run on mock CIFAR-10 end to end)."""
+  for name in ("hybrid_vs_baselines", "hybrid_warmup_T", "precision", "bn_strategies"):
+    _, c = runner.prepare(name, quick=True, overrides=["dataset=cifar10"])
+    assert c.dataset == "cifar10"
+  _raises(r"'dataset' must be one of .*got 'tiny_shakespeare'", "precision",
+          "dataset=tiny_shakespeare")  # (a language-model dataset is still refused)
+
+
 def test_tuple_of_strings_in_parentheses_without_quotes():
   _, c = runner.prepare("precision", quick=True, overrides=["policies=(fp32,bf16)"])
   assert c.policies == ("fp32", "bf16")
