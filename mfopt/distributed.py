@@ -122,10 +122,18 @@ def configure_cpu(num_cpu_devices: int | None = None, cpu_collectives: str | Non
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, heartbeat_timeout_s: int | None = None,
                num_cpu_devices: int | None = None, cpu_collectives: str | None = "gloo",
-               initialization_timeout_s: int | None = None) -> DistributedConfig | None:
+               initialization_timeout_s: int | None = None,
+               exit_on_error: bool = True) -> DistributedConfig | None:
   """Joins the multi-process job if one is configured; returns its settings (``None``: single process).
 
   Call before any other JAX call that touches devices. Idempotent.
+
+  With ``exit_on_error`` (default), an uncaught exception ends this process at once after its
+  traceback is printed (exit code 1; 130 for Ctrl-C) instead of by Python's normal exit, whose
+  ``jax.distributed.shutdown`` waits (5 minutes) at a barrier that the other processes, stuck
+  in a collective with this one, never reach: one process's error hung the whole job for 5
+  minutes, then every process aborted and the launcher named the wrong one. Now the others
+  stop at the heartbeat timeout. (It sets ``sys.excepthook``; pass ``False`` to keep yours.)
 
   Args:
     coordinator_address: ``host:port`` of process 0's coordination service.
@@ -137,6 +145,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     cpu_collectives: CPU cross-process collectives implementation ("gloo").
     initialization_timeout_s: how long to wait for all processes to join (``None``:
       ``MFOPT_INIT_TIMEOUT``, else 300 s).
+    exit_on_error: end the process at once on an uncaught exception (above).
 
   Example:
     Every process, before building the mesh:
@@ -185,7 +194,36 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     raise ValueError(f"num_processes (--num-processes) is {settings.num_processes} here but the "
                      f"job that process 0 started has {jax.process_count()} processes; give "
                      "every process the same value")
+  if exit_on_error and jax.process_count() > 1:
+    _exit_on_uncaught_error()
   return settings
+
+
+def exit_now(code: int) -> None:
+  """In a job of several processes, ends this one at once with ``code`` (streams flushed),
+  skipping ``jax.distributed.shutdown``'s barrier (see :func:`initialize`); otherwise returns.
+  For a failing process only: one that finished normally must take the barrier."""
+  if code and jax.distributed.is_initialized() and jax.process_count() > 1:
+    print(f"mfopt.distributed: process {jax.process_index()} ends with exit code {code} without "
+          "the shutdown barrier (the others stop at their heartbeat timeout)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
+
+
+def _exit_on_uncaught_error() -> None:
+  previous = sys.excepthook
+  if getattr(previous, "mfopt_exits", False):
+    return
+
+  def hook(exc_type, exc, tb):
+    try:
+      previous(exc_type, exc, tb)
+    finally:
+      exit_now(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+  hook.mfopt_exits = True
+  sys.excepthook = hook
 
 
 def _check_port_free(address: str) -> None:

@@ -770,6 +770,15 @@ def _note_allowed_changes(path: pathlib.Path, history: list[dict[str, Any]]) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m experiments``; returns the exit code. A failing process of a multi-process
+  job ends at once (:func:`mfopt.distributed.exit_now`): returned, its exit went through
+  ``jax.distributed.shutdown``'s barrier and hung the job for 5 minutes."""
+  code = _main(argv)
+  distributed.exit_now(code)
+  return code
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m experiments",
       description="Run an mfopt experiment; writes metrics.jsonl, summary.json, plots and "

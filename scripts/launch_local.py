@@ -27,6 +27,7 @@ GPU cluster launch").
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import random
@@ -88,6 +89,18 @@ def exit_code(p: subprocess.Popen) -> int | None:
   return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
+def _note_exit(p: subprocess.Popen, exited_at: dict[int, float]) -> None:
+  """Records when ``p`` exits (without reaping it, as :func:`exit_code`). The main loop polls
+  every 50 ms, and a process that failed took the others down within that time (its error
+  ends it at once; their collectives with it then fail): by poll order, the launcher named
+  process 0 as the one that died first."""
+  try:
+    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+  except ChildProcessError:  # (reaped already: the end of main)
+    return
+  exited_at.setdefault(p.pid, time.monotonic())
+
+
 def _pump(stream, prefix: str, out) -> None:
   for line in iter(stream.readline, b""):
     out.write(f"{prefix} {line.decode(errors='replace')}")
@@ -125,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
   signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
   procs = []
   pumps = []
+  exited_at: dict[int, float] = {}  # pid -> when it exited (_note_exit)
   for i in range(args.num_processes):
     env = dict(os.environ, MFOPT_COORDINATOR=f"127.0.0.1:{port}",
                MFOPT_NUM_PROCESSES=str(args.num_processes), MFOPT_PROCESS_ID=str(i))
@@ -140,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", sys.stdout), daemon=True)
     t.start()
     pumps.append(t)
+    threading.Thread(target=_note_exit, args=(p, exited_at), daemon=True).start()
   print(f"launch_local: started {len(procs)} processes (pids "
         f"{', '.join(str(p.pid) for p in procs)}), coordinator 127.0.0.1:{port}", flush=True)
 
@@ -179,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
       return stop(received[0])
     codes = [exit_code(p) for p in procs]
     failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-    if failed:
-      first_failure = failed[0]
+    if failed:  # the earliest to exit (several can be found dead at one poll)
+      first_failure = min(failed, key=lambda i: exited_at.get(procs[i].pid, math.inf))
       break
     if all(c == 0 for c in codes):
       for p in procs:

@@ -87,6 +87,19 @@ def child_main(out, num_steps, algo="sync"):
         json.dumps({k: np.asarray(v).tolist() for k, v in trace.items()}))
 
 
+def child_raises(out, at_step):
+  """Process 1 raises from its logging callback at ``at_step``; process 0 trains on."""
+  distributed.initialize()
+  runner.enable_compilation_cache(os.environ.get("MFOPT_JAX_CACHE") or ROOT / ".jax_cache")
+
+  def on_log(row):
+    print(f"STEP {row['step']}", flush=True)
+    if jax.process_index() == 1 and row["step"] >= at_step:
+      raise RuntimeError(f"boom at step {row['step']}")
+
+  train.fit(**_setup(10_000), checkpoint_dir=pathlib.Path(out) / "ckpt", on_log=on_log)
+
+
 def _launch_job(call: str, *, heartbeat=5, grace=40) -> subprocess.Popen:
   """Starts ``test_multiprocess.<call>`` (e.g. ``"child_main(...)"``) as a 2-process job of
   ``scripts/launch_local.py`` with 4 CPU devices per process."""
@@ -170,6 +183,28 @@ def test_two_processes_run_periodic_averaging_like_one_process(tmp_path):
     trace = json.loads((tmp_path / f"trace{i}.json").read_text())
     assert trace["step"] == [3, 6, 9] == np.asarray(want["step"]).tolist()
     np.testing.assert_allclose(trace["period"], want["period"])
+
+
+@pytest.mark.slow  # child processes
+def test_an_exception_in_one_process_ends_it_at_once_and_the_job_soon(tmp_path):
+  """Python's normal exit after an uncaught exception ran jax.distributed.shutdown, whose
+  barrier the other process (in a collective with this one) never reached: the job hung for
+  5 minutes, then both aborted and the launcher named process 0. distributed.initialize's
+  hook ends the failing process at once; the other stops at the heartbeat timeout."""
+  started = time.monotonic()
+  proc = _launch_job(f"child_raises({str(tmp_path)!r}, 10)", heartbeat=5)
+  try:
+    out, err = proc.communicate(timeout=100)
+  except subprocess.TimeoutExpired:  # (the hang this test is about: stop the job, then fail)
+    proc.terminate()  # the launcher passes SIGTERM on and kills what is left
+    proc.communicate(timeout=30)
+    raise
+  elapsed = time.monotonic() - started
+  assert proc.returncode != 0
+  assert "[p1] RuntimeError: boom at step 10" in out, out[-3000:]
+  assert re.search(r"process 1 \(pid \d+\) died: exit code 1", err), err[-3000:]
+  assert re.search(r"process 0 \(pid \d+\) then ended: (?!exit code 0)", err), err[-3000:]
+  assert elapsed < 80, elapsed
 
 
 @pytest.mark.slow  # child processes
@@ -465,6 +500,28 @@ def test_two_processes_fall_back_past_a_bad_checkpoint_together(tmp_path, child,
 def test_distributed_settings_are_validated(kwargs, match):
   with pytest.raises(ValueError, match=match):
     distributed.resolve(**kwargs, environ={})
+
+
+def test_a_failing_process_of_a_job_exits_at_once_and_a_finished_one_does_not(monkeypatch,
+                                                                              capsys):
+  """exit_now (runner.main's non-zero codes) and initialize's excepthook end a failing
+  process with os._exit, skipping jax.distributed.shutdown's barrier; exit code 0, and any
+  code outside a multi-process job, return as before."""
+  exits = []
+  monkeypatch.setattr(os, "_exit", exits.append)
+  monkeypatch.setattr(sys, "excepthook", lambda *a: exits.append(("printed", a[0].__name__)))
+  assert runner.main(["quickstart", "--quick", "seed=-1"]) == 2 and exits == []  # one process
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert runner.main(["quickstart", "--quick", "seed=-1"]) == 2 and exits == [2]
+  assert "ends with exit code 2 without the shutdown barrier" in capsys.readouterr().err
+  distributed.exit_now(0)
+  assert exits == [2]
+  distributed._exit_on_uncaught_error()
+  distributed._exit_on_uncaught_error()  # (idempotent: one hook, not a chain of two)
+  sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+  sys.excepthook(RuntimeError, RuntimeError("boom"), None)
+  assert exits == [2, ("printed", "KeyboardInterrupt"), 130, ("printed", "RuntimeError"), 1]
 
 
 def test_distributed_settings_from_environment():
