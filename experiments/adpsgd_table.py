@@ -26,8 +26,9 @@ counted exchanges at 100 Gbit/s and at the paper's emulated 10 Gbit/s (trickle:
 5 Gbit/s up and down per node, so 5 Gbit/s per direction in the ring formula;
 ``costmodel.PRESETS["10gbit-trickle"]``). Fig. 6 projects speedups over
 single-node SGD for 2..16 workers, assuming ADPSGD's fractions of steps with a
-parameter sync and with an S_k exchange measured at ``num_workers``. The report also tabulates QSGD's all-gather wire bytes against
-a ring all-reduce of fp32 as workers grow (the crossover).
+parameter sync and with an S_k exchange measured at ``num_workers``. The report
+also tabulates QSGD's all-gather wire bytes against a ring all-reduce of fp32 as
+workers grow (the crossover).
 
 A run that diverges (a non-finite loss or update) is an outcome, not an abort
 (``_averaging_common.run``): ``runs.json`` marks it ``diverged`` with the error,

@@ -150,7 +150,8 @@ def _gain_claim(rows, ours: str, lo: str, hi: str) -> dict[str, Any]:
     miss = sum(not np.isfinite(v) for v in by_seed.values())
     if miss:
       missed.append(f"{name} on {net} missed it in {miss}/{len(by_seed)} seeds")
-  gains = {net: np.array([t[(net, "ASP")][s] / t[(net, ours)][s] for s in seeds]) for net in (lo, hi)}
+  gains = {net: np.array([t[(net, "ASP")][s] / t[(net, ours)][s] for s in seeds])
+           for net in (lo, hi)}
 
   def show(net):
     g = gains[net]

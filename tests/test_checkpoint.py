@@ -547,7 +547,8 @@ def test_a_state_type_that_gained_a_field_without_arrays_restores_by_leaf_name(t
   for target in (template, {**template, "d": _DiagV2Reordered(jnp.zeros(5), (),
                                                                jnp.zeros([], jnp.int32))}):
     got = checkpoint.RunCheckpointer(tmp_path, keep=1).restore_latest(target)
-    assert got.step == 2 and got.meta["history"] == [1] and type(got.state["d"]) is type(target["d"])
+    assert got.step == 2 and got.meta["history"] == [1]
+    assert type(got.state["d"]) is type(target["d"])
     np.testing.assert_array_equal(got.state["w"], old["w"])
     assert int(got.state["d"].syncs) == 3 and got.state["d"].per_step == ()
     np.testing.assert_array_equal(got.state["d"].trace, old["d"].trace)

@@ -193,7 +193,8 @@ def test_synthetic_splits_come_from_their_documented_streams():
   """Train from ``default_rng([seed, 0])``, test from ``default_rng([seed, 1])`` (the loader's
   docstring), re-derived with NumPy: a test split drawn from the train stream would repeat the
   first training examples, and a held-out accuracy would measure memorisation."""
-  ds = data.load("synthetic", num_train=20, num_test=6, input_shape=(5, 4, 2), num_classes=3, seed=1)
+  ds = data.load("synthetic", num_train=20, num_test=6, input_shape=(5, 4, 2), num_classes=3,
+                 seed=1)
   for source, n, stream in ((ds.train, 20, 0), (ds.test, 6, 1)):
     rng = np.random.default_rng([1, stream])
     np.testing.assert_array_equal(source.x, rng.standard_normal((n, 5, 4, 2), dtype=np.float32))
