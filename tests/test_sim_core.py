@@ -639,6 +639,21 @@ def test_simulate_checkpoints_inside_auto_checkpoint_and_returns_a_finished_run(
   assert repr(sorted(again.summary.items())) == repr(sorted(first.summary.items()))  # nan-safe
 
 
+def test_a_strategy_that_never_releases_its_workers_stalls_loudly(ds, linear):
+  """A user strategy whose on_push applies the gradient but never sends the worker the model
+  emptied the event queue after one round; simulate returned as if finished (64 of 4,000
+  samples). It now names the stall."""
+  class NoSend(sim.ASP):
+    def on_push(self, s, w):
+      self._update(s, s.msg[w].grad)  # (no s.send(w))
+      s.record_update(k=1)
+
+  with pytest.raises(RuntimeError, match=r"simulation stalled: no event is left at 32 samples, "
+                                         r"server version 4, .*Strategy 'ASP.*must eventually"):
+    sim.simulate(NoSend(sim.BaseSGD(0.05)), model=linear, dataset=ds, num_workers=4,
+                 per_worker_batch=8, max_samples=8 * 120, compute=sim.ComputeModel(0.01))
+
+
 def test_simulate_checkpoints_every_n_events_when_the_policy_says(ds, linear, tmp_path):
   """--checkpoint-every N (the policy's ``every``) spaces a simulated run's saves by N events;
   it was ignored (always 2000-event chunks: one save for a short run)."""

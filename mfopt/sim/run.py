@@ -560,7 +560,15 @@ class Simulator:
           or (max_events is not None and events >= max_events)):
         break
       if not self.step():
-        break
+        # No event left and no limit reached: every worker waits on the server, which waits
+        # on them. The run used to end here as if finished (a strategy whose on_push never
+        # sent a worker the model stopped after one round, at 64 of 4,000 samples).
+        bar.close()
+        raise RuntimeError(
+            f"simulation stalled: no event is left at {self.samples} samples, server version "
+            f"{self.version}, simulated time {self.now:.6g} s, before any limit was reached; "
+            f"every worker is waiting. Strategy {self.strategy.describe()!r} must eventually "
+            "release each worker it holds (sim.send(w) after a push, or a collective)")
       events += 1
       if self.eval_every_samples and self.samples >= self.next_eval:
         # the next multiple past the samples: one interval at a time fell behind when a step
