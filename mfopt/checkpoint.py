@@ -170,6 +170,34 @@ def _same(a: Any, b: Any) -> bool:
 _SAME_STRUCTURE_AS = {"namedtuple[SkipNonfiniteState]": "namedtuple[ApplyIfFiniteState]"}
 
 
+#: Fingerprint fields added after checkpoints without them were written (see check_fingerprint).
+FINGERPRINT_FIELDS_ADDED = frozenset({"model_settings"})
+
+
+def plain_settings(v: Any) -> Any:
+  """``v`` as JSON data for a fingerprint: dataclasses field by field, numbers (a non-finite
+  one as a string: NaN never equals itself), strings, sequences; classes and functions by
+  name (never a ``repr`` with a memory address, which would differ between runs)."""
+  if dataclasses.is_dataclass(v) and not isinstance(v, type):
+    return {f.name: plain_settings(getattr(v, f.name)) for f in dataclasses.fields(v)
+            if f.name not in ("parent", "name")}  # (flax modules: their place in a tree)
+  if isinstance(v, (np.ndarray, jax.Array)):  # (ComputeModel.speeds: values, not the type)
+    return plain_settings(np.asarray(v).tolist())
+  if isinstance(v, np.generic):
+    v = v.item()
+  if isinstance(v, float) and not math.isfinite(v):
+    return str(v)
+  if v is None or isinstance(v, (bool, int, float, str)):
+    return v
+  if isinstance(v, (tuple, list)):
+    return [plain_settings(x) for x in v]
+  if isinstance(v, Mapping):
+    return {str(k): plain_settings(x) for k, x in v.items()}
+  if isinstance(v, type) or callable(v):
+    return getattr(v, "__qualname__", type(v).__name__)
+  return type(v).__name__
+
+
 def _path_name(path: Sequence[Any]) -> str:
   """``"opt.0.mu.w"``: a key path as orbax's metadata and the state both spell it (a
   NamedTuple's fields are saved as dict keys)."""
@@ -413,7 +441,11 @@ class RunCheckpointer:
     # until 2026-11-25: a rerun with another --checkpoint-every was refused. Older checkpoints
     # still hold it.
     saved.pop("chunk_events", None)
-    diff = config_diff(saved, self.fingerprint)
+    # Fields added to a fingerprint later: not compared against a checkpoint written before
+    # them (train.fit's model_settings, 2026-11-26).
+    now = {k: v for k, v in self.fingerprint.items()
+           if k in saved or k not in FINGERPRINT_FIELDS_ADDED}
+    diff = config_diff(saved, now)
     if not diff:
       return
     message = (f"checkpoint step {step} in {self.directory} was written by a different run; "

@@ -252,6 +252,30 @@ def test_policy_interval_rounds_up_to_each_runs_logging_interval(tmp_path):
     _small_fit(9, checkpoint_dir=tmp_path / "explicit", checkpoint_every=3)
 
 
+def test_fit_fingerprints_the_models_settings_and_reads_older_checkpoints(tmp_path):
+  """A model setting that keeps the shapes (dtype) resumed another run's checkpoint silently:
+  the fingerprint named only the class. It now holds the model's fields; a checkpoint written
+  before that field existed still resumes (model_settings is not compared against it)."""
+  import jax.numpy as jnp
+  _small_fit(2, checkpoint_dir=tmp_path)
+  dataset = data.load("digits")
+  bf16 = models.get_model("mlp", hidden=(8,), num_classes=dataset.num_classes,
+                          dtype=jnp.bfloat16)
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match=r"model_settings\.dtype: 'float32' -> 'bfloat16'"):
+    train.fit(model=bf16, tx=_sync_sgd(), dataset=dataset, num_workers=8, per_worker_batch=4,
+              num_steps=2, log_every=2, seed=2, progress=False, mesh=parallel.make_mesh(),
+              checkpoint_dir=tmp_path)
+  (step,) = checkpoint.RunCheckpointer(tmp_path).steps()
+  now = checkpoint.RunCheckpointer(tmp_path).read_meta(step)["fingerprint"]
+  assert now["model_settings"]["hidden"] == [8]
+  ckpt = checkpoint.RunCheckpointer(tmp_path, fingerprint=now)
+  old = {k: v for k, v in now.items() if k != "model_settings"}
+  ckpt.check_fingerprint({"fingerprint": old}, step)  # no ConfigMismatchError
+  with pytest.raises(checkpoint.ConfigMismatchError, match=r"seed: 1 -> 2"):
+    ckpt.check_fingerprint({"fingerprint": {**old, "seed": 1}}, step)  # the others still are
+
+
 def test_finished_run_extended_with_allow_mismatch_trains_on(tmp_path):
   """fit(num_steps=10, allow_mismatch=True) on a finished 6-step checkpoint continues to step 10
   (it returned the 6-step result unchanged) and equals an uninterrupted 10-step run; a

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -38,6 +37,7 @@ import numpy as np
 import optax
 
 from mfopt import _checks
+from mfopt import checkpoint as checkpoint_lib
 from mfopt.sim import bb as bb_lib
 from mfopt.sim import ksync as ksync_lib
 
@@ -176,28 +176,8 @@ class Strategy:
             **{k: plain_settings(getattr(self, k)) for k in self.SETTINGS}}
 
 
-def plain_settings(v: Any) -> Any:
-  """``v`` as JSON data for a fingerprint: dataclasses field by field, numbers (a non-finite
-  one as a string: NaN never equals itself), strings, sequences; classes and functions by
-  name (never a ``repr`` with a memory address, which would differ between runs)."""
-  if dataclasses.is_dataclass(v) and not isinstance(v, type):
-    return {f.name: plain_settings(getattr(v, f.name)) for f in dataclasses.fields(v)
-            if f.name not in ("parent", "name")}  # (flax modules: their place in a tree)
-  if isinstance(v, (np.ndarray, jax.Array)):  # (ComputeModel.speeds: values, not the type)
-    return plain_settings(np.asarray(v).tolist())
-  if isinstance(v, np.generic):
-    v = v.item()
-  if isinstance(v, float) and not math.isfinite(v):
-    return str(v)
-  if v is None or isinstance(v, (bool, int, float, str)):
-    return v
-  if isinstance(v, (tuple, list)):
-    return [plain_settings(x) for x in v]
-  if isinstance(v, Mapping):
-    return {str(k): plain_settings(x) for k, x in v.items()}
-  if isinstance(v, type) or callable(v):
-    return getattr(v, "__qualname__", type(v).__name__)
-  return type(v).__name__
+# (moved to mfopt.checkpoint, where train.fit's fingerprint uses it too; kept importable here)
+plain_settings = checkpoint_lib.plain_settings
 
 
 class _OptStrategy(Strategy):
