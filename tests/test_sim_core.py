@@ -654,6 +654,29 @@ def test_a_strategy_that_never_releases_its_workers_stalls_loudly(ds, linear):
                  per_worker_batch=8, max_samples=8 * 120, compute=sim.ComputeModel(0.01))
 
 
+def test_a_strategy_subclass_must_list_its_own_constructor_settings(ds, linear):
+  """SETTINGS are a simulated run's checkpoint fingerprint; a subclass inherited its parent's,
+  so its own argument changed on resume went unnoticed. Refused before anything runs; listed,
+  it is in the fingerprint."""
+  class StaleLR(sim.SSP):
+    def __init__(self, staleness=3, base=None, alpha=1.0):
+      super().__init__(staleness, base)
+      self.alpha = alpha
+
+  kw = dict(model=linear, dataset=ds, num_workers=4, per_worker_batch=8, max_samples=64,
+            compute=sim.ComputeModel(0.01))
+  with pytest.raises(ValueError, match=r"StaleLR.__init__ takes \['alpha'\] that its SETTINGS "
+                                       r"\('staleness', 'base'\) does not list; add them \(e.g. "
+                                       r"SETTINGS = SSP.SETTINGS \+ \('alpha',\)\)"):
+    sim.simulate(StaleLR(alpha=0.5), **kw)
+
+  class Listed(StaleLR):
+    SETTINGS = sim.SSP.SETTINGS + ("alpha",)
+
+  sim.simulate(Listed(alpha=0.5), **kw)
+  assert Listed(alpha=0.5).settings()["alpha"] == 0.5
+
+
 def test_simulate_checkpoints_every_n_events_when_the_policy_says(ds, linear, tmp_path):
   """--checkpoint-every N (the policy's ``every``) spaces a simulated run's saves by N events;
   it was ignored (always 2000-event chunks: one save for a short run)."""

@@ -199,6 +199,7 @@ class Simulator:
       _checks.positive_int("eval_every_samples", eval_every_samples)
     if compute is not None and not isinstance(compute, clock_lib.ComputeModel):
       raise ValueError(f"compute must be a mfopt.sim.ComputeModel or None, got {compute!r}")
+    strategy.check_settings()  # (before anything runs, checkpointed or not)
     self.strategy = strategy
     self.model, self.dataset = model, dataset
     self.num_workers, self.batch_size, self.seed = int(num_workers), int(per_worker_batch), int(seed)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -167,13 +168,34 @@ class Strategy:
   def describe(self) -> str:
     return self.name
 
-  SETTINGS: tuple[str, ...] = ()  # constructor settings, for :meth:`settings`
+  #: constructor settings, for :meth:`settings`: a subclass with constructor arguments of its
+  #: own must list them (``SETTINGS = SSP.SETTINGS + ("alpha",)``), each held as an attribute
+  SETTINGS: tuple[str, ...] = ()
 
   def settings(self) -> dict[str, Any]:
     """Every constructor setting as JSON data (the checkpoint fingerprint of a simulated run:
     :meth:`describe` names the strategy only, e.g. ``"ASP"`` whatever its learning rate)."""
+    self.check_settings()
     return {"class": type(self).__name__,
             **{k: plain_settings(getattr(self, k)) for k in self.SETTINGS}}
+
+  def check_settings(self) -> None:
+    """ValueError if the constructor takes an argument :data:`SETTINGS` does not list: a
+    subclass inherited its parent's list, so a resumed run with another value of its own
+    argument passed the fingerprint check and ran on with the checkpoint's."""
+    try:
+      params = inspect.signature(type(self).__init__).parameters.values()
+    except (TypeError, ValueError):  # (no signature to read)
+      return
+    missing = [p.name for p in params if p.name != "self"
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in self.SETTINGS]
+    if missing:
+      raise ValueError(
+          f"{type(self).__name__}.__init__ takes {missing} that its SETTINGS "
+          f"{self.SETTINGS!r} does not list; add them (e.g. SETTINGS = "
+          f"{type(self).__mro__[1].__name__}.SETTINGS + {tuple(missing)!r}) and keep each as "
+          "an attribute of that name: SETTINGS are the checkpoint fingerprint of a simulated "
+          "run, and an unlisted argument changed on resume went unnoticed")
 
 
 # (moved to mfopt.checkpoint, where train.fit's fingerprint uses it too; kept importable here)
