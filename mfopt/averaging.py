@@ -730,7 +730,11 @@ def _host_schedule(controller: PeriodController) -> HostSchedule:
     due = cnt >= now
     return due, (min(count + 1, _INT32_MAX), 0 if due else cnt, period)  # as safe_increment
 
-  return HostSchedule(read, next_, reread_after_open=controller.uses_variance)
+  # After a sync the host reads the period again where on_sync may have changed it: ADPSGD's
+  # (uses_variance), and any controller's own on_sync (a user's that changed its period
+  # without uses_variance tripped fit's gate-mismatch check on the GPU default).
+  reread = controller.uses_variance or controller.on_sync is not _restart_round
+  return HostSchedule(read, next_, reread_after_open=reread)
 
 
 def _same_dtypes(new: Any, old: Any) -> Any:

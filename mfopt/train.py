@@ -1052,7 +1052,11 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       raise RuntimeError(
           f"host gates: at step {bad} the host's schedule ({type(tx).__name__} "
           f"update.host_schedule) disagreed with the device's gate predicate; the step ran the "
-          f"wrong program. Pass host_gates=False to fit/make_train_step and report this.")
+          f"wrong program. Pass host_gates=False to fit/make_train_step. With mfopt's own "
+          f"transforms, report this. With your own code it is a likely cause: a "
+          f"PeriodController whose host_period does not replay its advance/on_sync, or a "
+          f"mfopt.comm.gated gate of your own without an owner, which follows the chain's "
+          f"schedule (owner=<a mfopt.comm.HostSchedule of its own> keeps it on the device).")
     row: dict[str, Any] = {
         "step": step, "epoch": step * global_batch / len(dataset.train),
         "samples": step * global_batch,

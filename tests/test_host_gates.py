@@ -83,7 +83,30 @@ def _run(tx, host_gates, steps=9, mesh_devices=2):
   return step, state, metrics
 
 
+def _doubling_controller():
+  """A user's controller: its own on_sync doubles the period at every sync (no uses_variance);
+  its host_period keeps the period the host last read. The host used to re-read only ADPSGD's
+  state after a sync, so fit's gate-mismatch check failed on the GPU default."""
+  from mfopt.averaging import PeriodController, PeriodState
+
+  def init():
+    return PeriodState(count=jnp.zeros([], jnp.int32), cnt=jnp.zeros([], jnp.int32),
+                       period=jnp.ones([], jnp.int32), c2_sum=jnp.zeros([], jnp.float32),
+                       c2_count=jnp.zeros([], jnp.int32))
+
+  def advance(s):
+    return s._replace(count=s.count + 1, cnt=s.cnt + 1), s.cnt + 1 >= s.period
+
+  def on_sync(s, k, s_k):
+    return s._replace(cnt=jnp.zeros_like(s.cnt), period=s.period * 2)
+
+  return PeriodController(init, advance, on_sync, uses_variance=False, name="doubling",
+                          host_period=lambda count, period: (period, period))
+
+
 TRANSFORMS = {
+    "user_controller": lambda: mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES,
+                                                        _doubling_controller()),
     "periodic": lambda: mfopt.periodic_averaging(optax.sgd(0.1, momentum=0.9),
                                                  mfopt.WORKER_AXES, 3),
     "block_momentum": lambda: mfopt.block_momentum(optax.sgd(0.1), mfopt.WORKER_AXES, 2,
@@ -118,7 +141,7 @@ def test_host_gated_step_equals_device_gated_step(name):
   assert "gate_mismatch" not in m_dev[0]
   np.testing.assert_array_equal(np.asarray(m_host[-1]["loss"]), np.asarray(m_dev[-1]["loss"]))
   expected_open = {"periodic": 3, "block_momentum": 4, "hybrid": 5, "sync_hybrid": 5,
-                   "averaged_hybrid": 3}
+                   "averaged_hybrid": 3, "user_controller": 3}  # (periods 1, 2, 4: steps 1, 3, 7)
   if name in expected_open:
     assert step.opened == expected_open[name]
 
