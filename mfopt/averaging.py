@@ -61,6 +61,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from mfopt import _checks
+from mfopt import checkpoint as checkpoint_lib
 from mfopt.comm import (AxisName, CollectiveKind, CommStats, HostSchedule, check_axis_name,
                         comm_dtype_of, gated, host_scalar,
                         init_comm_stats, is_floating, pmean_tree, require_bound, states_of,
@@ -362,6 +363,53 @@ class AveragingDiagnostics(NamedTuple):
   trace_mean_variance: jax.Array
   trace_lr: jax.Array
   trace_variance: jax.Array
+
+
+class _AveragingDiagnosticsBefore(NamedTuple):
+  """:class:`AveragingDiagnostics` as checkpoints before 2026-11-26 hold it (no
+  ``trace_variance``). Named like it, so its tree structure is the one those recorded."""
+
+  syncs: jax.Array
+  last_sync_variance: jax.Array
+  variance: jax.Array
+  variance_sum: jax.Array
+  variance_exchanges: jax.Array
+  trace_step: jax.Array
+  trace_period: jax.Array
+  trace_sync_variance: jax.Array
+  trace_mean_variance: jax.Array
+  trace_lr: jax.Array
+
+
+_AveragingDiagnosticsBefore.__name__ = "AveragingDiagnostics"
+_AveragingDiagnosticsBefore.__qualname__ = "AveragingDiagnostics"
+
+
+def _layout_before_trace_variance(state: Any) -> Any:
+  """``state`` with every :class:`AveragingDiagnostics` as it was saved before its
+  ``trace_variance`` field existed; ``None`` if it has none, or one holds that trace (such a
+  state has arrays no earlier checkpoint has)."""
+  found = []
+
+  def old(x):
+    if not isinstance(x, AveragingDiagnostics):
+      return x
+    found.append(isinstance(x.trace_variance, tuple) and not x.trace_variance)
+    return _AveragingDiagnosticsBefore(*x[:-1])
+
+  out = jax.tree.map(old, state, is_leaf=lambda x: isinstance(x, AveragingDiagnostics))
+  return out if found and all(found) else None
+
+
+def _layout_with_trace_variance(state: Any) -> Any:
+  return jax.tree.map(lambda x: AveragingDiagnostics(*x, trace_variance=())
+                      if isinstance(x, _AveragingDiagnosticsBefore) else x, state,
+                      is_leaf=lambda x: isinstance(x, _AveragingDiagnosticsBefore))
+
+
+# Every periodic_averaging / block_momentum checkpoint written before trace_variance was added
+# (as () unless track_variance) was refused as "a different structure"; it reads as it was.
+checkpoint_lib.register_migration(_layout_before_trace_variance, _layout_with_trace_variance)
 
 
 class PeriodicAveragingState(NamedTuple):

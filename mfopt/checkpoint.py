@@ -170,6 +170,22 @@ def _same(a: Any, b: Any) -> bool:
 _SAME_STRUCTURE_AS = {"namedtuple[SkipNonfiniteState]": "namedtuple[ApplyIfFiniteState]"}
 
 
+#: ``(old_layout, to_new)`` pairs registered by :func:`register_migration`.
+_MIGRATIONS: list[tuple[Any, Any]] = []
+
+
+def register_migration(old_layout, to_new) -> None:
+  """Lets :class:`RunCheckpointer` read a state saved in an earlier version's layout.
+
+  ``old_layout(state)``: ``state`` (a restore target of this version) as the earlier version
+  laid it out, or ``None`` where the change does not apply; it must keep the arrays and their
+  order (e.g. drop a field that holds no arrays). ``to_new(old)``: the restored old-layout
+  state in this version's layout. A checkpoint whose structure hash is ``old_layout``'s is
+  restored through it; nothing else of another structure is (see
+  ``mfopt.averaging``'s ``trace_variance``)."""
+  _MIGRATIONS.append((old_layout, to_new))
+
+
 #: Fingerprint fields added after checkpoints without them were written (see check_fingerprint).
 FINGERPRINT_FIELDS_ADDED = frozenset({"model_settings"})
 
@@ -465,49 +481,38 @@ class RunCheckpointer:
     target = jax.tree.map(
         lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x),
         abstract_state)  # NumPy leaves restore as NumPy (float64 stays float64)
-    leaves, treedef = jax.tree.flatten(abstract_state)
-    if meta.get("structure") == structure_hash(abstract_state):
-      restored = self._restore_item(
-          step, ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-      if len(jax.tree.leaves(restored.state)) != len(leaves):
-        raise CheckpointError("restored state has a different number of arrays")
-      return meta, jax.tree.unflatten(treedef, jax.tree.leaves(restored.state))
-    # Another tree holding the same arrays under the same names: a state type that gained a
-    # field without arrays (AveragingDiagnostics.trace_variance is () unless track_variance,
-    # and every averaging checkpoint written before it was refused). Restored by name into
-    # the saved tree's own layout, then put into this run's tree.
-    saved, table = self._saved_leaves(step), _leaf_table(abstract_state)
-    if saved is None or sorted(saved[0]) != sorted(table) or len(set(table)) != len(table):
-      raise ConfigMismatchError(
-          f"checkpoint step {step} in {self.directory} holds a state of a different structure "
-          f"(shapes/dtypes/tree); it cannot be restored into this run's state"
-          + self._structure_difference(step, abstract_state))
-    by_name = {name: x for (name, _, _), x in zip(table, jax.tree.leaves(target))}
-    target = jax.tree_util.tree_map_with_path(lambda p, _: by_name[_path_name(p)], saved[1])
+    to_new = None
+    if meta.get("structure") != structure_hash(abstract_state):
+      # A layout an earlier version saved, where a registered migration says how to read it
+      # (the same arrays in the same order: the recorded checksums still apply). Only those:
+      # matching leaf names alone accepted adam's checkpoint for adamw (no arrays added).
+      for old_layout, to_new in _MIGRATIONS:
+        old = old_layout(abstract_state)
+        if old is not None and structure_hash(old) == meta.get("structure"):
+          target = jax.tree.unflatten(jax.tree.structure(old), jax.tree.leaves(target))
+          break
+      else:
+        raise ConfigMismatchError(
+            f"checkpoint step {step} in {self.directory} holds a state of a different "
+            f"structure (shapes/dtypes/tree); it cannot be restored into this run's state"
+            + self._structure_difference(step, abstract_state))
+    leaves = jax.tree.leaves(target)
     restored = self._restore_item(
         step, ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-    got = {_path_name(p): x
-           for p, x in jax.tree_util.tree_flatten_with_path(restored.state)[0]}
-    state = jax.tree.unflatten(treedef, [got[name] for name, _, _ in table])
-    # The recorded checksums are in the saved tree's order, which its metadata does not keep:
-    # compared as a multiset (a changed array still changes its leaf's sums)
-    now = tree_checksum(state)
-    if sorted(now) == sorted(meta.get("checksum") or []):
-      meta = {**meta, "checksum": now}
-    _say(f"checkpoint step {step}: restored by leaf name into this version's state type "
-         f"(the saved tree differs only in parts without arrays)")
-    return meta, state
+    if len(jax.tree.leaves(restored.state)) != len(leaves):
+      raise CheckpointError("restored state has a different number of arrays")
+    state = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(restored.state))
+    return meta, state if to_new is None else to_new(state)
 
-  def _saved_leaves(self, step: int) -> tuple[list[tuple[str, tuple[int, ...], str]], Any] | None:
-    """The saved state's leaves as :func:`_leaf_table` lists them, and orbax's metadata tree
-    of them; ``None`` where orbax's metadata cannot be read."""
+  def _saved_leaves(self, step: int) -> list[tuple[str, tuple[int, ...], str]] | None:
+    """The saved state's leaves as :func:`_leaf_table` lists them, from orbax's metadata of
+    the saved arrays; ``None`` where it cannot be read."""
     try:
       saved = ocp.StandardCheckpointHandler().metadata(self.step_path(step) / "state")
-      table = [(_path_name(p), tuple(m.shape), str(np.dtype(m.dtype)))
-               for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]]
+      return [(_path_name(p), tuple(m.shape), str(np.dtype(m.dtype)))
+              for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]]
     except Exception:  # noqa: BLE001  (an older orbax, no metadata)
       return None
-    return table, saved
 
   def _structure_difference(self, step: int, abstract_state: Any, shown: int = 3) -> str:
     """``": <leaf>: checkpoint <shape dtype> -> now <shape dtype>; ..."`` from orbax's own
@@ -517,7 +522,7 @@ class RunCheckpointer:
     saved = self._saved_leaves(step)
     if saved is None:  # (the message stays generic)
       return ""
-    was = {k: (shape, dtype) for k, shape, dtype in saved[0]}
+    was = {k: (shape, dtype) for k, shape, dtype in saved}
     now = {k: (shape, dtype) for k, shape, dtype in _leaf_table(abstract_state)}
     fmt = lambda sd: "missing" if sd is None else f"{sd[0]} {sd[1]}"  # noqa: E731
     diff = [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))
