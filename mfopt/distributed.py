@@ -199,16 +199,39 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   return settings
 
 
+#: Seconds a failing process waits for the others to fail too (:func:`exit_now`).
+EXIT_BARRIER_S = 5.0
+
+
 def exit_now(code: int) -> None:
-  """In a job of several processes, ends this one at once with ``code`` (streams flushed),
-  skipping ``jax.distributed.shutdown``'s barrier (see :func:`initialize`); otherwise returns.
-  For a failing process only: one that finished normally must take the barrier."""
-  if code and jax.distributed.is_initialized() and jax.process_count() > 1:
-    print(f"mfopt.distributed: process {jax.process_index()} ends with exit code {code} without "
-          "the shutdown barrier (the others stop at their heartbeat timeout)", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # pylint: disable=protected-access
+  """In a job of several processes, ends a failing one (``code != 0``) at once, skipping
+  ``jax.distributed.shutdown``'s barrier (see :func:`initialize`); returns otherwise.
+
+  Unless every process is failing: it first waits up to :data:`EXIT_BARRIER_S` at a
+  coordination barrier, and if all arrive (a config error, Ctrl-C forwarded to all) it
+  returns, and they exit normally together. Process 0 ending at once there took the
+  coordination service with it, and the others aborted (SIGABRT) before printing their own
+  error. A finished process (``code == 0``) must take the shutdown barrier."""
+  if not (code and jax.distributed.is_initialized() and jax.process_count() > 1):
+    return
+  if _every_process_arrives("mfopt_exit_now", EXIT_BARRIER_S):
+    return
+  print(f"mfopt.distributed: process {jax.process_index()} ends with exit code {code} without "
+        "the shutdown barrier (the others stop at their heartbeat timeout)", file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def _every_process_arrives(barrier: str, timeout_s: float) -> bool:
+  """Whether every process reaches the coordination service's ``barrier`` within
+  ``timeout_s`` (JAX's distributed client; False where it cannot be asked)."""
+  try:
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415  (no public barrier)
+    jax_distributed.global_state.client.wait_at_barrier(barrier, int(timeout_s * 1000))
+    return True
+  except Exception:  # noqa: BLE001  (timed out, a peer gone, or no client)
+    return False
 
 
 def _exit_on_uncaught_error() -> None:

@@ -208,6 +208,20 @@ def test_an_exception_in_one_process_ends_it_at_once_and_the_job_soon(tmp_path):
 
 
 @pytest.mark.slow  # child processes
+def test_an_error_on_every_process_ends_the_job_cleanly_with_each_ones_message(tmp_path):
+  """A config error every process raises after joining (adpsgd_table runs as one process):
+  each prints it and all exit 2 together. Ending at once, process 0 took the coordination
+  service with it and process 1 aborted (SIGABRT) before printing its own."""
+  proc = subprocess.run(_launch_args("-m", "experiments", "adpsgd_table", "--quick",
+                                     "--workdir", str(tmp_path / "w")),
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+  for p in (0, 1):
+    assert re.search(rf"\[p{p}\] error: .*several processes", proc.stdout), proc.stdout[-3000:]
+  assert "SIGABRT" not in proc.stderr and "ended: exit code 2" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow  # child processes
 @pytest.mark.parametrize("victim", [1, 0])  # 0 hosts the coordination service
 def test_killing_one_process_stops_the_other_and_launcher_names_it(tmp_path, victim):
   proc = _launch(tmp_path, 10_000, heartbeat=5)
@@ -515,6 +529,14 @@ def test_a_failing_process_of_a_job_exits_at_once_and_a_finished_one_does_not(mo
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   assert runner.main(["quickstart", "--quick", "seed=-1"]) == 2 and exits == [2]
   assert "ends with exit code 2 without the shutdown barrier" in capsys.readouterr().err
+  # every process failing (they all reach the exit barrier): a normal exit, together
+  monkeypatch.setattr(distributed, "_every_process_arrives", lambda *a: True)
+  assert runner.main(["quickstart", "--quick", "seed=-1"]) == 2 and exits == [2]
+  monkeypatch.undo()
+  monkeypatch.setattr(os, "_exit", exits.append)
+  monkeypatch.setattr(sys, "excepthook", lambda *a: exits.append(("printed", a[0].__name__)))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
   distributed.exit_now(0)
   assert exits == [2]
   distributed._exit_on_uncaught_error()
