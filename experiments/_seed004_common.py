@@ -49,7 +49,7 @@ NOT_REPRODUCED = "not reproduced at this scale"
 
 #: The names the seed-004 experiments can build (an MLP, CNN or ResNet on class labels); their
 #: ``CHOICES``, which the runner checks before anything runs.
-CHOICES = {"model": models_lib.CLASSIFIERS, "dataset": data_lib.classification_datasets}
+CHOICES = {"model": models_lib.classifiers, "dataset": data_lib.classification_datasets}
 
 
 def base_config(quick: bool) -> ml_collections.ConfigDict:
@@ -174,14 +174,18 @@ def make_tx(algo: str, c, *, num_workers: int, steps_per_epoch: int,
   return mfopt.chain(sync, opt)  # (keeps the hybrid's host schedule; optax.chain dropped it)
 
 
+#: The models built with a BN strategy's arguments (a registered model gets num_classes only).
+BN_MODELS = ("cnn", "resnet18", "resnet50")
+
+
 def unused_fields(c) -> dict[str, str]:
   """Fields the config's model does not take (``runner.prepare`` refuses them when given):
-  ``features`` outside the CNN, ``bn`` for the MLP (no BatchNorm)."""
+  ``features`` outside the CNN, ``bn`` outside the BN models (the MLP, a registered one)."""
   out = {}
   if c.model != "cnn":
     out["features"] = f"model={c.model!r} takes no channel widths (only 'cnn' does)"
-  if c.model == "mlp":
-    out["bn"] = "model='mlp' has no BatchNorm"
+  if c.model not in BN_MODELS:
+    out["bn"] = f"model={c.model!r} is not built with a BN strategy (only {BN_MODELS} are)"
   return out
 
 
@@ -192,6 +196,8 @@ def model_text(c, bn: str | None = None) -> str:
     return f"model cnn (features {tuple(c.features)}), {bn or f'BN strategy {c.bn}'}"
   if c.model == "mlp":
     return "model mlp (hidden widths (256, 256), its default), no BatchNorm"
+  if c.model not in BN_MODELS:
+    return f"model {c.model} (registered: built with num_classes only)"
   return f"model {c.model} (its standard widths), {bn or f'BN strategy {c.bn}'}"
 
 
@@ -200,7 +206,7 @@ def build_model(c, dataset, *, policy: str = "fp32", bn: str | None = None):
   strategy = batchnorm.get_strategy(bn or c.bn)
   model = models_lib.get_model(c.model, num_classes=dataset.num_classes,
                                **({"features": tuple(c.features)} if c.model == "cnn" else {}),
-                               **(strategy.model_kwargs() if c.model != "mlp" else {}))
+                               **(strategy.model_kwargs() if c.model in BN_MODELS else {}))
   return precision.apply_policy(model, policy)
 
 

@@ -68,7 +68,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   from mfopt import models as models_lib  # noqa: PLC0415
   # classifiers on class labels (lstm_lm on digits failed inside its run)
   known = {"dataset": data_lib.classification_datasets(),
-           "model": models_lib.CLASSIFIERS}
+           "model": models_lib.classifiers()}
   for i, pair in enumerate(c.pairs):  # (a bad name used to fail after the first pairs trained)
     for what, value in zip(("dataset", "model"), pair):
       if value not in known[what]:

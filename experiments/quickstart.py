@@ -40,7 +40,7 @@ from mfopt import parallel, report, runner, train
 
 # names it can build; the runner refuses others before anything runs (the embedded datasets:
 # the main job runs on a fresh machine without TFDS data)
-CHOICES = {"datasets": ("digits", "mnist1d"), "models": models_lib.CLASSIFIERS}
+CHOICES = {"datasets": ("digits", "mnist1d"), "models": models_lib.classifiers}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +230,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   runner.require_choice(c, "algorithms", tuple(ALGORITHMS))
   runner.require_choice(c, "sim_runs", tuple(SIM_RUNS))
   # classifiers only (lstm_lm is a language model: it takes no num_classes)
-  runner.require_choice(c, "models", tuple(m for m in models_lib.MODELS if m != "lstm_lm"))
+  runner.require_choice(c, "models", models_lib.classifiers())
   if len(c.models) != len(c.datasets):
     raise runner.ConfigError(
         f"config field 'models' needs one model per dataset ({len(c.datasets)}), got {c.models!r}")

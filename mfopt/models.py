@@ -735,15 +735,47 @@ class LSTMLM(nn.Module):
 # ----------------------------------------------------------------------------- registry/helpers
 
 #: name -> model class; :func:`get_model` forwards its keyword arguments to the constructor.
-MODELS: Mapping[str, Callable[..., nn.Module]] = {
+#: :func:`register` adds to it.
+MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": MLP,
     "cnn": CNN,
     "resnet18": ResNet18,
     "resnet50": ResNet50,
     "lstm_lm": LSTMLM,
 }
-#: The models that classify (logits per example); ``lstm_lm`` predicts tokens.
+#: The built-in models that classify (logits per example); ``lstm_lm`` predicts tokens.
+#: :func:`classifiers` adds the ones registered since.
 CLASSIFIERS = tuple(n for n in MODELS if n != "lstm_lm")
+_REGISTERED_CLASSIFIERS: list[str] = []
+
+
+def register(name: str, builder: Callable[..., nn.Module], *, classifier: bool = True) -> None:
+  """Adds a model of your own under ``name``: ``builder(num_classes=..., **kwargs)`` returns
+  a flax module (its class, or a function). A classifier (logits per example) can then be
+  named where the experiments take a model (``model=``, ``models=``, ``pairs=``), which get
+  the names from :func:`classifiers` when they check a config; they pass it
+  ``num_classes`` only (the built-in models' own settings, an MLP's widths or a CNN's BN
+  strategy, go to those). ``python -m experiments --import yourmodule`` runs your module
+  (and so its ``register`` calls) before the config is checked.
+
+  Raises:
+    ValueError: ``name`` is taken or not a non-empty string, or ``builder`` is not callable.
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"name must be a non-empty string, got {name!r}")
+  if name in MODELS:
+    raise ValueError(f"model name {name!r} is taken; known models: {sorted(MODELS)}")
+  if not callable(builder):
+    raise ValueError(f"builder must be callable (a flax module class or a function), "
+                     f"got {builder!r}")
+  MODELS[name] = builder
+  if classifier:
+    _REGISTERED_CLASSIFIERS.append(name)
+
+
+def classifiers() -> tuple[str, ...]:
+  """The classifier names: the built-in :data:`CLASSIFIERS` and those :func:`register` added."""
+  return CLASSIFIERS + tuple(_REGISTERED_CLASSIFIERS)
 
 
 def get_model(name: str, **kwargs: Any) -> nn.Module:

@@ -82,6 +82,19 @@ def list_experiments() -> list[str]:
 
 
 def load_experiment(name: str) -> ModuleType:
+  """The experiment module ``name``: one of :func:`list_experiments`, or a dotted module path
+  of your own (``mypkg.my_experiment``, importable from ``sys.path``) with the same
+  ``get_config`` / ``run`` (and optional ``validate``, ``CHOICES``) as this package's."""
+  if "." in name:
+    try:
+      module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+      raise ConfigError(f"experiment module {name!r} cannot be imported ({e}); a dotted name is "
+                        "a module of your own on sys.path (PYTHONPATH)") from None
+    for attr in ("get_config", "run"):
+      if not callable(getattr(module, attr, None)):
+        raise ConfigError(f"experiment module {name!r} does not define {attr}()")
+    return module
   known = list_experiments()
   if name not in known:
     pkg = importlib.import_module(EXPERIMENTS_PACKAGE)
@@ -787,11 +800,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("-h", "--help", action="store_true",
                       help="show this help; with an experiment name, also what it runs and its "
                       "config (with --quick: the quick preset's)")
-  parser.add_argument("name", nargs="?", help="experiment name (omit with --list)")
+  parser.add_argument("name", nargs="?", help="experiment name (omit with --list), or a "
+                      "dotted module path of your own experiment (get_config/run)")
   parser.add_argument("overrides", nargs="*", help="config overrides key=value (dotted keys)")
   parser.add_argument("--quick", action="store_true", help="the small preset used in CI")
   parser.add_argument("--workdir", default=None, help="output directory (default runs/<name>[-quick])")
   parser.add_argument("--list", action="store_true", help="list experiments and exit")
+  parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first (repeatable): a module of your own that "
+                      "registers datasets (mfopt.data.register) or models "
+                      "(mfopt.models.register) for the config to name")
   parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
   parser.add_argument("--checkpoint-every", type=int, default=None,
                       help="steps between checkpoints, rounded up to a multiple of each run's "
@@ -827,6 +845,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
           file=sys.stderr)
     return 2
   try:
+    for module_name in args.imports:
+      try:
+        importlib.import_module(module_name)
+      except ModuleNotFoundError as e:
+        raise ConfigError(f"--import {module_name}: {e} (a module on sys.path, PYTHONPATH)") \
+            from None
     refuse_repeated_keys(args.overrides)
     module, config = prepare(args.name, quick=args.quick, overrides=args.overrides)  # fail before joining a job
     if args.help:  # (the same help for every name told nothing about the experiment)

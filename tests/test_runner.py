@@ -165,7 +165,8 @@ def test_bad_values(override, match):
     # printed them ("model mlp (features (64,)), BN strategy sync" over an MLP without BN)
     ("hybrid_vs_baselines", "model=mlp features=(64,)",
      r"'features' is not used here: model='mlp' takes no channel widths .*got features=\(64,\)"),
-    ("hybrid_warmup_T", "model=mlp bn=sync", r"'bn' is not used here: model='mlp' has no BatchN"),
+    ("hybrid_warmup_T", "model=mlp bn=sync",
+     r"'bn' is not used here: model='mlp' is not built with a BN"),
     ("precision", "comm_dtype=bfloat16", r"'comm_dtype' is not used here: each policy sets"),
     ("bn_strategies", "bn=moving_average", r"'bn' is not used here: each row of bn_strategies"),
     ("async_scaling", "num_workers=8", r"'num_workers' is not used here: worker_counts=\(1, 2, 4"),
@@ -213,11 +214,53 @@ def test_every_preset_meets_the_field_conventions():
 def test_seed004_experiments_take_a_tfds_classification_dataset():
   """Their CHOICES name every classification dataset, and a second list in their validation
   refused all but mnist1d and digits (they run on mock CIFAR-10 end to end)."""
-  for name in ("hybrid_vs_baselines", "hybrid_warmup_T", "precision", "bn_strategies"):
+  for name in ("hybrid_vs_baselines", "hybrid_warmup_T", "precision", "bn_strategies",
+               "mf_mlp"):
     _, c = runner.prepare(name, quick=True, overrides=["dataset=cifar10"])
     assert c.dataset == "cifar10"
   _raises(r"'dataset' must be one of .*got 'tiny_shakespeare'", "precision",
           "dataset=tiny_shakespeare")  # (a language-model dataset is still refused)
+
+
+def test_the_cli_runs_user_code_registered_models_and_a_user_experiment(tmp_path, monkeypatch,
+                                                                        capsys):
+  """`python -m experiments` could not see user code: a registered model was refused by every
+  classifier experiment (a frozen name list), and an experiment had to live in this package.
+  --import runs a user module first; models.register adds a classifier; a dotted name is a
+  user experiment module."""
+  from mfopt import models
+  monkeypatch.setattr(models, "MODELS", dict(models.MODELS))
+  monkeypatch.setattr(models, "_REGISTERED_CLASSIFIERS", [])
+  monkeypatch.syspath_prepend(str(tmp_path))
+  (tmp_path / "my_models_s24.py").write_text(
+      "from mfopt import models\n"
+      "models.register('tiny_s24', lambda num_classes, **kw: models.MLP(hidden=(4,), "
+      "num_classes=num_classes))\n")
+  (tmp_path / "my_pkg_s24").mkdir()
+  (tmp_path / "my_pkg_s24" / "__init__.py").write_text("")
+  (tmp_path / "my_pkg_s24" / "exp.py").write_text(
+      "import ml_collections\n"
+      "def get_config(quick=False):\n"
+      "  c = ml_collections.ConfigDict(); c.every = 2; return c\n"
+      "def validate(c):\n"
+      "  if c.every < 1: raise ValueError(f\"'every' must be positive, got {c.every}\")\n"
+      "def run(c, workdir):\n"
+      "  (workdir / 'report.md').write_text(f'every {c.every}\\n'); return {'every': c.every}\n")
+  _raises(r"'model' must be one of .*got 'tiny_s24'", "hybrid_vs_baselines", "model=tiny_s24")
+  assert runner.main(["--import", "my_models_s24", "--show-config", "hybrid_vs_baselines",
+                      "--quick", "model=tiny_s24"]) == 0
+  assert "model: tiny_s24" in capsys.readouterr().out
+  assert models.classifiers()[-1] == "tiny_s24"
+  _, c = runner.prepare("block_momentum_table", quick=True,
+                        overrides=["pairs=(('digits','tiny_s24'),)"])
+  with pytest.raises(ValueError, match=r"model name 'tiny_s24' is taken"):
+    models.register("tiny_s24", models.MLP)
+  assert runner.main(["my_pkg_s24.exp", "--workdir", str(tmp_path / "w"), "every=3"]) == 0
+  assert (tmp_path / "w" / "report.md").read_text() == "every 3\n"
+  assert runner.main(["my_pkg_s24.exp", "--workdir", str(tmp_path / "w2"), "every=0"]) == 2
+  assert runner.main(["--import", "no_such_module_s24", "quickstart"]) == 2
+  err = capsys.readouterr().err
+  assert "'every' must be positive, got 0" in err and "--import no_such_module_s24" in err
 
 
 def test_tuple_of_strings_in_parentheses_without_quotes():
