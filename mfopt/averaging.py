@@ -545,6 +545,18 @@ def periodic_averaging(inner: optax.GradientTransformation, axis_name: AxisName,
   if not isinstance(period, PeriodController):
     raise ValueError(f"period must be a PeriodController or a positive int, got {period!r}"
                      f"{_checks._array_hint(period)}")
+  # a controller of your own: its fields (uses_variance="no" was read as True and added a
+  # scalar all-reduce to every sync)
+  if not isinstance(period.uses_variance, bool):
+    raise ValueError(f"period ({period.name}): uses_variance must be a bool, got "
+                     f"{period.uses_variance!r}")
+  for field in ("init", "advance", "on_sync"):
+    if not callable(getattr(period, field)):
+      raise ValueError(f"period ({period.name}): {field} must be callable, got "
+                       f"{getattr(period, field)!r}")
+  if period.host_period is not None and not callable(period.host_period):
+    raise ValueError(f"period ({period.name}): host_period must be callable or None, got "
+                     f"{period.host_period!r}")
   axis_name = check_axis_name(axis_name)
   comm_dtype = comm_dtype_of(comm_dtype)
   _checks.nonnegative_int("trace_length", trace_length)

@@ -167,7 +167,7 @@ def test_constructor_rejects_exactly_the_invalid_arguments(name, data):
 def test_every_public_transform_constructor_is_covered():
   """A new public constructor on main must get a row above (or be listed as not a constructor)."""
   not_constructors = {"check_mf_conditions", "linear_scaling_rule", "noise_scale", "comm_totals",
-                      "averaging_metrics", "sync_trace", "make_mesh", "scheduled_period",
+                      "averaging_metrics", "sync_trace", "variance_trace", "make_mesh", "scheduled_period",
                       "differentiable_gates",  # a context manager
                       "chain",  # optax.chain keeping a host schedule (tests/test_host_gates.py)
                       # seed-004 bound/schedule formulas (functions of the epoch), not transforms
@@ -222,3 +222,14 @@ def test_quickstart_config_rejects_exactly_the_invalid_fields(data):
 def test_periodic_averaging_nonpositive_int_period_names_period():
   with pytest.raises(ValueError, match=r"period must be .*got 0"):
     mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, 0)
+
+
+def test_a_controller_of_your_own_with_a_bad_field_is_named():
+  """uses_variance="no" was read as True (an extra all-reduce per sync); a non-callable hook
+  failed later inside the step without naming the controller."""
+  good = mfopt.constant_period(2)
+  for field, value, match in (("uses_variance", "no", r"uses_variance must be a bool, got 'no'"),
+                              ("on_sync", 3, r"on_sync must be callable, got 3"),
+                              ("host_period", "x", r"host_period must be callable or None")):
+    with pytest.raises(ValueError, match=r"period \(constant\(p=2\)\): " + match):
+      mfopt.periodic_averaging(optax.sgd(0.1), mfopt.WORKER_AXES, good._replace(**{field: value}))
