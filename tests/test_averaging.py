@@ -357,6 +357,11 @@ def test_track_variance_gives_eq7_and_eq11():
   np.testing.assert_allclose(per_step["variance"], var_k[4:], rtol=1e-4, atol=1e-12)
   host = mfopt.variance_trace(jax.device_get(state))  # a host copy reads the same
   np.testing.assert_array_equal(host["variance"], per_step["variance"])
+  # Fewer steps than trace_length: the steps done so far, from step 0 (no unwritten NaN slot)
+  _, early = run_jax(tx, steps=5)
+  part = mfopt.variance_trace(early)
+  np.testing.assert_array_equal(part["step"], np.arange(5))
+  np.testing.assert_allclose(part["variance"], var_k[:5], rtol=1e-4, atol=1e-12)
   with pytest.raises(ValueError, match=r"variance_trace needs .*track_variance=True"):
     mfopt.variance_trace(mfopt.periodic_averaging(
         optax.sgd(0.1), None, p, trace_length=8).init({"w": jnp.ones(2)}))

@@ -376,6 +376,27 @@ def test_a_state_of_another_shape_is_refused_and_the_checkpoint_kept(tmp_path):
         {"kernel": jnp.zeros((3, 5)), "bias": jnp.zeros(5), "hist": np.zeros(2)})
   assert str(info.value).endswith(": bias: checkpoint (4,) float32 -> now (5,) float32; "
                                   "kernel: checkpoint (3, 4) float32 -> now (3, 5) float32")
+  # the first 3 differing leaves by name, then a count of the rest; the worker-axis hint
+  # only where every difference is the same leading-axis change
+  ckpt = checkpoint.RunCheckpointer(tmp_path / "four", keep=1)
+  ckpt.save(1, {k: jnp.zeros((1, 2) if k == "a" else (1,)) for k in "abcd"}, {})
+  ckpt.close()
+
+  def refused(shapes):
+    with pytest.raises(checkpoint.ConfigMismatchError) as info:
+      checkpoint.RunCheckpointer(tmp_path / "four").restore_latest(
+          {k: jnp.zeros(shape) for k, shape in zip("abcd", shapes)})
+    return str(info.value).split("tree); it cannot be restored into this run's state")[1]
+
+  f32 = "float32 -> now"
+  assert refused([(2, 2), (2,), (2,), (2,)]) == (
+      f": a: checkpoint (1, 2) {f32} (2, 2) float32; b: checkpoint (1,) {f32} (2,) float32; "
+      f"c: checkpoint (1,) {f32} (2,) float32 (and 1 more). Only the leading axis differs "
+      f"(1 -> 2): in train.fit's state that is the worker axis, and a run cannot resume with "
+      f"another number of workers")
+  assert refused([(2, 2), (3,), (2,), (1,)]) == (  # two different leading changes: no hint
+      f": a: checkpoint (1, 2) {f32} (2, 2) float32; b: checkpoint (1,) {f32} (3,) float32; "
+      f"c: checkpoint (1,) {f32} (2,) float32")
 
 
 def test_a_step_set_aside_twice_is_reported_under_its_newest_name(tmp_path, capsys):

@@ -82,6 +82,19 @@ def test_precision_quick(tmp_path, monkeypatch):
   assert fp16["train_loss_scale"] > 0 and 0 <= fp16["train_overflow"] <= 1
 
 
+def test_bn_strategies_counts_every_seed_that_did_not_diverge():
+  """Row 1's all-reduces and samples differ by seed: the cell shows every seed's count unless
+  all agree (whichever seed differs), and a diverged seed (nan counters) is left out."""
+  from experiments import bn_strategies
+  ok = lambda n: {"summary": {"all_reduces": n, "samples": 10 * n}}  # noqa: E731
+  bad = {"summary": {"all_reduces": float("nan"), "samples": float("nan")}, "diverged": True}
+  rs = [ok(5), bad, ok(6), ok(5)]
+  assert bn_strategies._over_seeds(rs, "all_reduces") == [5, 6, 5]
+  assert bn_strategies._over_seeds(rs, "samples") == [50, 60, 50]
+  assert bn_strategies._counts([5, 6, 5]) == "5-6 (by seed: 5/6/5)"
+  assert bn_strategies._over_seeds([bad], "samples") == []
+
+
 def test_bn_strategies_quick(tmp_path, monkeypatch):
   """The report's content, equal samples, BN's all-reduces; and row 1's data stream. Row 1
   draws per-worker batches of B/2, B or 3B/2; it used to cut them from a 3B/2 batch,

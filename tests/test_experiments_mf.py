@@ -502,6 +502,12 @@ def test_mf_lstm_report_states_the_train_perplexity_window(tmp_path, monkeypatch
   cell = {a["mf"]: a for a in out["cells"]}
   assert cell[0.9]["train_perplexity_mean"] == pytest.approx(math.exp(1.9))
   assert cell[0.99]["validation_perplexity_mean"] == pytest.approx(math.exp(2.0))
+  # MFs off Table 4's grid: no claim, and the report names the grid and this run's MFs
+  _, c = runner.prepare("mf_lstm", quick=True, overrides=["mfs=(0.5,0.3)"])
+  assert mf_lstm.run(c, tmp_path)["claims"] == {}
+  assert (f"- no claim testable: Table 4's claims compare two different MFs of its grid "
+          f"{tuple(mf_lstm.PAPER_TABLE4)}; this run has mfs=(0.3, 0.5)"
+          in (tmp_path / "report.md").read_text())
 
 
 def test_mf_sweep_one_gpu_claim_is_sgds_and_both_mfs_must_be_the_papers():
@@ -548,3 +554,10 @@ def test_mf_sweep_adam_lr_overrides_adams_lr_only(tmp_path, monkeypatch):
   _, c = runner.prepare("mf_sweep", quick=True, overrides=["adam_lr=0.003"])
   out = mf_sweep.run(c, tmp_path)
   assert lrs == {"sgd": 0.05, "nag": 0.05, "adam": 0.003} == out["learning_rates"]
+  # MFs off the paper's grid: no claim, and the report says what the claims need
+  _, c = runner.prepare("mf_sweep", quick=True, overrides=["mfs=(0.5,0.6)"])
+  assert mf_sweep.run(c, tmp_path)["claims"] == {}
+  text = (tmp_path / "report.md").read_text()
+  assert "- no claim testable: §4.3.1's claims compare the lowest and highest MF run" in text
+  assert f"(Fig. 5's one-GPU values); this run has mfs=(0.5, 0.6), workers={tuple(c.workers)}" \
+      in text

@@ -329,6 +329,16 @@ def test_validate_steps_evaluates_a_schedule_once_on_all_steps_and_per_step_othe
   scalar_only = lambda t: 0.9 if int(t) < 7 else 1.5  # (int() of a vector raises)
   with pytest.raises(ValueError, match=r"mf must be in \[0, 1\), got 1.5 at step 7"):
     mfopt.mf_sgd(0.1, mf=scalar_only, validate_steps=10)
+  # a schedule that ignores its step (optax.constant_schedule returns a 0-d array for a vector
+  # of steps) is checked step by step, each step named
+  with pytest.raises(ValueError, match=r"mf must be in \[0, 1\), got 1.5 at step 0"):
+    mfopt.mf_sgd(0.1, mf=optax.constant_schedule(1.5), validate_steps=10)
+  mfopt.mf_sgd(0.1, mf=optax.constant_schedule(0.5), validate_steps=10)
+  with jax.enable_x64(True):  # values read at their own precision (a float64 MF just below 1
+    # is in [0, 1); rounded to float32 it was 1.0), as the step-by-step path reads them
+    below_one = lambda t: jnp.full(jnp.shape(t), 1 - 1e-12, jnp.float64)  # noqa: E731
+    assert mfopt.mf._values(below_one, 3, "mf") == [1 - 1e-12] * 3
+    mfopt.mf_sgd(0.1, mf=below_one, validate_steps=3)
 
 
 def test_injected_mf1_under_x64_keeps_a_float64_bias_correction():

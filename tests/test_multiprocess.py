@@ -777,6 +777,33 @@ sys.exit(code)
 
 
 @pytest.mark.slow  # child processes (no JAX in them: seconds)
+def test_the_launcher_names_the_process_that_exited_first_when_several_are_found_dead():
+  """Two processes found dead at one poll: the launcher names (and returns the code of) the
+  one that exited first, not the lowest index. Here its first poll sleeps 2.5 s, by which time
+  process 1 (exit 3 at once) and then process 0 (exit 4 after 1 s) have both ended."""
+  driver = f"""
+import importlib.util, sys, time, types
+spec = importlib.util.spec_from_file_location("launch_local", {str(LAUNCH)!r})
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+slept = []
+def sleep(s):
+  slept.append(s)
+  time.sleep(2.5 if len(slept) == 1 else s)
+launch.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
+child = ("import os, sys, time\\n"
+         "if os.environ['MFOPT_PROCESS_ID'] == '0': time.sleep(1.0); sys.exit(4)\\n"
+         "sys.exit(3)")
+sys.exit(launch.main(["-n", "2", "--grace", "1", "--", "-c", child]))
+"""
+  proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True,
+                        timeout=60)
+  assert proc.returncode == 3, (proc.returncode, proc.stderr)
+  assert re.search(r"process 1 \(pid \d+\) died: exit code 3", proc.stderr), proc.stderr
+  assert re.search(r"process 0 \(pid \d+\) then ended: exit code 4", proc.stderr), proc.stderr
+
+
+@pytest.mark.slow  # child processes (no JAX in them: seconds)
 def test_sigterm_while_the_launcher_starts_its_processes_stops_them(tmp_path):
   """A cancel that lands while the children are being started: the handlers used to be
   installed after the last start, so SIGTERM then killed the launcher alone (exit -15) and

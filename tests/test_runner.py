@@ -211,6 +211,23 @@ def test_every_preset_meets_the_field_conventions():
       runner.check_conventions(module.get_config(quick))
 
 
+def test_a_repeat_is_refused_by_its_first_repeated_item_and_allowed_in_layout_fields():
+  """A repeated sweep value or seed ran the same cell twice; the error names the first item
+  seen again. One thing's layout (layer widths, a schedule of periods) and quickstart's
+  datasets/models, read in pairs, may repeat an item."""
+  import ml_collections
+  with pytest.raises(runner.ConfigError, match=r"'seeds' repeats 2 \(a repeated item"):
+    runner.check_conventions(ml_collections.ConfigDict({"seeds": (1, 2, 2, 1)}))
+  for name, value in (("hidden", (64, 64)), ("mlp_hidden", (8, 8)), ("features", (4, 4)),
+                      ("decreasing_periods", (4, 4)), ("datasets", ("digits", "digits")),
+                      ("models", ("mlp", "mlp"))):
+    runner.check_conventions(ml_collections.ConfigDict({name: value}))  # (no error)
+  # quickstart reads datasets and models in pairs: one dataset under two models is legal
+  _, c = runner.prepare("quickstart", quick=True,
+                        overrides=["datasets=('digits','digits')", "models=('mlp','cnn')"])
+  assert tuple(c.datasets) == ("digits", "digits")
+
+
 def test_seed004_experiments_take_a_tfds_classification_dataset():
   """Their CHOICES name every classification dataset, and a second list in their validation
   refused all but mnist1d and digits (they run on mock CIFAR-10 end to end)."""

@@ -1110,6 +1110,11 @@ def test_to_target_counts_worker_steps_as_samples_over_the_global_batch():
   assert line.startswith("- **Reached the target at the first evaluation**: strategy=ASP "
                          "workers=1 (1/2 seeds). Their time, samples and steps to target are")
   assert suite.first_eval_lines(table[1:], ("strategy", "workers")) == []
+  rows[1]["target_at_first_eval"] = True  # both seeds of the group: counted, not flagged
+  both = suite.aggregate(rows, ("strategy", "workers"), ("samples_to_target",))
+  assert [r["target_at_first_eval"] for r in both] == [2, 0]
+  assert "strategy=ASP workers=1 (2/2 seeds)." in suite.first_eval_lines(
+      both, ("strategy", "workers"))[0]
 
 
 def test_suite_groups_and_selects_rows_on_every_key():
