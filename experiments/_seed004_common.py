@@ -90,6 +90,13 @@ def validate_common(c) -> None:
   if not c.seeds:
     raise runner.ConfigError("config field 'seeds' must not be empty")
   # (hybrid_warmup_T has warmup_values instead, checked the same way)
+  if c.model not in models_lib.CLASSIFIERS:  # a registered model: the policies set its dtype
+    built = models_lib.get_model(c.model, num_classes=2)
+    if not hasattr(built, "dtype"):
+      raise runner.ConfigError(
+          f"config field 'model': {c.model!r} (registered) has no 'dtype' field, which these "
+          f"experiments set to the run's compute dtype (mfopt.precision.apply_policy); give "
+          f"the module a field `dtype: Any = jnp.float32` used by its layers")
   if "warmup_epochs" in c and not 0 < c.warmup_epochs < c.epochs:
     # as long as the run (or longer), the hybrid never left its AdaBound warm-up and was
     # judged as the hybrid anyway

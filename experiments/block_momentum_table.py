@@ -137,8 +137,10 @@ def run(c: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
       "# block_momentum_table: seed 003 Table I at small scale\n",
       report.environment_markdown(env),
       "- Pairs (dataset/model): " + ", ".join(f"{d}/{m}" for d, m in c.pairs)
-      + " (embedded datasets: " + "; ".join(f"{d} {z}" for d, z in sizes.items()) + "); "
-      f"MLP hidden {tuple(c.mlp_hidden)}, CNN: the registry default",
+      + " (datasets: " + "; ".join(f"{d} {z}" for d, z in sizes.items()) + "); "
+      + "; ".join(dict.fromkeys(
+          f"MLP hidden {tuple(c.mlp_hidden)}" if m == "mlp" else f"{m}: the registry default"
+          for _, m in c.pairs)),
       f"- Workers P={c.num_workers} (virtual, {env['device_count']} device(s)); per-worker batch "
       f"B={c.per_worker_batch}; K={c.period} local plain-SGD steps per round at lr "
       f"{c.learning_rate}; {c.num_steps} steps ({c.num_steps * c.num_workers * c.per_worker_batch:,}"

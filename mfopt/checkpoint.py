@@ -52,6 +52,7 @@ import contextlib
 import contextvars
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -209,9 +210,36 @@ def plain_settings(v: Any) -> Any:
     return [plain_settings(x) for x in v]
   if isinstance(v, Mapping):
     return {str(k): plain_settings(x) for k, x in v.items()}
+  if isinstance(v, functools.partial):  # (a changed activation's keywords were invisible)
+    return {"partial": plain_settings(v.func), "args": plain_settings(list(v.args)),
+            "keywords": plain_settings(dict(v.keywords))}
   if isinstance(v, type) or callable(v):
     return getattr(v, "__qualname__", type(v).__name__)
   return type(v).__name__
+
+
+def changed_settings(obj: Any) -> Any:
+  """:func:`plain_settings` of a dataclass's fields whose values differ from their defaults
+  (all of them for a field without one). ``train.fit``'s fingerprint of the model: a field a
+  later version adds with a default then leaves earlier checkpoints resumable (the built-in
+  models gained ``bn_impl``, ``conv_impl`` and ``bn_groups`` that way)."""
+  if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+    return plain_settings(obj)
+  out = {}
+  for f in dataclasses.fields(obj):
+    if f.name in ("parent", "name"):
+      continue
+    value = getattr(obj, f.name)
+    default = (f.default if f.default is not dataclasses.MISSING
+               else f.default_factory() if f.default_factory is not dataclasses.MISSING
+               else dataclasses.MISSING)
+    try:
+      same = default is not dataclasses.MISSING and bool(value == default)
+    except Exception:  # noqa: BLE001  (an array: compared by value it is ambiguous)
+      same = False
+    if not same:
+      out[f.name] = plain_settings(value)
+  return out
 
 
 def _path_name(path: Sequence[Any]) -> str:
@@ -527,8 +555,9 @@ class RunCheckpointer:
     fmt = lambda sd: "missing" if sd is None else f"{sd[0]} {sd[1]}"  # noqa: E731
     diff = [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))
             if was.get(k) != now.get(k)]
-    if not diff:
-      return ""
+    if not diff:  # (adam's checkpoint for adamw: same leaves, another state tree)
+      return (": the same arrays under another state tree (a different optimizer or transform "
+              "chain?)")
     text = "; ".join(f"{k}: checkpoint {fmt(a)} -> now {fmt(b)}" for k, a, b in diff[:shown])
     more = f" (and {len(diff) - shown} more)" if len(diff) > shown else ""
     leading = {(a[0][0], b[0][0]) for _, a, b in diff

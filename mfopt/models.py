@@ -755,7 +755,8 @@ def register(name: str, builder: Callable[..., nn.Module], *, classifier: bool =
   named where the experiments take a model (``model=``, ``models=``, ``pairs=``), which get
   the names from :func:`classifiers` when they check a config; they pass it
   ``num_classes`` only (the built-in models' own settings, an MLP's widths or a CNN's BN
-  strategy, go to those). ``python -m experiments --import yourmodule`` runs your module
+  strategy, go to those). The seed-004 experiments also set its compute dtype, so there it
+  needs a ``dtype`` field used by its layers (they refuse a model without one). ``python -m experiments --import yourmodule`` runs your module
   (and so its ``register`` calls) before the config is checked.
 
   Raises:

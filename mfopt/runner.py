@@ -855,7 +855,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     module, config = prepare(args.name, quick=args.quick, overrides=args.overrides)  # fail before joining a job
     if args.help:  # (the same help for every name told nothing about the experiment)
       parser.print_help()
-      print(f"\n{inspect.getdoc(module)}\n\n{inspect.getdoc(module.get_config)}"
+      print(f"\n{inspect.getdoc(module) or ''}\n\n{inspect.getdoc(module.get_config) or ''}"
             f"\n\nconfig{' (--quick)' if args.quick else ''} (override with key=value):\n"
             f"{config}")
       return 0

@@ -903,7 +903,8 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
     run_info: extra JSON fields for the run's fingerprint (e.g. the algorithm
       name and its hyperparameters): a checkpoint with a different fingerprint
       is refused, naming the differing fields. The fingerprint already holds the dataset,
-      the model's class and fields (``model_settings``: a bf16 model is not an f32 one),
+      the model's class and fields that differ from their defaults (``model_settings``: a
+      bf16 model is not an f32 one),
       the workers, batch, steps, seed and logging intervals. ``tx`` itself is not in the fingerprint (an
       optax transform cannot be read back), and hyperparameters held in its state, e.g.
       ``constant_period``'s ``p`` or ``optax.inject_hyperparams``' values, resume with the
@@ -996,8 +997,9 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
   if checkpoint_dir is not None:
     fingerprint = {"dataset": dataset.name, "train_examples": len(dataset.train),
                    "model": type(model).__name__,
-                   # its fields (a bf16 model resumed an f32 run's checkpoint: same shapes)
-                   "model_settings": ckpt_lib.plain_settings(model), "num_workers": num_workers,
+                   # its fields that differ from their defaults (a bf16 model resumed an f32
+                   # run's checkpoint: same shapes)
+                   "model_settings": ckpt_lib.changed_settings(model), "num_workers": num_workers,
                    "per_worker_batch": per_worker_batch, "num_steps": num_steps, "seed": seed,
                    "log_every": log_every, "eval_every": eval_every, "desc": desc,
                    **dict(run_info or {})}

@@ -572,9 +572,30 @@ def test_averaging_checkpoints_from_before_trace_variance_restore_and_nothing_el
   ckpt = checkpoint.RunCheckpointer(tmp_path / "adam", keep=1)
   ckpt.save(1, optax.adam(0.1).init(params), {})
   ckpt.close()
-  with pytest.raises(checkpoint.ConfigMismatchError, match="state of a different structure"):
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match=r"state of a different structure .*: the same arrays under another "
+                           r"state tree \(a different optimizer or transform chain\?\)$"):
     checkpoint.RunCheckpointer(tmp_path / "adam").restore_latest(
         optax.adamw(0.1, weight_decay=0.5).init(params))
+
+
+def test_model_fingerprints_hold_the_changed_fields_and_see_into_partials():
+  """fit fingerprints a model by its fields that differ from their defaults: a field a later
+  version adds with a default leaves earlier checkpoints resumable (every field made them
+  'a different run'); a partial's keywords are seen (a changed activation compared equal)."""
+  import functools
+
+  import flax.linen as nn
+  from mfopt import models
+  import jax.numpy as jnp
+  mlp = models.get_model("mlp", hidden=(8,), num_classes=3)
+  assert checkpoint.changed_settings(mlp) == {"hidden": [8], "num_classes": 3}
+  bf16 = models.get_model("mlp", hidden=(8,), num_classes=3, dtype=jnp.bfloat16)
+  assert checkpoint.changed_settings(bf16)["dtype"] == "bfloat16"
+  exact, approx = (functools.partial(nn.gelu, approximate=a) for a in (False, True))
+  assert checkpoint.plain_settings(exact) != checkpoint.plain_settings(approx)
+  assert checkpoint.plain_settings(approx) == {"partial": "gelu", "args": [],
+                                               "keywords": {"approximate": True}}
 
 
 def test_structure_hash_of_states_without_renamed_classes_is_unchanged():

@@ -252,7 +252,14 @@ def test_the_cli_runs_user_code_registered_models_and_a_user_experiment(tmp_path
   (tmp_path / "my_models_s24.py").write_text(
       "from mfopt import models\n"
       "models.register('tiny_s24', lambda num_classes, **kw: models.MLP(hidden=(4,), "
-      "num_classes=num_classes))\n")
+      "num_classes=num_classes))\n"
+      "import flax.linen as nn\n"
+      "class NoDtype(nn.Module):\n"
+      "  num_classes: int\n"
+      "  @nn.compact\n"
+      "  def __call__(self, x, train=False):\n"
+      "    return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))\n"
+      "models.register('nodtype_s24', NoDtype)\n")
   (tmp_path / "my_pkg_s24").mkdir()
   (tmp_path / "my_pkg_s24" / "__init__.py").write_text("")
   (tmp_path / "my_pkg_s24" / "exp.py").write_text(
@@ -267,11 +274,18 @@ def test_the_cli_runs_user_code_registered_models_and_a_user_experiment(tmp_path
   assert runner.main(["--import", "my_models_s24", "--show-config", "hybrid_vs_baselines",
                       "--quick", "model=tiny_s24"]) == 0
   assert "model: tiny_s24" in capsys.readouterr().out
-  assert models.classifiers()[-1] == "tiny_s24"
+  assert models.classifiers()[-2:] == ("tiny_s24", "nodtype_s24")
   _, c = runner.prepare("block_momentum_table", quick=True,
                         overrides=["pairs=(('digits','tiny_s24'),)"])
   with pytest.raises(ValueError, match=r"model name 'tiny_s24' is taken"):
     models.register("tiny_s24", models.MLP)
+  # the seed-004 experiments set the compute dtype: a model without the field is refused
+  # before the run (it stopped with a traceback after making the workdir)
+  _raises(r"'model': 'nodtype_s24' \(registered\) has no 'dtype' field", "hybrid_vs_baselines",
+          "model=nodtype_s24")
+  capsys.readouterr()
+  assert runner.main(["--help", "my_pkg_s24.exp"]) == 0
+  assert "None" not in capsys.readouterr().out  # (no docstrings: it printed "None" twice)
   assert runner.main(["my_pkg_s24.exp", "--workdir", str(tmp_path / "w"), "every=3"]) == 0
   assert (tmp_path / "w" / "report.md").read_text() == "every 3\n"
   assert runner.main(["my_pkg_s24.exp", "--workdir", str(tmp_path / "w2"), "every=0"]) == 2
