@@ -365,24 +365,12 @@ class AveragingDiagnostics(NamedTuple):
   trace_variance: jax.Array
 
 
-class _AveragingDiagnosticsBefore(NamedTuple):
-  """:class:`AveragingDiagnostics` as checkpoints before 2026-11-26 hold it (no
-  ``trace_variance``). Named like it, so its tree structure is the one those recorded."""
-
-  syncs: jax.Array
-  last_sync_variance: jax.Array
-  variance: jax.Array
-  variance_sum: jax.Array
-  variance_exchanges: jax.Array
-  trace_step: jax.Array
-  trace_period: jax.Array
-  trace_sync_variance: jax.Array
-  trace_mean_variance: jax.Array
-  trace_lr: jax.Array
-
-
-_AveragingDiagnosticsBefore.__name__ = "AveragingDiagnostics"
-_AveragingDiagnosticsBefore.__qualname__ = "AveragingDiagnostics"
+#: :class:`AveragingDiagnostics` as checkpoints before 2026-11-26 hold it: its fields before
+#: ``trace_variance``, under its name (so the tree structure is the one those recorded).
+_AveragingDiagnosticsBefore = NamedTuple(  # type: ignore[misc]
+    "AveragingDiagnostics",
+    [(f, jax.Array) for f in
+     AveragingDiagnostics._fields[:AveragingDiagnostics._fields.index("trace_variance")]])
 
 
 def _layout_before_trace_variance(state: Any) -> Any:
@@ -395,7 +383,7 @@ def _layout_before_trace_variance(state: Any) -> Any:
     if not isinstance(x, AveragingDiagnostics):
       return x
     found.append(isinstance(x.trace_variance, tuple) and not x.trace_variance)
-    return _AveragingDiagnosticsBefore(*x[:-1])
+    return _AveragingDiagnosticsBefore(*x[:len(_AveragingDiagnosticsBefore._fields)])
 
   out = jax.tree.map(old, state, is_leaf=lambda x: isinstance(x, AveragingDiagnostics))
   return out if found and all(found) else None
