@@ -756,8 +756,9 @@ def register(name: str, builder: Callable[..., nn.Module], *, classifier: bool =
   the names from :func:`classifiers` when they check a config; they pass it
   ``num_classes`` only (the built-in models' own settings, an MLP's widths or a CNN's BN
   strategy, go to those). The seed-004 experiments also set its compute dtype, so there it
-  needs a ``dtype`` field used by its layers (they refuse a model without one). ``python -m experiments --import yourmodule`` runs your module
-  (and so its ``register`` calls) before the config is checked.
+  needs a ``dtype`` field used by its layers (they refuse a model without one).
+  ``python -m experiments --import yourmodule`` runs your module (and so its ``register``
+  calls) before the config is checked.
 
   Raises:
     ValueError: ``name`` is taken or not a non-empty string, or ``builder`` is not callable.

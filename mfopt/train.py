@@ -904,11 +904,11 @@ def fit(*, model, tx: optax.GradientTransformation, dataset: data_lib.Dataset, n
       name and its hyperparameters): a checkpoint with a different fingerprint
       is refused, naming the differing fields. The fingerprint already holds the dataset,
       the model's class and fields that differ from their defaults (``model_settings``: a
-      bf16 model is not an f32 one),
-      the workers, batch, steps, seed and logging intervals. ``tx`` itself is not in the fingerprint (an
-      optax transform cannot be read back), and hyperparameters held in its state, e.g.
-      ``constant_period``'s ``p`` or ``optax.inject_hyperparams``' values, resume with the
-      checkpoint's values: name them here to have a change refused (the experiments do).
+      bf16 model is not an f32 one), the workers, batch, steps, seed and logging intervals.
+      ``tx`` itself is not in the fingerprint (an optax transform cannot be read back), and
+      hyperparameters held in its state, e.g. ``constant_period``'s ``p`` or
+      ``optax.inject_hyperparams``' values, resume with the checkpoint's values: name them
+      here to have a change refused (the experiments do).
     allow_mismatch: resume from a checkpoint with a different fingerprint anyway (the
       differing fields are printed). A finished run with the same ``num_steps`` returns
       its saved result, computed with the checkpoint's values, not the new ones.

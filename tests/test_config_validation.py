@@ -167,7 +167,8 @@ def test_constructor_rejects_exactly_the_invalid_arguments(name, data):
 def test_every_public_transform_constructor_is_covered():
   """A new public constructor on main must get a row above (or be listed as not a constructor)."""
   not_constructors = {"check_mf_conditions", "linear_scaling_rule", "noise_scale", "comm_totals",
-                      "averaging_metrics", "sync_trace", "variance_trace", "make_mesh", "scheduled_period",
+                      "averaging_metrics", "sync_trace", "variance_trace", "make_mesh",
+                      "scheduled_period",
                       "differentiable_gates",  # a context manager
                       "chain",  # optax.chain keeping a host schedule (tests/test_host_gates.py)
                       # seed-004 bound/schedule formulas (functions of the epoch), not transforms
