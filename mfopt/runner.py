@@ -402,6 +402,9 @@ def prepare(name: str, *, quick: bool = False, overrides: Sequence[str] = ()) ->
   """Loads an experiment and its validated config (nothing compiled yet)."""
   module = load_experiment(name)
   config = module.get_config(quick)
+  if not isinstance(config, ml_collections.ConfigDict):  # (a user experiment's: a traceback)
+    raise ConfigError(f"experiment {name!r}: get_config must return an "
+                      f"ml_collections.ConfigDict, got {type(config).__name__}")
   config = apply_overrides(config, overrides)
   choices = getattr(module, "CHOICES", None)
   check_conventions(config, choices() if callable(choices) else choices)
@@ -893,6 +896,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     earlier = (f" ({summary['attempts']} attempts, "
                + ("at least " if summary["wall_time_all_attempts_is_lower_bound"] else "")
                + f"{summary['wall_time_all_attempts_s']:.1f} s in all)")
-  print(f"{args.name}: done in {summary['wall_time_s']:.1f} s{earlier}; report: "
-        f"{os.path.join(summary['files_dir'], 'report.md')}")
+  report_md = os.path.join(summary["files_dir"], "report.md")
+  where = (f"; report: {report_md}" if os.path.exists(report_md)  # (a user experiment may write
+           else f"; outputs in {summary['files_dir']}")          # none: it was named anyway)
+  print(f"{args.name}: done in {summary['wall_time_s']:.1f} s{earlier}{where}")
   return 0

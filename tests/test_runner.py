@@ -289,9 +289,15 @@ def test_the_cli_runs_user_code_registered_models_and_a_user_experiment(tmp_path
   assert runner.main(["my_pkg_s24.exp", "--workdir", str(tmp_path / "w"), "every=3"]) == 0
   assert (tmp_path / "w" / "report.md").read_text() == "every 3\n"
   assert runner.main(["my_pkg_s24.exp", "--workdir", str(tmp_path / "w2"), "every=0"]) == 2
+  assert "'every' must be positive, got 0" in capsys.readouterr().err
+  (tmp_path / "my_pkg_s24" / "dictcfg.py").write_text(
+      "def get_config(quick=False):\n  return {'lr': 0.1}\n"
+      "def run(c, workdir):\n  return {}\n")
+  assert runner.main(["my_pkg_s24.dictcfg", "--workdir", str(tmp_path / "w3")]) == 2
+  assert ("get_config must return an ml_collections.ConfigDict, got dict"
+          in capsys.readouterr().err)  # (a traceback from inside the override parser)
   assert runner.main(["--import", "no_such_module_s24", "quickstart"]) == 2
-  err = capsys.readouterr().err
-  assert "'every' must be positive, got 0" in err and "--import no_such_module_s24" in err
+  assert "--import no_such_module_s24" in capsys.readouterr().err
 
 
 def test_tuple_of_strings_in_parentheses_without_quotes():

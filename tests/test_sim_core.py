@@ -637,6 +637,8 @@ def test_simulate_checkpoints_inside_auto_checkpoint_and_returns_a_finished_run(
   assert len(rows1) > 1 and rows1 == first.history[:len(rows1)] and rows2 == []
   assert again.history == first.history
   assert repr(sorted(again.summary.items())) == repr(sorted(first.summary.items()))  # nan-safe
+  # the time spent simulating is the saved run's, not the seconds the rerun took to load it
+  assert again.wall_s == first.wall_s > 0
 
 
 def test_a_strategy_that_never_releases_its_workers_stalls_loudly(ds, linear):

@@ -50,6 +50,7 @@ import collections
 import dataclasses
 import functools
 import sys
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -99,7 +100,7 @@ class Msg:
 
 @dataclasses.dataclass
 class SimResult:
-  """Everything a run logs (all times are simulated seconds)."""
+  """Everything a run logs (all times are simulated seconds, except ``wall_s``)."""
 
   strategy: str
   history: list[dict[str, Any]]
@@ -109,6 +110,10 @@ class SimResult:
   staleness: dict[int, int]             # τ -> count of pushed gradients
   lr_traces: list[list[list[float]]]    # per worker: [sim_time, alpha]
   server_lr_trace: list[list[float]]    # [server_step, sim_time, lr]
+  #: measured host seconds spent in :meth:`Simulator.run` over every attempt of a resumed run
+  #: (NaN from a checkpoint written before it was kept): a finished run's saved result
+  #: returned on a rerun had been timed as the seconds it took to load
+  wall_s: float = float("nan")
 
   def first_reaching(self, accuracy: float) -> dict[str, Any] | None:
     """The first history row with ``test_accuracy >= accuracy`` (None if never)."""
@@ -279,6 +284,7 @@ class Simulator:
     self.window: list[float] = []
     self.next_eval = eval_every_samples or 0
     self.diverged_at: int | None = None  # samples at the evaluation that found a non-finite loss
+    self.wall_s = 0.0  # host seconds in run(), over every attempt (SimResult.wall_s)
     self.queue = clock_lib.EventQueue()
     self._batches: dict[int, dict[str, np.ndarray]] = {}
 
@@ -549,6 +555,14 @@ class Simulator:
                          "and no network time), so the run would never end; give max_samples "
                          "or max_server_steps")
     # disable=None: off when stderr is not a terminal (a log file got every redraw)
+    started = time.perf_counter()
+    try:
+      self._run(max_samples, max_server_steps, max_time, max_events, progress, desc, on_log)
+    finally:
+      self.wall_s += time.perf_counter() - started
+
+  def _run(self, max_samples, max_server_steps, max_time, max_events, progress, desc,
+           on_log) -> None:
     bar = tqdm(total=max_samples, initial=self.samples, desc=desc,
                disable=None if progress else True, leave=False, unit="samples")
     done_samples = self.samples
@@ -644,7 +658,7 @@ class Simulator:
         summary[attr] = getattr(s, attr)
     return SimResult(s.describe(), history, summary, [list(r) for r in self.k_trace],
                      staleness, [list(t) for t in self.lr_traces],
-                     [list(r) for r in self.server_lr_trace])
+                     [list(r) for r in self.server_lr_trace], wall_s=self.wall_s)
 
   # ------------------------------------------------------------------ checkpointing
   def state_dict(self) -> dict[str, Any]:
@@ -672,7 +686,7 @@ class Simulator:
         "lr_traces": [[list(r) for r in t] for t in self.lr_traces],
         "server_lr_trace": [list(r) for r in self.server_lr_trace],
         "history": [dict(r) for r in self.history], "window": list(self.window),
-        "next_eval": self.next_eval, "diverged_at": self.diverged_at,
+        "next_eval": self.next_eval, "diverged_at": self.diverged_at, "wall_s": self.wall_s,
         "queue": self.queue.state_dict(),
         "link": self.link.state_dict(), "strategy": self.strategy.state_dict(),
     }
@@ -718,6 +732,7 @@ class Simulator:
     self.broadcast = dict(d["broadcast"])
     self.dropped, self.collectives = int(d["dropped"]), int(d["collectives"])
     self.bb_stats = dict(d["bb_stats"])
+    self.wall_s = float(d.get("wall_s", float("nan")))  # (not kept before 2026-11-26)
     self.k_trace = [list(r) for r in d["k_trace"]]
     self.staleness = collections.Counter({int(k): int(v) for k, v in d["staleness"].items()})
     self.lr_traces = [[list(r) for r in t] for t in d["lr_traces"]]
